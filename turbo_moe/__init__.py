@@ -1,0 +1,29 @@
+"""turbo_moe: FP8 grouped GEMMs for MoE expert layers.
+
+``GroupedLinearFP8`` (an ``nn.Module``) and ``grouped_gemm_fp8`` (differentiable function) compute
+``y[rows of g] = x[rows of g] @ W[g]^T`` for every expert ``g`` in FP8, on the FlyDSL (AMD gfx950),
+Triton (NVIDIA Hopper, any Triton target) or torch (reference, CPU) backend. Importing turbo_moe
+needs torch alone; the backend libraries are optional and loaded on first use.
+"""
+
+from .autograd import GroupedGemmFP8Function, grouped_gemm, grouped_gemm_fp8
+from .backends import BackendUnavailable, available_backends, recent_dispatches
+from .config import Float8Config, Float8Format, ScalingGranularity, ScalingStrategy
+from .module import GroupedLinearFP8
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GroupedLinearFP8",
+    "grouped_gemm_fp8",
+    "grouped_gemm",
+    "GroupedGemmFP8Function",
+    "Float8Config",
+    "Float8Format",
+    "ScalingGranularity",
+    "ScalingStrategy",
+    "BackendUnavailable",
+    "available_backends",
+    "recent_dispatches",
+    "__version__",
+]

@@ -1,0 +1,199 @@
+"""The differentiable grouped GEMMs: FP8 (``grouped_gemm_fp8``) and high precision (``grouped_gemm``).
+
+``y[rows of g] = x[rows of g] @ W[g]^T`` (``trans_b=True``, ``W: [G, N, K]``) or ``@ W[g]``
+(``trans_b=False``, ``W: [G, K, N]``).
+
+FP8 data flow (current scaling, per tensor or rowwise):
+
+* forward quantizes ``x`` and ``W`` (e4m3) and runs the M-grouped NT kernel; it saves the FP8
+  copies backward needs, in the layouts backward's kernels read (both operands contiguous along
+  the contracted dimension) -- never the high-precision originals;
+* backward quantizes ``dy`` (e4m3, or e5m2 with ``format="hybrid"``) and runs the M-grouped
+  kernel for ``dx = dy @ W[g]`` and the K-grouped (variable-K) kernel for ``dW[g] = dy_g^T x_g``.
+
+Gradients come back in the inputs' dtypes; a group with no tokens gets an exactly zero ``dW[g]``.
+Nothing here reads the group sizes on the host when the data is on a GPU (see ``checks``), so
+forward+backward can be captured in a CUDA graph with a kernel backend.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .backends import GemmKind, GroupedGemmProblem, select_backend
+from .checks import HIGH_PRECISION_DTYPES, check_operands, resolve_group_offs
+from .config import Float8Config, ScalingGranularity
+from .quantize import quantize_columnwise_grouped, quantize_rowwise, quantize_tensorwise
+
+__all__ = ["GroupedGemmFP8Function", "grouped_gemm_fp8", "grouped_gemm_fp8_with_offs", "grouped_gemm"]
+
+
+def _run(kind, a, b, a_scale, b_scale, offs, out_dtype, num_cu, backend, role) -> torch.Tensor:
+    problem = GroupedGemmProblem(kind, a, b, a_scale, b_scale, offs, out_dtype, num_cu, role)
+    chosen = select_backend(problem, backend)
+    # The FP8 semantics are fixed by the recipe; an enclosing autocast must not recast the math.
+    with torch.autocast(device_type=a.device.type, enabled=False):
+        return chosen.run(problem)
+
+
+def _quantize_forward(x, w_nk, config: Float8Config):
+    """FP8 operands of the forward GEMM: x [M, K] and W as [G, N, K]."""
+    dtype, margin = config.forward_dtype, config.margin
+    if config.granularity is ScalingGranularity.TENSORWISE:
+        return quantize_tensorwise(x, dtype, margin) + quantize_tensorwise(w_nk, dtype, margin)
+    return quantize_rowwise(x, dtype, margin) + quantize_rowwise(w_nk, dtype, margin)
+
+
+class GroupedGemmFP8Function(torch.autograd.Function):
+    """FP8 grouped GEMM; see the module docstring. ``w`` is always passed here as ``[G, N, K]``."""
+
+    @staticmethod
+    def forward(ctx, x, w_nk, group_offs, config: Float8Config, num_cu, backend, out_dtype):
+        x_fp8, x_scale, w_fp8, w_scale = _quantize_forward(x, w_nk, config)
+        y = _run(GemmKind.M_GROUPED, x_fp8, w_fp8, x_scale, w_scale, group_offs, out_dtype, num_cu, backend, "fwd")
+
+        rowwise = config.granularity is ScalingGranularity.ROWWISE
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # dgrad reads W contracted over N: [G, K, N], N contiguous.
+        w_kn, w_kn_scale = None, None
+        if need_dx:
+            if rowwise:
+                w_kn, w_kn_scale = quantize_rowwise(w_nk.transpose(1, 2).contiguous(), config.forward_dtype, config.margin)
+            else:
+                w_kn, w_kn_scale = w_fp8.transpose(1, 2).contiguous(), w_scale
+        # wgrad reads x contracted over tokens: [K, M], M contiguous.
+        x_km, x_km_scale = None, None
+        if need_dw:
+            if rowwise:
+                x_q, x_km_scale = quantize_columnwise_grouped(x, group_offs, config.forward_dtype, config.margin)
+                x_km = x_q.t().contiguous()
+            else:
+                x_km, x_km_scale = x_fp8.t().contiguous(), x_scale
+        ctx.save_for_backward(w_kn, w_kn_scale, x_km, x_km_scale, group_offs)
+        ctx.config, ctx.num_cu, ctx.backend = config, num_cu, backend
+        ctx.x_dtype, ctx.w_dtype = x.dtype, w_nk.dtype
+        ctx.w_shape = w_nk.shape
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        w_kn, w_kn_scale, x_km, x_km_scale, group_offs = ctx.saved_tensors
+        config = ctx.config
+        rowwise = config.granularity is ScalingGranularity.ROWWISE
+        gdtype, margin = config.grad_dtype, config.margin
+        dy = dy.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            if rowwise:
+                dy_fp8, dy_scale = quantize_rowwise(dy, gdtype, margin)
+            else:
+                dy_fp8, dy_scale = quantize_tensorwise(dy, gdtype, margin)
+            dx = _run(GemmKind.M_GROUPED, dy_fp8, w_kn, dy_scale, w_kn_scale, group_offs,
+                      ctx.x_dtype, ctx.num_cu, ctx.backend, "dgrad")
+        if ctx.needs_input_grad[1]:
+            if rowwise:
+                dy_q, dy_t_scale = quantize_columnwise_grouped(dy, group_offs, gdtype, margin)
+            elif ctx.needs_input_grad[0]:
+                dy_q, dy_t_scale = dy_fp8, dy_scale
+            else:
+                dy_q, dy_t_scale = quantize_tensorwise(dy, gdtype, margin)
+            dw = _run(GemmKind.K_GROUPED, dy_q.t().contiguous(), x_km, dy_t_scale, x_km_scale, group_offs,
+                      ctx.w_dtype, ctx.num_cu, ctx.backend, "wgrad")
+        return dx, dw, None, None, None, None, None
+
+
+def _prepare(x, w, group_lens, group_offs, trans_b):
+    num_groups, num_rows, _, _ = check_operands(x, w, trans_b)
+    offs = resolve_group_offs(group_lens, group_offs, num_groups, num_rows, x.device)
+    return offs
+
+
+def _check_num_cu(num_cu):
+    if num_cu is not None and (isinstance(num_cu, bool) or not isinstance(num_cu, int) or num_cu < 1):
+        raise ValueError(f"num_cu must be None or a positive int (CUs/SMs the kernel may use), got {num_cu!r}")
+
+
+@torch.compiler.disable
+def grouped_gemm_fp8(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    group_lens: Optional[torch.Tensor] = None,
+    *,
+    trans_b: bool = True,
+    config: Optional[Float8Config] = None,
+    num_cu: Optional[int] = None,
+    backend: str = "auto",
+    group_offs: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """Differentiable FP8 grouped GEMM: ``y[rows of g] = x[rows of g] @ (W[g]^T if trans_b else W[g])``.
+
+    Args:
+        x: ``[M, K]`` bf16/fp16/fp32 tokens sorted by group.
+        w: ``[G, N, K]`` (``trans_b=True``) or ``[G, K, N]``; bf16/fp16/fp32.
+        group_lens: int64 ``[G]`` tokens per group, on x's device. Or pass ``group_offs``
+            (int64 ``[G+1]``, starting at 0, ending at M). Never read on the host for GPU data.
+        config: the FP8 recipe (default ``Float8Config()``: e4m3, tensorwise, current scaling).
+        num_cu: cap on the SMs/CUs the kernels occupy (persistent grid), or None for all.
+        backend: ``"auto"``, ``"flydsl"``, ``"triton"`` or ``"torch"``.
+        out_dtype: dtype of ``y`` (default ``x.dtype``).
+    """
+    offs = _prepare(x, w, group_lens, group_offs, trans_b)
+    return grouped_gemm_fp8_with_offs(x, w, offs, trans_b=trans_b, config=config, num_cu=num_cu,
+                                      backend=backend, out_dtype=out_dtype)
+
+
+@torch.compiler.disable
+def grouped_gemm_fp8_with_offs(x, w, offs, *, trans_b=True, config=None, num_cu=None, backend="auto", out_dtype=None):
+    """``grouped_gemm_fp8`` on offsets already resolved by ``checks.resolve_group_offs`` (no re-check)."""
+    config = Float8Config() if config is None else config
+    if not isinstance(config, Float8Config):
+        raise TypeError(f"config must be a turbo_moe.Float8Config, got {type(config).__name__}")
+    _check_num_cu(num_cu)
+    if out_dtype is not None and out_dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    w_nk = w if trans_b else w.transpose(1, 2)
+    return GroupedGemmFP8Function.apply(x, w_nk, offs, config, num_cu, backend, out_dtype)
+
+
+@torch.compiler.disable
+def grouped_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    group_lens: Optional[torch.Tensor] = None,
+    *,
+    trans_b: bool = True,
+    config: None = None,
+    num_cu: Optional[int] = None,
+    backend: str = "auto",
+    group_offs: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """High-precision grouped GEMM with ``grouped_gemm_fp8``'s signature, for comparison.
+
+    Computes in x's dtype through torch (``torch._grouped_mm`` on CUDA bf16 when present, which
+    is capturable; otherwise a per-group loop that reads the offsets on the host). ``config`` must
+    be None and ``num_cu`` is ignored here: no FP8 kernel runs.
+    """
+    if config is not None:
+        raise ValueError("grouped_gemm is the high-precision path; config must be None (use grouped_gemm_fp8)")
+    if backend not in ("auto", "torch"):
+        raise ValueError(f"grouped_gemm runs on torch only; backend={backend!r} is not 'auto' or 'torch'")
+    _check_num_cu(num_cu)
+    offs = _prepare(x, w, group_lens, group_offs, trans_b)
+    w_nk = w if trans_b else w.transpose(1, 2)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    use_grouped_mm = (
+        x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+        and x.shape[1] % 8 == 0 and w_nk.shape[1] % 8 == 0  # CUTLASS wants 16-byte aligned rows
+    )
+    if use_grouped_mm:
+        y = torch._grouped_mm(x, w_nk.transpose(1, 2), offs=offs[1:].to(torch.int32))
+        return y.to(out_dtype)
+    bounds = offs.tolist()
+    pieces = [x[bounds[g]:bounds[g + 1]] @ w_nk[g].to(x.dtype).T for g in range(w_nk.shape[0])]
+    y = torch.cat(pieces) if pieces else x.new_zeros(0, w_nk.shape[1])
+    return y.to(out_dtype)

@@ -1,0 +1,52 @@
+"""Reference backend: the exact semantics of the two grouped FP8 problems in plain torch.
+
+Dequantize the FP8 operands to float32, multiply group by group in float32, apply the scales, cast.
+It runs anywhere torch runs, is the CPU default, and is the oracle of every kernel test.
+
+The per-group loop slices tensors by ``group_offs``, which needs the offsets on the host; on a GPU
+that is a device-to-host sync, so this backend is not CUDA-graph capturable (the kernel backends
+are). It says so through ``can_handle`` when a capture is in progress.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import GemmKind, GroupedGemmBackend, GroupedGemmProblem
+
+
+def _is_capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class TorchBackend(GroupedGemmBackend):
+    name = "torch"
+
+    def is_available(self) -> tuple[bool, str]:
+        return True, ""
+
+    def can_handle(self, problem: GroupedGemmProblem) -> tuple[bool, str]:
+        if _is_capturing(problem.device):
+            return False, "the torch reference reads group offsets on the host, which a CUDA graph capture forbids"
+        return True, ""
+
+    def run(self, problem: GroupedGemmProblem) -> torch.Tensor:
+        offs = problem.group_offs.tolist()
+        a = problem.a.float()
+        b = problem.b.float()
+        out = torch.empty(problem.out_shape, dtype=torch.float32, device=problem.device)
+        a_scale, b_scale = problem.a_scale.float(), problem.b_scale.float()
+        for g in range(problem.num_groups):
+            lo, hi = offs[g], offs[g + 1]
+            sb = b_scale if b_scale.dim() == 0 else b_scale[g]
+            if problem.kind is GemmKind.M_GROUPED:
+                sa = a_scale if a_scale.dim() == 0 else a_scale[lo:hi, None]
+                out[lo:hi] = (a[lo:hi] @ b[g].T) * sa * sb
+            else:
+                sa = a_scale if a_scale.dim() == 0 else a_scale[g][:, None]
+                # An empty token range gives an exactly zero product.
+                out[g] = (a[:, lo:hi] @ b[:, lo:hi].T) * sa * sb
+        return out.to(problem.out_dtype)
+
+
+BACKEND = TorchBackend()

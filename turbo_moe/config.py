@@ -1,0 +1,110 @@
+"""FP8 recipe: which formats, which scale granularity, how scales are chosen."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Float8Format", "ScalingGranularity", "ScalingStrategy", "Float8Config", "fp8_max"]
+
+
+class Float8Format(str, enum.Enum):
+    """FP8 formats per tensor role.
+
+    ``E4M3``: e4m3 for activations, weights and gradients.
+    ``HYBRID``: e4m3 in the forward pass, e5m2 for gradients (wider range, less precision).
+    """
+
+    E4M3 = "e4m3"
+    HYBRID = "hybrid"
+
+
+class ScalingGranularity(str, enum.Enum):
+    """How many scales a tensor gets.
+
+    ``TENSORWISE``: one float32 scale per tensor.
+    ``ROWWISE``: one scale per row of each GEMM operand along its non-contracted dimension
+    (per token for activations/gradients, per output channel for weights). Because a scale must
+    not vary along the contraction dimension, each GEMM quantizes its operands along its own
+    contraction axis (see ``turbo_moe.quantize``).
+    """
+
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+
+
+class ScalingStrategy(str, enum.Enum):
+    """Where the scale comes from.
+
+    ``CURRENT``: amax of the tensor being quantized, computed on the device (no host sync).
+    ``DELAYED``: reserved seam for amax-history scaling; not implemented yet and rejected.
+    """
+
+    CURRENT = "current"
+    DELAYED = "delayed"
+
+
+_FP8_DTYPES = {
+    "e4m3": torch.float8_e4m3fn,
+    "e5m2": torch.float8_e5m2,
+}
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+@dataclass(frozen=True)
+class Float8Config:
+    """The FP8 recipe for one grouped GEMM (forward and backward).
+
+    ``format``: ``"e4m3"`` or ``"hybrid"``; ``granularity``: ``"tensorwise"`` or ``"rowwise"``;
+    ``strategy``: ``"current"`` (``"delayed"`` is a reserved seam: ``amax_history_len`` will size
+    its history, and asking for it today raises). ``margin`` shrinks the scale by ``2**margin`` to
+    leave head-room, as Transformer Engine's recipe does.
+    """
+
+    format: Float8Format = Float8Format.E4M3
+    granularity: ScalingGranularity = ScalingGranularity.TENSORWISE
+    strategy: ScalingStrategy = ScalingStrategy.CURRENT
+    margin: int = 0
+    amax_history_len: int = field(default=1)
+
+    def __post_init__(self) -> None:
+        for name, enum_type in (
+            ("format", Float8Format),
+            ("granularity", ScalingGranularity),
+            ("strategy", ScalingStrategy),
+        ):
+            value = getattr(self, name)
+            try:
+                object.__setattr__(self, name, enum_type(value))
+            except ValueError:
+                allowed = ", ".join(repr(m.value) for m in enum_type)
+                raise ValueError(f"Float8Config.{name}={value!r} is not one of {allowed}") from None
+        if self.strategy is ScalingStrategy.DELAYED:
+            raise NotImplementedError(
+                "Float8Config.strategy='delayed' (amax history) is a reserved seam and not implemented; "
+                "use strategy='current'"
+            )
+        if not isinstance(self.margin, int) or self.margin < 0:
+            raise ValueError(f"Float8Config.margin must be a non-negative int, got {self.margin!r}")
+        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
+            raise ValueError(f"Float8Config.amax_history_len must be >= 1, got {self.amax_history_len!r}")
+
+    @property
+    def forward_dtype(self) -> torch.dtype:
+        """FP8 dtype of activations and weights."""
+        return torch.float8_e4m3fn
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """FP8 dtype of output gradients."""
+        return torch.float8_e5m2 if self.format is Float8Format.HYBRID else torch.float8_e4m3fn
+
+    @classmethod
+    def from_megatron(cls, fp8: str, **kwargs) -> "Float8Config":
+        """Map Megatron's ``config.fp8`` names (``"e4m3"``, ``"hybrid"``) onto a Float8Config."""
+        return cls(format=Float8Format(fp8), **kwargs)

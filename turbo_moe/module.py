@@ -1,0 +1,109 @@
+"""``GroupedLinearFP8``: the expert MLP linear of an MoE layer, one weight matrix per expert."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .autograd import grouped_gemm_fp8_with_offs
+from .checks import check_operands, resolve_group_offs
+from .config import Float8Config
+from .quantize import row_group_ids
+
+__all__ = ["GroupedLinearFP8"]
+
+
+class GroupedLinearFP8(nn.Module):
+    """``y[rows of g] = x[rows of g] @ weight[g]^T (+ bias[g])`` with FP8 grouped GEMMs.
+
+    Args:
+        num_groups: number of experts G.
+        in_features / out_features: K and N of every expert.
+        bias: add a per-expert bias ``[G, out_features]`` (kept in high precision).
+        config: the FP8 recipe (``Float8Config``; default e4m3, tensorwise, current scaling).
+        num_cu: cap on the SMs/CUs the kernels occupy, or None for all.
+        backend: ``"auto"``, ``"flydsl"``, ``"triton"`` or ``"torch"``.
+
+    ``weight`` is ``[G, out_features, in_features]``, each expert initialised as ``nn.Linear``
+    would initialise it. ``forward(x, group_lens)`` takes tokens already sorted by expert and an
+    int64 ``[G]`` tensor of tokens per expert on x's device (or ``group_offs=`` ``[G+1]``).
+    Under ``torch.autocast`` the output takes the autocast dtype.
+    """
+
+    def __init__(
+        self,
+        num_groups: int,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        config: Optional[Float8Config] = None,
+        num_cu: Optional[int] = None,
+        backend: str = "auto",
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        for name, value in (("num_groups", num_groups), ("in_features", in_features), ("out_features", out_features)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if config is not None and not isinstance(config, Float8Config):
+            raise TypeError(f"config must be a turbo_moe.Float8Config, got {type(config).__name__}")
+        self.num_groups = num_groups
+        self.in_features = in_features
+        self.out_features = out_features
+        self.config = config if config is not None else Float8Config()
+        self.num_cu = num_cu
+        self.backend = backend
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(num_groups, out_features, **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's init per expert: kaiming_uniform(a=sqrt(5)) == U(-1/sqrt(in), 1/sqrt(in)).
+        bound = 1.0 / math.sqrt(self.in_features)
+        with torch.no_grad():
+            for g in range(self.num_groups):
+                nn.init.kaiming_uniform_(self.weight[g], a=math.sqrt(5))
+            if self.bias is not None:
+                nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        group_lens: Optional[torch.Tensor] = None,
+        *,
+        group_offs: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        out_dtype = None
+        if torch.is_autocast_enabled(x.device.type):
+            out_dtype = torch.get_autocast_dtype(x.device.type)
+        check_operands(x, self.weight, trans_b=True)
+        # Resolve the offsets once: the GEMM and the bias gather share them.
+        offs = resolve_group_offs(group_lens, group_offs, self.num_groups, x.shape[0], x.device)
+        y = grouped_gemm_fp8_with_offs(
+            x,
+            self.weight,
+            offs,
+            config=self.config,
+            num_cu=self.num_cu,
+            backend=self.backend,
+            out_dtype=out_dtype,
+        )
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype).index_select(0, row_group_ids(offs, x.shape[0]))
+        return y
+
+    def extra_repr(self) -> str:
+        cfg = self.config
+        return (
+            f"num_groups={self.num_groups}, in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, format={cfg.format.value}, granularity={cfg.granularity.value}, "
+            f"num_cu={self.num_cu}, backend={self.backend!r}"
+        )
