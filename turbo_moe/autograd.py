@@ -25,7 +25,7 @@ import torch
 from .backends import GemmKind, GroupedGemmProblem, select_backend
 from .checks import HIGH_PRECISION_DTYPES, check_operands, resolve_group_offs
 from .config import Float8Config, ScalingGranularity
-from .quantize import quantize_columnwise_grouped, quantize_rowwise, quantize_tensorwise
+from .quantize import quantize_columnwise_grouped, quantize_rowwise, quantize_tensorwise_layouts
 
 __all__ = ["GroupedGemmFP8Function", "grouped_gemm_fp8", "grouped_gemm_fp8_with_offs", "grouped_gemm"]
 
@@ -38,43 +38,32 @@ def _run(kind, a, b, a_scale, b_scale, offs, out_dtype, num_cu, backend, role) -
         return chosen.run(problem)
 
 
-def _quantize_forward(x, w_nk, config: Float8Config):
-    """FP8 operands of the forward GEMM: x [M, K] and W as [G, N, K]."""
-    dtype, margin = config.forward_dtype, config.margin
-    if config.granularity is ScalingGranularity.TENSORWISE:
-        return quantize_tensorwise(x, dtype, margin) + quantize_tensorwise(w_nk, dtype, margin)
-    return quantize_rowwise(x, dtype, margin) + quantize_rowwise(w_nk, dtype, margin)
-
-
 class GroupedGemmFP8Function(torch.autograd.Function):
     """FP8 grouped GEMM; see the module docstring. ``w`` is always passed here as ``[G, N, K]``."""
 
     @staticmethod
     def forward(ctx, x, w_nk, group_offs, config: Float8Config, num_cu, backend, out_dtype):
-        x_fp8, x_scale, w_fp8, w_scale = _quantize_forward(x, w_nk, config)
-        y = _run(GemmKind.M_GROUPED, x_fp8, w_fp8, x_scale, w_scale, group_offs, out_dtype, num_cu, backend, "fwd")
-
-        rowwise = config.granularity is ScalingGranularity.ROWWISE
+        dtype, margin = config.forward_dtype, config.margin
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        # dgrad reads W contracted over N: [G, K, N], N contiguous.
-        w_kn, w_kn_scale = None, None
-        if need_dx:
-            if rowwise:
-                w_kn, w_kn_scale = quantize_rowwise(w_nk.transpose(1, 2).contiguous(), config.forward_dtype, config.margin)
-            else:
-                w_kn, w_kn_scale = w_fp8.transpose(1, 2).contiguous(), w_scale
-        # wgrad reads x contracted over tokens: [K, M], M contiguous.
-        x_km, x_km_scale = None, None
-        if need_dw:
-            if rowwise:
-                x_q, x_km_scale = quantize_columnwise_grouped(x, group_offs, config.forward_dtype, config.margin)
+        # Backward's operands, contiguous along their contraction dims: dgrad reads W as
+        # [G, K, N] (contracted over N), wgrad reads x as [K, M] (contracted over tokens).
+        if config.granularity is ScalingGranularity.TENSORWISE:
+            x_fp8, x_km, x_scale = quantize_tensorwise_layouts(x, dtype, margin, transposed=need_dw)
+            w_fp8, w_kn, w_scale = quantize_tensorwise_layouts(w_nk, dtype, margin, transposed=need_dx)
+            x_km_scale, w_kn_scale = x_scale, w_scale
+        else:
+            x_fp8, x_scale = quantize_rowwise(x, dtype, margin)
+            w_fp8, w_scale = quantize_rowwise(w_nk, dtype, margin)
+            w_kn = w_kn_scale = x_km = x_km_scale = None
+            if need_dx:
+                w_kn, w_kn_scale = quantize_rowwise(w_nk.transpose(1, 2).contiguous(), dtype, margin)
+            if need_dw:
+                x_q, x_km_scale = quantize_columnwise_grouped(x, group_offs, dtype, margin)
                 x_km = x_q.t().contiguous()
-            else:
-                x_km, x_km_scale = x_fp8.t().contiguous(), x_scale
+        y = _run(GemmKind.M_GROUPED, x_fp8, w_fp8, x_scale, w_scale, group_offs, out_dtype, num_cu, backend, "fwd")
         ctx.save_for_backward(w_kn, w_kn_scale, x_km, x_km_scale, group_offs)
         ctx.config, ctx.num_cu, ctx.backend = config, num_cu, backend
         ctx.x_dtype, ctx.w_dtype = x.dtype, w_nk.dtype
-        ctx.w_shape = w_nk.shape
         return y
 
     @staticmethod
@@ -84,22 +73,23 @@ class GroupedGemmFP8Function(torch.autograd.Function):
         rowwise = config.granularity is ScalingGranularity.ROWWISE
         gdtype, margin = config.grad_dtype, config.margin
         dy = dy.contiguous()
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx = dw = None
-        if ctx.needs_input_grad[0]:
-            if rowwise:
+        if rowwise:
+            dy_fp8 = dy_t = None
+            if need_dx:
                 dy_fp8, dy_scale = quantize_rowwise(dy, gdtype, margin)
-            else:
-                dy_fp8, dy_scale = quantize_tensorwise(dy, gdtype, margin)
+            if need_dw:
+                dy_q, dy_t_scale = quantize_columnwise_grouped(dy, group_offs, gdtype, margin)
+                dy_t = dy_q.t().contiguous()
+        else:
+            dy_fp8, dy_t, dy_scale = quantize_tensorwise_layouts(dy, gdtype, margin, rows=need_dx, transposed=need_dw)
+            dy_t_scale = dy_scale
+        if need_dx:
             dx = _run(GemmKind.M_GROUPED, dy_fp8, w_kn, dy_scale, w_kn_scale, group_offs,
                       ctx.x_dtype, ctx.num_cu, ctx.backend, "dgrad")
-        if ctx.needs_input_grad[1]:
-            if rowwise:
-                dy_q, dy_t_scale = quantize_columnwise_grouped(dy, group_offs, gdtype, margin)
-            elif ctx.needs_input_grad[0]:
-                dy_q, dy_t_scale = dy_fp8, dy_scale
-            else:
-                dy_q, dy_t_scale = quantize_tensorwise(dy, gdtype, margin)
-            dw = _run(GemmKind.K_GROUPED, dy_q.t().contiguous(), x_km, dy_t_scale, x_km_scale, group_offs,
+        if need_dw:
+            dw = _run(GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs,
                       ctx.w_dtype, ctx.num_cu, ctx.backend, "wgrad")
         return dx, dw, None, None, None, None, None
 

@@ -22,6 +22,7 @@ from .config import fp8_max
 
 __all__ = [
     "quantize_tensorwise",
+    "quantize_tensorwise_layouts",
     "quantize_rowwise",
     "quantize_columnwise_grouped",
     "row_group_ids",
@@ -42,10 +43,45 @@ def _cast(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch
     return (t.float() * scale).clamp_(-limit, limit).to(fp8_dtype)
 
 
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    # One read, no |t| temporary; NaN propagates.
+    return torch.linalg.vector_norm(t, float("inf")) if t.numel() else t.new_zeros(())
+
+
+def _fused_cast_kernel(t: torch.Tensor):
+    """The Triton cast+transpose kernel for GPU tensors, or None (CPU, or no triton)."""
+    if not t.is_cuda:
+        return None
+    try:
+        from turbo_moe.kernels.triton.fp8_cast import fp8_cast
+    except ImportError:
+        return None
+    return fp8_cast
+
+
 def quantize_tensorwise(t: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0):
     """One scale for the whole tensor. Returns (fp8 tensor of t's shape, 0-dim dequant scale)."""
-    scale = _quant_scale(t.abs().amax() if t.numel() else t.new_zeros(()), fp8_dtype, margin)
-    return _cast(t, scale, fp8_dtype), scale.reciprocal()
+    rows, _, dequant = quantize_tensorwise_layouts(t, fp8_dtype, margin, rows=True, transposed=False)
+    return rows, dequant
+
+
+def quantize_tensorwise_layouts(t: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, *,
+                                rows: bool = True, transposed: bool = False):
+    """Tensorwise FP8 copies of ``t`` ([R, C] or [B, R, C]) in the layouts asked for.
+
+    Returns ``(rows_fp8, transposed_fp8, dequant_scale)``: a contiguous copy in t's layout, a
+    contiguous copy of its last two dims swapped (``[..., C, R]``), each None unless asked for.
+    On a GPU one fused Triton pass writes both; elsewhere torch ops give the same bits.
+    """
+    scale = _quant_scale(_amax(t), fp8_dtype, margin)
+    kernel = _fused_cast_kernel(t)
+    if kernel is not None and t.dim() in (2, 3):
+        q_rows, q_t = kernel(t, scale, fp8_dtype, fp8_max(fp8_dtype), write_rows=rows, write_transposed=transposed)
+    else:
+        q = _cast(t, scale, fp8_dtype)
+        q_rows = q.contiguous() if rows else None
+        q_t = q.transpose(-1, -2).contiguous() if transposed else None
+    return q_rows, q_t, scale.reciprocal()
 
 
 def quantize_rowwise(t: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0):
