@@ -16,6 +16,27 @@ from .quantize import row_group_ids
 __all__ = ["GroupedLinearFP8"]
 
 
+class _GroupedBiasAdd(torch.autograd.Function):
+    """``y[rows of g] + bias[g]``, with a deterministic bias gradient.
+
+    ``index_select``'s backward is an atomic ``index_add_`` on CUDA, so its sum order (and bits)
+    vary run to run; a segmented sum over the group offsets is ordered, needs no host sync, and
+    accumulates in float32.
+    """
+
+    @staticmethod
+    def forward(ctx, y, bias, offs):
+        ctx.save_for_backward(offs)
+        ctx.bias_dtype = bias.dtype
+        return y + bias.to(y.dtype).index_select(0, row_group_ids(offs, y.shape[0]))
+
+    @staticmethod
+    def backward(ctx, dy):
+        (offs,) = ctx.saved_tensors
+        dbias = torch.segment_reduce(dy.float(), "sum", offsets=offs, axis=0, unsafe=True)
+        return dy, dbias.to(ctx.bias_dtype), None
+
+
 class GroupedLinearFP8(nn.Module):
     """``y[rows of g] = x[rows of g] @ weight[g]^T (+ bias[g])`` with FP8 grouped GEMMs.
 
@@ -97,7 +118,7 @@ class GroupedLinearFP8(nn.Module):
             out_dtype=out_dtype,
         )
         if self.bias is not None:
-            y = y + self.bias.to(y.dtype).index_select(0, row_group_ids(offs, x.shape[0]))
+            y = _GroupedBiasAdd.apply(y, self.bias, offs)
         return y
 
     def extra_repr(self) -> str:
