@@ -12,5 +12,5 @@ PY=${PYTHON:-python3}
 "$PY" -m pip install -q --disable-pip-version-check -e ".[dev]"
 # megatron-core 0.19 declares Python >= 3.12 but ships cp311 wheels; its deps are numpy + packaging.
 "$PY" -m pip install -q --disable-pip-version-check --no-deps --ignore-requires-python "megatron-core==0.19.2"
-"$PY" -m pip install -q --disable-pip-version-check "numpy" "packaging>=24.2"
+"$PY" -m pip install -q --disable-pip-version-check "numpy" "packaging>=24.2" psutil
 exec "$PY" -m pytest -q tests "$@"

@@ -25,9 +25,17 @@ import torch
 from .backends import GemmKind, GroupedGemmProblem, select_backend
 from .checks import HIGH_PRECISION_DTYPES, check_operands, resolve_group_offs
 from .config import Float8Config, ScalingGranularity
-from .quantize import quantize_columnwise_grouped, quantize_rowwise, quantize_tensorwise_layouts
+from .quantize import quantize_columnwise_grouped, quantize_rowwise, quantize_tensorwise_layouts, row_group_ids
 
-__all__ = ["GroupedGemmFP8Function", "grouped_gemm_fp8", "grouped_gemm_fp8_with_offs", "grouped_gemm"]
+__all__ = [
+    "GroupedGemmFP8Function",
+    "grouped_gemm_fp8",
+    "grouped_gemm_fp8_with_offs",
+    "grouped_wgrad_fp8",
+    "grouped_gemm",
+    "add_group_bias",
+    "group_rows",
+]
 
 
 def _run(kind, a, b, a_scale, b_scale, offs, out_dtype, num_cu, backend, role) -> torch.Tensor:
@@ -36,6 +44,46 @@ def _run(kind, a, b, a_scale, b_scale, offs, out_dtype, num_cu, backend, role) -
     # The FP8 semantics are fixed by the recipe; an enclosing autocast must not recast the math.
     with torch.autocast(device_type=a.device.type, enabled=False):
         return chosen.run(problem)
+
+
+def _token_major_operand(t, offs, fp8_dtype, margin, rowwise):
+    """``t [M, C]`` as the wgrad kernel reads it: FP8 ``[C, M]`` (tokens contiguous) and its scale."""
+    if rowwise:
+        q, scale = quantize_columnwise_grouped(t, offs, fp8_dtype, margin)
+        return q.t().contiguous(), scale
+    _, q_t, scale = quantize_tensorwise_layouts(t, fp8_dtype, margin, rows=False, transposed=True)
+    return q_t, scale
+
+
+class _GroupRows(torch.autograd.Function):
+    """``out[r] = table[group of row r]``: a per-group row (a bias) broadcast to every row.
+
+    ``index_select``'s backward is an atomic ``index_add_`` on CUDA, so its sum order (and bits)
+    vary run to run; here the gradient is a segmented sum over the group offsets: ordered,
+    without a host sync, accumulated in float32.
+    """
+
+    @staticmethod
+    def forward(ctx, table, group_offs, num_rows: int):
+        ctx.save_for_backward(group_offs)
+        ctx.table_dtype = table.dtype
+        return table.index_select(0, row_group_ids(group_offs, num_rows))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (group_offs,) = ctx.saved_tensors
+        dtable = torch.segment_reduce(grad.float(), "sum", offsets=group_offs, axis=0, unsafe=True)
+        return dtable.to(ctx.table_dtype), None, None
+
+
+def group_rows(table: torch.Tensor, group_offs: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``table [G, N]`` expanded to ``[num_rows, N]`` by group; deterministic gradient."""
+    return _GroupRows.apply(table, group_offs, num_rows)
+
+
+def add_group_bias(y: torch.Tensor, bias: torch.Tensor, group_offs: torch.Tensor) -> torch.Tensor:
+    """``y[rows of g] + bias[g]`` for ``bias [G, N]``; deterministic gradient, no host sync."""
+    return y + group_rows(bias.to(y.dtype), group_offs, y.shape[0])
 
 
 class GroupedGemmFP8Function(torch.autograd.Function):
@@ -58,8 +106,7 @@ class GroupedGemmFP8Function(torch.autograd.Function):
             if need_dx:
                 w_kn, w_kn_scale = quantize_rowwise(w_nk.transpose(1, 2).contiguous(), dtype, margin)
             if need_dw:
-                x_q, x_km_scale = quantize_columnwise_grouped(x, group_offs, dtype, margin)
-                x_km = x_q.t().contiguous()
+                x_km, x_km_scale = _token_major_operand(x, group_offs, dtype, margin, rowwise=True)
         y = _run(GemmKind.M_GROUPED, x_fp8, w_fp8, x_scale, w_scale, group_offs, out_dtype, num_cu, backend, "fwd")
         ctx.save_for_backward(w_kn, w_kn_scale, x_km, x_km_scale, group_offs)
         ctx.config, ctx.num_cu, ctx.backend = config, num_cu, backend
@@ -80,8 +127,7 @@ class GroupedGemmFP8Function(torch.autograd.Function):
             if need_dx:
                 dy_fp8, dy_scale = quantize_rowwise(dy, gdtype, margin)
             if need_dw:
-                dy_q, dy_t_scale = quantize_columnwise_grouped(dy, group_offs, gdtype, margin)
-                dy_t = dy_q.t().contiguous()
+                dy_t, dy_t_scale = _token_major_operand(dy, group_offs, gdtype, margin, rowwise=True)
         else:
             dy_fp8, dy_t, dy_scale = quantize_tensorwise_layouts(dy, gdtype, margin, rows=need_dx, transposed=need_dw)
             dy_t_scale = dy_scale
@@ -147,6 +193,31 @@ def grouped_gemm_fp8_with_offs(x, w, offs, *, trans_b=True, config=None, num_cu=
     out_dtype = x.dtype if out_dtype is None else out_dtype
     w_nk = w if trans_b else w.transpose(1, 2)
     return GroupedGemmFP8Function.apply(x, w_nk, offs, config, num_cu, backend, out_dtype)
+
+
+@torch.compiler.disable
+def grouped_wgrad_fp8(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    group_offs: torch.Tensor,
+    *,
+    config: Optional[Float8Config] = None,
+    num_cu: Optional[int] = None,
+    backend: str = "auto",
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """The wgrad GEMM alone, ``dW[g] = dy[rows of g]^T @ x[rows of g]`` -> ``[G, N, K]``, quantized
+    exactly as ``grouped_gemm_fp8``'s backward quantizes it (for delayed-wgrad schedules).
+
+    ``group_offs``: int64 ``[G+1]`` device offsets as returned by ``checks.resolve_group_offs``.
+    ``out_dtype`` defaults to dy's dtype (pass float32 to accumulate into an fp32 main_grad).
+    """
+    config = Float8Config() if config is None else config
+    rowwise = config.granularity is ScalingGranularity.ROWWISE
+    dy_t, dy_scale = _token_major_operand(dy, group_offs, config.grad_dtype, config.margin, rowwise)
+    x_t, x_scale = _token_major_operand(x, group_offs, config.forward_dtype, config.margin, rowwise)
+    return _run(GemmKind.K_GROUPED, dy_t, x_t, dy_scale, x_scale, group_offs,
+                dy.dtype if out_dtype is None else out_dtype, num_cu, backend, "wgrad")
 
 
 @torch.compiler.disable

@@ -8,33 +8,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .autograd import grouped_gemm_fp8_with_offs
+from .autograd import add_group_bias, grouped_gemm_fp8_with_offs
 from .checks import check_operands, resolve_group_offs
 from .config import Float8Config
-from .quantize import row_group_ids
 
 __all__ = ["GroupedLinearFP8"]
-
-
-class _GroupedBiasAdd(torch.autograd.Function):
-    """``y[rows of g] + bias[g]``, with a deterministic bias gradient.
-
-    ``index_select``'s backward is an atomic ``index_add_`` on CUDA, so its sum order (and bits)
-    vary run to run; a segmented sum over the group offsets is ordered, needs no host sync, and
-    accumulates in float32.
-    """
-
-    @staticmethod
-    def forward(ctx, y, bias, offs):
-        ctx.save_for_backward(offs)
-        ctx.bias_dtype = bias.dtype
-        return y + bias.to(y.dtype).index_select(0, row_group_ids(offs, y.shape[0]))
-
-    @staticmethod
-    def backward(ctx, dy):
-        (offs,) = ctx.saved_tensors
-        dbias = torch.segment_reduce(dy.float(), "sum", offsets=offs, axis=0, unsafe=True)
-        return dy, dbias.to(ctx.bias_dtype), None
 
 
 class GroupedLinearFP8(nn.Module):
@@ -118,7 +96,7 @@ class GroupedLinearFP8(nn.Module):
             out_dtype=out_dtype,
         )
         if self.bias is not None:
-            y = _GroupedBiasAdd.apply(y, self.bias, offs)
+            y = add_group_bias(y, self.bias, offs)
         return y
 
     def extra_repr(self) -> str:

@@ -31,6 +31,7 @@ __all__ = [
     "get_backend",
     "select_backend",
     "recent_dispatches",
+    "clear_recent_dispatches",
     "DispatchRecord",
 ]
 
@@ -71,6 +72,11 @@ _recent: "collections.deque[DispatchRecord]" = collections.deque(maxlen=256)
 def recent_dispatches() -> List[DispatchRecord]:
     """The most recent dispatch decisions, oldest first (at most 256)."""
     return list(_recent)
+
+
+def clear_recent_dispatches() -> None:
+    """Forget the recorded dispatch decisions (e.g. before a step whose GEMMs you want to see)."""
+    _recent.clear()
 
 
 def _load(name: str):
