@@ -1,0 +1,165 @@
+"""End-to-end benchmark: one grouped linear layer, forward + backward, quantization included.
+
+Implementations:
+
+* ``turbo:<backend>:<granularity>`` -- ``turbo_moe.GroupedLinearFP8`` (its weight is the shared
+  ``[G, N, K]`` bf16 parameter);
+* ``bf16`` -- ``torch._grouped_mm`` forward and its autograd backward;
+* ``torchao_fp8`` -- torchao's ``_to_fp8_rowwise_then_scaled_grouped_mm`` (dynamic rowwise e4m3,
+  CUTLASS grouped GEMMs; torchao 0.18).
+
+Each step is ``y = layer(x); dx, dW = autograd.grad(y, (x, W), dy)``: no gradient accumulation
+kernel in the timing. Peak memory is ``torch.cuda.max_memory_allocated`` over one step, reset
+just before it, the inputs (x, W, dy: the same for all) included.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from . import data
+from .kernel_level import Missing
+from .shapes import Case
+
+__all__ = ["E2E_PEERS", "E2EInputs", "prepare_e2e", "e2e_impls", "reference_errors"]
+
+E2E_PEERS = ("bf16", "torchao_fp8")
+
+
+@dataclass
+class E2EInputs:
+    x: torch.Tensor  # [M, K] bf16, requires grad
+    w: torch.nn.Parameter  # [G, N, K] bf16
+    dy: torch.Tensor  # [M, N] bf16
+    group_lens: torch.Tensor  # int64 [G] on the device
+    group_ends_int32: torch.Tensor  # int32 [G]
+    offs_host: List[int]
+
+
+def prepare_e2e(case: Case, device: torch.device, seed: int) -> E2EInputs:
+    gen = data.maybe_generator(device, seed)
+    bf16 = torch.bfloat16
+    m, n, k, g = case.m, case.n, case.k, case.num_experts
+    x = data.random_normal((m, k), bf16, device, gen).requires_grad_(True)
+    # nn.Linear-like weight scale so y has unit-ish magnitude.
+    w = torch.nn.Parameter(data.random_normal((g, n, k), bf16, device, gen, std=k**-0.5))
+    dy = data.random_normal((m, n), bf16, device, gen)
+    offs_host = data.group_offsets(case.group_sizes)
+    return E2EInputs(
+        x,
+        w,
+        dy,
+        torch.tensor(case.group_sizes, dtype=torch.int64, device=device),
+        torch.tensor(offs_host[1:], dtype=torch.int32, device=device),
+        offs_host,
+    )
+
+
+Step = Callable[[], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _grad_step(inputs: E2EInputs, forward: Callable[[], torch.Tensor]) -> Step:
+    def step():
+        y = forward()
+        dx, dw = torch.autograd.grad(y, (inputs.x, inputs.w), inputs.dy)
+        return y, dx, dw
+
+    return step
+
+
+def turbo_step(inputs: E2EInputs, backend: str, granularity: str, fmt: str, num_cu: Optional[int]) -> Step:
+    import turbo_moe
+
+    g, n, k = inputs.w.shape
+    config = turbo_moe.Float8Config(format=fmt, granularity=granularity)
+    # Build on the meta device (no init kernels, no memory), then share the bench's weight.
+    layer = turbo_moe.GroupedLinearFP8(g, k, n, config=config, num_cu=num_cu, backend=backend, device="meta", dtype=inputs.w.dtype)
+    layer.weight = inputs.w
+    return _grad_step(inputs, lambda: layer(inputs.x, inputs.group_lens))
+
+
+def bf16_step(inputs: E2EInputs) -> Step:
+    if not hasattr(torch, "_grouped_mm"):
+        raise Missing(f"torch {torch.__version__} has no torch._grouped_mm")
+    ends = inputs.group_ends_int32
+    return _grad_step(inputs, lambda: torch._grouped_mm(inputs.x, inputs.w.transpose(-2, -1), offs=ends))
+
+
+def torchao_step(inputs: E2EInputs) -> Step:
+    if inputs.x.device.type != "cuda":
+        raise Missing("torchao's FP8 grouped GEMM runs on CUDA only")
+    try:
+        from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
+    except Exception as exc:  # not installed, or an incompatible build
+        raise Missing(f"torchao FP8 grouped GEMM not importable: {type(exc).__name__}: {exc}") from None
+    ends = inputs.group_ends_int32
+
+    def forward():
+        # Groups are already 16-aligned (--align 16); torchao 0.18 asserts when asked to pad.
+        return _to_fp8_rowwise_then_scaled_grouped_mm(
+            inputs.x, inputs.w.transpose(-2, -1), ends, out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False
+        )
+
+    return _grad_step(inputs, forward)
+
+
+def e2e_impls(
+    inputs: E2EInputs, backends: List[str], granularities: List[str], fmt: str, peers: List[str], num_cu: Optional[int]
+) -> List[Tuple[str, object]]:
+    """``(label, step or Missing)``, turbo_moe first."""
+    out: List[Tuple[str, object]] = []
+    for backend in backends:
+        for granularity in granularities:
+            label = f"turbo:{backend}:{granularity}"
+            try:
+                out.append((label, turbo_step(inputs, backend, granularity, fmt, num_cu)))
+            except Exception as exc:  # a module that cannot be built here is reported, not fatal
+                out.append((label, Missing(f"{type(exc).__name__}: {exc}")))
+    makers = {"bf16": bf16_step, "torchao_fp8": torchao_step}
+    for peer in peers:
+        if peer not in makers:
+            continue
+        try:
+            out.append((peer, makers[peer](inputs)))
+        except Missing as exc:
+            out.append((peer, exc))
+    return out
+
+
+def reference_errors(inputs: E2EInputs, y: torch.Tensor, dx: torch.Tensor, dw: torch.Tensor) -> Dict[str, float]:
+    """Relative errors of y, dx, dW against float32 group-by-group references."""
+    with torch.no_grad():
+        return _reference_errors(inputs, y.detach(), dx.detach(), dw.detach())
+
+
+def _reference_errors(inputs: E2EInputs, y: torch.Tensor, dx: torch.Tensor, dw: torch.Tensor) -> Dict[str, float]:
+    x, w, dy = inputs.x.detach(), inputs.w.detach(), inputs.dy
+    num = {"y": 0.0, "dx": 0.0, "dw": 0.0}
+    den = {"y": 0.0, "dx": 0.0, "dw": 0.0}
+
+    def add(key, got, ref):
+        num[key] += float((got.double() - ref.double()).square().sum())
+        den[key] += float(ref.double().square().sum())
+
+    offs = inputs.offs_host
+    for g in range(len(offs) - 1):
+        lo, hi = offs[g], offs[g + 1]
+        wg = w[g].float()
+        xg, dyg = x[lo:hi].float(), dy[lo:hi].float()
+        if hi > lo:
+            add("y", y[lo:hi].float(), xg @ wg.T)
+            add("dx", dx[lo:hi].float(), dyg @ wg)
+        add("dw", dw[g].float(), dyg.T @ xg)  # an empty group's dW must be exactly zero
+    errs = {}
+    for key, tensor in (("y", y), ("dx", dx), ("dw", dw)):
+        if not bool(torch.isfinite(tensor).all()):
+            errs[key] = math.inf
+        elif den[key] == 0.0:
+            errs[key] = 0.0 if num[key] == 0.0 else math.inf
+        else:
+            errs[key] = math.sqrt(num[key] / den[key])
+    return errs
