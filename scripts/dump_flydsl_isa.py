@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""Compile every FlyDSL kernel variant for an AMD arch (no GPU needed) and write, into a folder,
+each kernel's ISA (<variant>.s) and a resource report (report.txt, report.json).
+
+    python scripts/dump_flydsl_isa.py --out flydsl_isa            # gfx950, all variants
+    python scripts/dump_flydsl_isa.py --out isa --variant m_grouped_e4m3_bf16_tensorwise
+
+Needs flydsl and an ld.lld: ROCm's ($ROCM_PATH/llvm/bin/ld.lld or /opt/rocm), else the ziglang
+wheel's (pip install ziglang; a shim folder is made in a temp dir, see scripts/setup_rocm_lld.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    from turbo_moe.kernels.flydsl import compile_only as co
+    from turbo_moe.kernels.flydsl import grouped_gemm_fp8 as kernels
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="folder to write the .s files and the report into")
+    parser.add_argument("--arch", default="gfx950", help="target arch (default gfx950; gfx942 is refused)")
+    parser.add_argument("--variant", action="append", choices=sorted(co.VARIANTS),
+                        help="variant(s) to compile (default: all)")
+    parser.add_argument("--rocm-path", default=None, help="folder with llvm/bin/ld.lld (default: auto)")
+    args = parser.parse_args(argv)
+
+    try:
+        co.check_arch(args.arch)
+    except co.UnsupportedArchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rocm_path = args.rocm_path or co.find_lld() or co.lld_shim()
+    reports = {}
+    lines = []
+    with tempfile.TemporaryDirectory(prefix="flydsl_dump_") as dump:
+        for name in args.variant or sorted(co.VARIANTS):
+            kind, a_fmt, b_fmt, out_dtype, a_row, b_row, lds_dma = co.VARIANTS[name]
+            config = kernels.KernelConfig(a_fmt, b_fmt, out_dtype, a_row, b_row)
+            start = time.time()
+            isa = co.compile_for_arch(kind, config, args.arch, dump, rocm_path=rocm_path, lds_dma=lds_dma)
+            seconds = time.time() - start
+            shutil.copy(isa, out / f"{name}.s")
+            report = co.parse_isa(str(isa))
+            report.path = str(out / f"{name}.s")
+            reports[name] = {**dataclasses.asdict(report), "compile_seconds": round(seconds, 2),
+                             "waves_per_simd": report.occupancy_waves_per_simd()}
+            lines.append(f"{name} ({seconds:.1f} s): {report.summary()}")
+            print(lines[-1])
+    (out / "report.txt").write_text("\n".join(lines) + "\n")
+    (out / "report.json").write_text(json.dumps(reports, indent=2) + "\n")
+    print(f"wrote {len(reports)} ISA files and report.txt/report.json to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""Compile-only checks of the FlyDSL kernels: every variant is compiled for gfx950 with no GPU
+(FlyDSL's COMPILE_ONLY mode, ziglang's LLD standing in for ROCm's) and its ISA is checked.
+
+These say the kernels lower to the intended machine code; they cannot say the results are right
+(nothing here executes gfx950 code). The host arithmetic is tested in test_flydsl_host.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+flydsl = pytest.importorskip("flydsl", reason="flydsl is not installed (pip install 'turbo_moe[dev]')")
+
+from turbo_moe.kernels.flydsl import compile_only as co  # noqa: E402
+from turbo_moe.kernels.flydsl import grouped_gemm_fp8 as kernels  # noqa: E402
+from turbo_moe.kernels.flydsl import host  # noqa: E402
+
+# Budget of the chosen occupancy: 2 waves per SIMD (launch attribute waves_per_eu=2) leaves
+# 512 / 2 = 256 VGPRs (architectural + accumulation) per lane; two 64 KiB workgroups share a CU's
+# 160 KiB of LDS; 102 SGPRs is the gfx9 allocation limit.
+MAX_VGPRS = 256
+MAX_SGPRS = 102
+MAX_LDS = 160 * 1024 // 2
+
+
+@pytest.fixture(scope="session")
+def rocm_path(tmp_path_factory):
+    # A ROCm install is used if the machine has one; otherwise the ziglang shim (never PATH).
+    return co.find_lld() or co.lld_shim(str(tmp_path_factory.mktemp("rocm_lld")))
+
+
+@pytest.fixture(scope="session")
+def compiled(rocm_path, tmp_path_factory):
+    """Every variant compiled once per session: name -> (IsaReport, ISA text)."""
+    dump = tmp_path_factory.mktemp("flydsl_isa")
+    keys = ("COMPILE_ONLY", "ARCH", "ROCM_PATH", "FLYDSL_DUMP_DIR", "FLYDSL_DEBUG_DUMP_ASM")
+    env_before = {key: os.environ.get(key) for key in keys}
+    out = {}
+    for name, (kind, a_fmt, b_fmt, out_dtype, a_row, b_row, lds_dma) in co.VARIANTS.items():
+        config = kernels.KernelConfig(a_fmt, b_fmt, out_dtype, a_row, b_row)
+        path = co.compile_for_arch(kind, config, "gfx950", str(dump), rocm_path=rocm_path, lds_dma=lds_dma)
+        out[name] = (co.parse_isa(str(path)), path.read_text())
+    out["_env"] = (env_before, {key: os.environ.get(key) for key in keys})
+    return out
+
+
+VARIANT_NAMES = sorted(co.VARIANTS)
+
+
+def _code_lines(text):
+    """Instructions and branch labels (.LBB*:), without directives and comments."""
+    lines = (l.split(";")[0].strip() for l in text.splitlines())
+    return [l for l in lines if l and (not l.startswith(".") or (l.startswith(".LBB") and l.endswith(":")))]
+
+
+@pytest.mark.parametrize("name", VARIANT_NAMES)
+def test_fp8_mfma_present_with_the_operand_formats(compiled, name):
+    report, text = compiled[name]
+    assert report.arch == "gfx950"
+    mfmas = [l for l in _code_lines(text) if l.startswith("v_mfma")]
+    # 4x4 MFMA tiles per wave per K block; the register-staged loop is one block per step; the
+    # LDS-DMA loop is unrolled by two (static buffers) plus the odd last block.
+    assert len(mfmas) == (48 if co.VARIANTS[name][6] else 16), mfmas
+    assert all(l.startswith("v_mfma_f32_16x16x128_f8f6f4 ") for l in mfmas), mfmas
+    a_fmt, b_fmt = co.VARIANTS[name][1:3]
+    # cbsz / blgp encode operand a / b format: 0 = fp8 e4m3 (printed only when non-zero), 1 = bf8 e5m2.
+    for line in mfmas:
+        assert ("cbsz:1" in line) == (a_fmt == "e5m2"), line
+        assert ("blgp:1" in line) == (b_fmt == "e5m2"), line
+
+
+@pytest.mark.parametrize("name", VARIANT_NAMES)
+def test_no_scratch_and_within_occupancy_budget(compiled, name):
+    report, text = compiled[name]
+    assert report.scratch_bytes == 0, report.summary()
+    assert report.vgpr_spills == 0 and report.sgpr_spills == 0, report.summary()
+    assert not re.search(r"\bscratch_(load|store)", text), "scratch instructions in the ISA"
+    assert report.total_vgprs <= MAX_VGPRS, report.summary()
+    assert report.occupancy_waves_per_simd() >= 2, report.summary()
+    assert report.sgprs <= MAX_SGPRS, report.summary()
+    assert report.lds_bytes == host.LDS_BYTES <= MAX_LDS, report.summary()
+
+
+def _defining_op(lines, index, reg):
+    """The op that produced the value of SGPR ``reg`` at line ``index``, looking through copies
+    (s_mov_b32) and the s_and_b32 that clears the stride bits of descriptor word 1."""
+    for at in range(index - 1, -1, -1):
+        op, _, rest = lines[at].partition(" ")
+        operands = [x.strip() for x in rest.split(",")]
+        if not operands or not operands[0]:
+            continue
+        if operands[0] == reg:
+            if op in ("s_mov_b32", "s_and_b32") and re.fullmatch(r"s\d+", operands[1]):
+                return _defining_op(lines, at, operands[1])
+            return op
+        wide = re.fullmatch(r"s\[(\d+):(\d+)\]", operands[0])
+        if wide and int(wide.group(1)) <= int(reg[1:]) <= int(wide.group(2)):
+            return op
+    return None
+
+
+def _srd_base_is_64bit_sum(lines, index, srd_lo):
+    """Whether descriptor words s[srd_lo] / s[srd_lo+1] (the 48-bit base) come from an
+    s_add_u32 / s_addc_u32 pair: the 64-bit re-base."""
+    return (
+        _defining_op(lines, index, f"s{srd_lo}") == "s_add_u32"
+        and _defining_op(lines, index, f"s{srd_lo + 1}") == "s_addc_u32"
+    )
+
+
+@pytest.mark.parametrize("name", VARIANT_NAMES)
+def test_operand_descriptors_are_rebased_in_64_bits_and_scalar(compiled, name):
+    report, text = compiled[name]
+    lines = _code_lines(text)
+    loads = [(i, l) for i, l in enumerate(lines) if l.startswith("buffer_load_dwordx4")]
+    assert len(loads) >= 16, "expected the 4-pass A and B loads of the prologue and of the loop"
+    rebased = 0
+    for index, line in loads:
+        # Operand 3 is the descriptor: always an SGPR quad (never a VGPR).
+        srd = re.search(r",\s*s\[(\d+):(\d+)\]", line)
+        assert srd, line
+        rebased += _srd_base_is_64bit_sum(lines, index, int(srd.group(1)))
+    # Every operand load goes through a descriptor whose base is a 64-bit scalar sum.
+    assert rebased == len(loads), f"{rebased} of {len(loads)} loads use a 64-bit re-based descriptor"
+    assert all(re.search(r",\s*s\[\d+:\d+\]", l) for l in lines if l.startswith(("buffer_store", "buffer_load"))), (
+        "a buffer access with a non-scalar descriptor"
+    )
+    assert report.waterfall_loops == 0, report.summary()
+
+
+@pytest.mark.parametrize("name", VARIANT_NAMES)
+def test_record_counts_are_clamped_below_the_masked_offset(compiled, name):
+    # num_records (descriptor word 2) of every operand load and output store is the
+    # min(bytes left, NREC_CAP) select: never above NREC_CAP, so OOB_OFFSET stays out of range
+    # (Primus-Turbo PR 384 clamped to 0xFFFFFFFF and a masked store landed 2 GB away).
+    _, text = compiled[name]
+    lines = _code_lines(text)
+    cap = f"{host.NREC_CAP:#x}"
+    checked = 0
+    for index, line in enumerate(lines):
+        srd = re.match(r"(?:buffer_load_dwordx4|buffer_store_\w+)\s.*?s\[(\d+):\d+\]", line)
+        if not srd:
+            continue
+        word2 = f"s{int(srd.group(1)) + 2}"
+        definition = next(
+            (l for l in reversed(lines[:index]) if l.partition(" ")[2].split(",")[0].strip() == word2), ""
+        )
+        assert definition.startswith("s_cselect_b32") and cap in definition, (line, definition)
+        checked += 1
+    assert checked >= 16 + 64  # operand loads of prologue + loop, and the 64 output stores
+    # The masked-lane offset 0x7FFFFFFF is materialized (v_bfrev_b32 of -2, or the literal).
+    assert re.search(r"v_bfrev_b32\w*\s+v\d+,\s*-2\b|0x7fffffff", text)
+
+
+def _main_loop(lines):
+    """The lines of the K loop: the basic block range ending in the backward branch around the MFMAs."""
+    labels = {l[:-1]: i for i, l in enumerate(lines) if l.endswith(":") and l.startswith(".LBB")}
+    for i, line in enumerate(lines):
+        match = re.match(r"s_cbranch_\w+\s+(\.LBB\w+)", line)
+        if match and labels.get(match.group(1), i + 1) < i:
+            body = lines[labels[match.group(1)]: i + 1]
+            if any(l.startswith("v_mfma") for l in body):
+                return body
+    raise AssertionError("no loop containing MFMAs found")
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANT_NAMES if not co.VARIANTS[n][6]])
+def test_lds_ping_pong_is_fenced_before_reuse(compiled, name):
+    _, text = compiled[name]
+    body = _main_loop(_code_lines(text))
+    writes = [i for i, l in enumerate(body) if l.startswith("ds_write_b128")]
+    reads = [i for i, l in enumerate(body) if l.startswith("ds_read_b128")]
+    barriers = [i for i, l in enumerate(body) if l.startswith("s_barrier")]
+    assert len(writes) == 2 * host.LOAD_PASSES and len(reads) == 2 * 8, (len(writes), len(reads))
+    # After the last LDS write of the step: wait for every LDS op of this wave, then the barrier,
+    # then nothing else touches LDS before the backward branch (next step reads what was written).
+    assert barriers and barriers[-1] > max(writes), "no barrier after the LDS writes of the step"
+    between = body[max(writes) + 1: barriers[-1]]
+    assert any(re.match(r"s_waitcnt\s+.*lgkmcnt\(0\)", l) for l in between), between
+    assert not any(l.startswith(("ds_read", "ds_write")) for l in body[barriers[-1]:])
+    # The step's LDS reads come before its writes to the other buffer: a step reads one buffer
+    # and fills the other, never the same one.
+    assert max(reads) < min(writes)
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANT_NAMES if co.VARIANTS[n][6]])
+def test_lds_dma_ping_pong_waits_vmcnt_before_every_barrier(compiled, name):
+    # With buffer_load ... lds the LDS writes are counted by vmcnt: each barrier that hands a
+    # buffer to the other waves must be preceded by vmcnt(0) (Primus-Turbo PR 384's bug), and the
+    # DMAs of a step must follow the barrier that ended the reads of their buffer.
+    _, text = compiled[name]
+    body = _main_loop(_code_lines(text))
+    dmas = [i for i, l in enumerate(body) if l.startswith("buffer_load_dwordx4") and l.endswith(" lds")]
+    barriers = [i for i, l in enumerate(body) if l.startswith("s_barrier")]
+    assert len(dmas) == 2 * 2 * host.LOAD_PASSES and len(barriers) == 2, (len(dmas), barriers)
+    for barrier in barriers:
+        wait = body[barrier - 1]
+        assert re.match(r"s_waitcnt\s+vmcnt\(0\)\s+lgkmcnt\(0\)", wait), body[barrier - 3: barrier + 1]
+    first_half = [i for i in dmas if i < barriers[0]]
+    second_half = [i for i in dmas if barriers[0] < i < barriers[1]]
+    assert len(first_half) == len(second_half) == 2 * host.LOAD_PASSES
+    # No wait on the DMAs before the step's own LDS reads: the prefetch overlaps the MFMAs.
+    first_read = next(i for i, l in enumerate(body) if l.startswith("ds_read_b128"))
+    assert not any(re.match(r"s_waitcnt\s+vmcnt", l) for l in body[max(first_half): first_read])
+    # The DMA's LDS destination (M0) is set from scalars only: no per-load readfirstlane.
+    m0_writes = [l for l in body if re.match(r"s_\w+\s+m0,", l)]
+    assert m0_writes and not any(re.search(r"\bv\d+|v\[", l) for l in m0_writes), m0_writes
+
+
+@pytest.mark.parametrize("name", VARIANT_NAMES)
+def test_group_offsets_read_on_the_device(compiled, name):
+    report, _ = compiled[name]
+    # group_offs is read with scalar buffer loads inside the kernel: no host copy is involved.
+    assert report.counts["s_buffer_load"] >= 2, report.summary()
+
+
+def test_gfx942_is_refused_by_name(rocm_path, tmp_path):
+    config = kernels.KernelConfig()
+    with pytest.raises(co.UnsupportedArchError, match="gfx942"):
+        co.compile_for_arch("m_grouped", config, "gfx942", str(tmp_path), rocm_path=rocm_path)
+
+
+def test_compile_leaves_the_environment_as_it_was(compiled):
+    # compile_for_arch sets COMPILE_ONLY / ARCH / ROCM_PATH / dump options for the compile only.
+    before, after = compiled["_env"]
+    assert before == after
+
+
+@pytest.mark.parametrize("kind", ["m_grouped", "k_grouped"])
+def test_launcher_parameters_match_the_host_argument_packing(kind):
+    # The backend passes addresses, then plan.scalar_args(), then the stream, positionally: a
+    # reordering on either side would silently swap sizes, so the names must line up exactly.
+    import inspect
+
+    build = kernels.build_m_grouped if kind == "m_grouped" else kernels.build_k_grouped
+    launch = build(kernels.KernelConfig())
+    names = list(inspect.signature(launch._original_func).parameters)
+    scalars = host.M_GROUPED_SCALAR_ARGS if kind == "m_grouped" else host.K_GROUPED_SCALAR_ARGS
+    assert names == list(host.ADDRESS_ARGS) + list(scalars) + ["stream"]
+
+
+def test_lld_shim_runs_an_lld(tmp_path):
+    import subprocess
+
+    pytest.importorskip("ziglang", reason="ziglang is not installed (pip install 'turbo_moe[dev]')")
+    root = co.lld_shim(str(tmp_path / "rocm"))
+    result = subprocess.run([os.path.join(root, "llvm", "bin", "ld.lld"), "--version"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "LLD" in result.stdout, result

@@ -1,0 +1,162 @@
+"""FlyDSL backend: the grouped FP8 GEMMs as FlyDSL kernels for AMD gfx950 (MI350 / MI355X).
+
+Available only where flydsl imports AND the current device is a ROCm GPU of arch gfx950; anywhere
+else ``is_available`` says why, so ``backend="auto"`` moves on (to Triton on ROCm, then torch).
+``TURBO_MOE_DISABLE_FLYDSL=1`` turns it off (e.g. until tests/test_flydsl_gpu.py has passed on
+your MI355X).
+
+Verification status: the kernels are compiled for gfx950 and checked on their ISA in CI
+(tests/test_flydsl_compile.py), and their host-side arithmetic is tested on CPU
+(tests/test_flydsl_host.py). They have never run on an AMD GPU; see docs/flydsl.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Tuple
+
+import torch
+
+from .base import GemmKind, GroupedGemmBackend, GroupedGemmProblem
+
+__all__ = ["FlyDSLBackend", "BACKEND", "device_arch"]
+
+_FP8_FORMAT = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+_OUT_DTYPE = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+
+def device_arch(index: int = 0) -> str:
+    """The gfx arch of ROCm device ``index`` without feature suffixes (``gfx950:sramecc+:xnack-``)."""
+    return torch.cuda.get_device_properties(index).gcnArchName.split(":")[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _flydsl_import_error() -> str:
+    try:
+        import flydsl  # noqa: F401
+        import flydsl.compiler  # noqa: F401
+    except Exception as exc:  # missing, or a broken install
+        return f"flydsl is not importable ({type(exc).__name__}: {exc}); pip install 'turbo_moe[flydsl]'"
+    return ""
+
+
+@functools.lru_cache(maxsize=None)
+def _num_cu(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+class FlyDSLBackend(GroupedGemmBackend):
+    name = "flydsl"
+
+    def is_available(self) -> Tuple[bool, str]:
+        if os.environ.get("TURBO_MOE_DISABLE_FLYDSL", "0") not in ("", "0"):
+            return False, "disabled by TURBO_MOE_DISABLE_FLYDSL"
+        why = _flydsl_import_error()
+        if why:
+            return False, why
+        if torch.version.hip is None or not torch.cuda.is_available():
+            return False, "the FlyDSL kernels need a ROCm GPU (this torch has no HIP device)"
+        arch = device_arch(torch.cuda.current_device())
+        from ..kernels.flydsl import host
+
+        if arch not in host.SUPPORTED_ARCHS:
+            return False, (
+                f"the FlyDSL kernels target {', '.join(host.SUPPORTED_ARCHS)} (FP8 MFMA with K=128); "
+                f"this device is {arch}"
+            )
+        return True, ""
+
+    def can_handle(self, problem: GroupedGemmProblem) -> Tuple[bool, str]:
+        try:
+            self._plan(problem)
+        except (ValueError, TypeError) as exc:
+            return False, str(exc)
+        return True, ""
+
+    # ------------------------------------------------------------------------------------------
+
+    def _plan(self, problem: GroupedGemmProblem):
+        from ..kernels.flydsl import host
+
+        a, b = problem.a, problem.b
+        on_rocm = problem.device.type == "cuda" and torch.version.hip is not None
+        for name, t in (("a", a), ("b", b)):
+            if t.dtype not in _FP8_FORMAT:
+                raise ValueError(
+                    f"{name} is {t.dtype}; the gfx950 FP8 MFMA takes OCP float8_e4m3fn / float8_e5m2 "
+                    "(not the fnuz formats of gfx942)"
+                )
+        if problem.out_dtype not in _OUT_DTYPE:
+            raise ValueError(f"out_dtype {problem.out_dtype} is not one of bfloat16, float16, float32")
+        offs = problem.group_offs
+        if offs.dtype != torch.int64 or offs.dim() != 1 or offs.device != problem.device:
+            raise ValueError("group_offs must be a 1-D int64 tensor on the operands' device")
+        for name, s in (("a_scale", problem.a_scale), ("b_scale", problem.b_scale)):
+            if s.dtype != torch.float32 or not s.is_contiguous() or s.device != problem.device:
+                raise ValueError(f"{name} must be a contiguous float32 tensor on the operands' device")
+        g = problem.num_groups
+        if problem.kind is GemmKind.M_GROUPED:
+            rowwise_shapes = {"a_scale": (a.shape[0],), "b_scale": (g, b.shape[1])}
+        else:
+            rowwise_shapes = {"a_scale": (g, a.shape[0]), "b_scale": (g, b.shape[0])}
+        for name, s in (("a_scale", problem.a_scale), ("b_scale", problem.b_scale)):
+            if s.dim() != 0 and tuple(s.shape) != rowwise_shapes[name]:
+                raise ValueError(
+                    f"{name} has shape {tuple(s.shape)}; expected a 0-dim (tensorwise) or "
+                    f"{rowwise_shapes[name]} (rowwise) tensor"
+                )
+        if problem.num_cu is not None and problem.num_cu < 1:
+            raise ValueError(f"num_cu must be >= 1, got {problem.num_cu}")
+        if problem.num_cu is not None:
+            num_cu = problem.num_cu
+        else:
+            num_cu = _num_cu(problem.device.index or 0) if on_rocm else 1
+        out = _OUT_DTYPE[problem.out_dtype]
+        if problem.kind is GemmKind.M_GROUPED:
+            if a.shape[0] >= 2**31:
+                raise ValueError(f"a has {a.shape[0]} rows; group offsets are read as 32-bit (< 2^31 rows)")
+            plan = host.plan_m_grouped(tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), out, num_cu)
+        else:
+            if a.shape[1] >= 2**31:
+                raise ValueError(f"{a.shape[1]} tokens; group offsets are read as 32-bit (< 2^31 tokens)")
+            plan = host.plan_k_grouped(
+                tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), problem.num_groups, out, num_cu
+            )
+        # Checked last so that the shape and layout checks above also run (and are tested) on CPU.
+        if not on_rocm:
+            raise ValueError(f"operands are on {problem.device}, not a ROCm GPU")
+        return plan
+
+    def run(self, problem: GroupedGemmProblem) -> torch.Tensor:
+        from ..kernels.flydsl import grouped_gemm_fp8 as kernels
+
+        plan = self._plan(problem)
+        config = kernels.KernelConfig(
+            _FP8_FORMAT[problem.a.dtype], _FP8_FORMAT[problem.b.dtype], _OUT_DTYPE[problem.out_dtype],
+            problem.a_scale.dim() > 0, problem.b_scale.dim() > 0,
+        )
+        out = torch.empty(problem.out_shape, dtype=problem.out_dtype, device=problem.device)
+        if out.numel() == 0:
+            return out
+        if problem.kind is GemmKind.M_GROUPED:
+            from ..kernels.flydsl import host
+
+            # LDS-DMA main loop when every 16-byte chunk is whole and aligned, else register-staged.
+            lds_dma = host.m_grouped_lds_dma_ok(
+                plan.k, problem.a.data_ptr(), plan.lda, problem.b.data_ptr(), plan.ldb, plan.stride_bg
+            )
+            launch = kernels.build_m_grouped(config, lds_dma)
+        else:
+            launch = kernels.build_k_grouped(config)
+        launch(
+            problem.a.data_ptr(), problem.b.data_ptr(), out.data_ptr(),
+            problem.a_scale.data_ptr(), problem.b_scale.data_ptr(), problem.group_offs.data_ptr(),
+            problem.a_scale.numel(), problem.b_scale.numel(),
+            *plan.scalar_args(),
+            torch.cuda.current_stream(problem.device),
+        )
+        return out
+
+
+BACKEND = FlyDSLBackend()
