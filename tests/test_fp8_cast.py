@@ -76,3 +76,71 @@ def test_fp8_cast_kernel_matches_torch_in_interpreter():
 def test_fp8_cast_kernel_matches_torch_on_gpu():
     pytest.importorskip("triton")
     exec(compile(CHECK.replace("DEVICE", "'cuda'").replace("EXACT", "False"), "fp8_cast_check", "exec"), {})
+
+
+ROWWISE_CHECK = textwrap.dedent(
+    """
+    import torch
+    from turbo_moe.kernels.triton.fp8_cast import fp8_rowwise_cast, fp8_colwise_grouped_cast
+    from turbo_moe.config import fp8_max
+    import turbo_moe.quantize as Q
+    device = DEVICE
+    gen = torch.Generator().manual_seed(1)
+
+    def data(shape, offs, dtype, margin):
+        if not EXACT:
+            return (torch.randn(shape, generator=gen) * 3).to(dtype).to(device)
+        # FP8 grid values g with |g| <= 448 / 2**margin: x = g * 2**(margin-5) scales back onto g exactly
+        g = (torch.randn(shape, generator=gen) * 40).clamp(-224, 224).to(torch.float8_e5m2).float()
+        g = torch.where(g.abs() < 1, torch.zeros_like(g), g)  # keep off the formats' subnormal ranges
+        x = g * 2.0 ** (margin - 5)
+        x[..., :, 0] = 14.0  # every row's amax: 448 * 2**-5, so every scale is exactly 2**5
+        for lo, hi in zip(offs[:-1], offs[1:]):
+            if hi > lo:
+                x[..., lo, :] = -14.0  # every (group, column) amax too
+        return x.to(dtype).to(device)
+
+    def torch_path(fn, *args, **kw):  # the reference: the same function without the GPU kernels
+        saved, Q._rowwise_kernels = Q._rowwise_kernels, lambda t: None
+        try:
+            return fn(*args, **kw)
+        finally:
+            Q._rowwise_kernels = saved
+
+    same = lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for margin in (0, 1):
+            for shape, lens, dtype in (((37, 70), [5, 0, 20, 12], torch.float32), ((3, 33, 129), None, torch.bfloat16)):
+                offs = [0] if lens else [0, shape[-2]]
+                for n in lens or []:
+                    offs.append(offs[-1] + n)
+                x = data(shape, offs, dtype, margin)
+                q, s = fp8_rowwise_cast(x, fp8, fp8_max(fp8), margin)
+                q_ref, s_ref = torch_path(Q.quantize_rowwise, x, fp8, margin)
+                assert same(q, q_ref) and torch.equal(s, s_ref), ("rowwise", shape, fp8, margin)
+                g_offs = torch.tensor(offs, device=device) if lens else None
+                qt, st = Q.quantize_columnwise(x, fp8, margin, group_offs=g_offs) if device != "cpu" else \
+                    (lambda r: (r[0] if lens else r[0], r[1] if lens else r[1].squeeze(-2)))(
+                        fp8_colwise_grouped_cast(x, torch.tensor(offs, device=device), fp8, fp8_max(fp8), margin))
+                qt_ref, st_ref = torch_path(Q.quantize_columnwise, x, fp8, margin, group_offs=g_offs)
+                assert qt.shape == qt_ref.shape and st.shape == st_ref.shape, (qt.shape, qt_ref.shape, st.shape, st_ref.shape)
+                assert same(qt, qt_ref) and torch.equal(st, st_ref), ("colwise", shape, fp8, margin)
+                if lens:
+                    assert torch.equal(st[1], torch.ones_like(st[1]))  # the empty group
+    print("ok")
+    """
+)
+
+
+def test_rowwise_cast_kernels_match_torch_in_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    code = ROWWISE_CHECK.replace("DEVICE", "'cpu'").replace("EXACT", "True")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_rowwise_cast_kernels_match_torch_on_gpu():
+    pytest.importorskip("triton")
+    exec(compile(ROWWISE_CHECK.replace("DEVICE", "'cuda'").replace("EXACT", "False"), "rowwise_check", "exec"), {})

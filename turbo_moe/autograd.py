@@ -25,7 +25,7 @@ import torch
 from .backends import GemmKind, GroupedGemmProblem, select_backend
 from .checks import HIGH_PRECISION_DTYPES, check_operands, resolve_group_offs
 from .config import Float8Config, ScalingGranularity
-from .quantize import quantize_columnwise_grouped, quantize_rowwise, quantize_tensorwise_layouts, row_group_ids
+from .quantize import quantize_columnwise, quantize_rowwise, quantize_tensorwise_layouts, row_group_ids
 
 __all__ = [
     "GroupedGemmFP8Function",
@@ -49,8 +49,7 @@ def _run(kind, a, b, a_scale, b_scale, offs, out_dtype, num_cu, backend, role) -
 def _token_major_operand(t, offs, fp8_dtype, margin, rowwise):
     """``t [M, C]`` as the wgrad kernel reads it: FP8 ``[C, M]`` (tokens contiguous) and its scale."""
     if rowwise:
-        q, scale = quantize_columnwise_grouped(t, offs, fp8_dtype, margin)
-        return q.t().contiguous(), scale
+        return quantize_columnwise(t, fp8_dtype, margin, group_offs=offs)
     _, q_t, scale = quantize_tensorwise_layouts(t, fp8_dtype, margin, rows=False, transposed=True)
     return q_t, scale
 
@@ -104,7 +103,7 @@ class GroupedGemmFP8Function(torch.autograd.Function):
             w_fp8, w_scale = quantize_rowwise(w_nk, dtype, margin)
             w_kn = w_kn_scale = x_km = x_km_scale = None
             if need_dx:
-                w_kn, w_kn_scale = quantize_rowwise(w_nk.transpose(1, 2).contiguous(), dtype, margin)
+                w_kn, w_kn_scale = quantize_columnwise(w_nk, dtype, margin)
             if need_dw:
                 x_km, x_km_scale = _token_major_operand(x, group_offs, dtype, margin, rowwise=True)
         y = _run(GemmKind.M_GROUPED, x_fp8, w_fp8, x_scale, w_scale, group_offs, out_dtype, num_cu, backend, "fwd")

@@ -9,9 +9,11 @@ NaN and Inf: a NaN or Inf in a tensor makes its amax NaN/Inf, hence its scale Na
 element of the quantized tensor NaN; the GEMM output then is NaN. turbo_moe propagates such inputs
 loudly rather than clipping them into finite garbage.
 
-Rowwise scales vary along the non-contracted dimension only; the contraction axis is given per
-function, and the ``grouped`` variants take one scale per (group, column) over the rows of that
-group (the wgrad operands, contracted over tokens).
+Rowwise scales vary along the non-contracted dimension only: ``quantize_rowwise`` contracts the
+last dimension; ``quantize_columnwise`` contracts the rows (per group of rows for the wgrad
+operands) and returns the transposed copy the kernels read. On a GPU, Triton kernels
+(``kernels/triton/fp8_cast.py``) do each quantization in one launch with the same bits as the
+torch ops used elsewhere.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ __all__ = [
     "quantize_tensorwise",
     "quantize_tensorwise_layouts",
     "quantize_rowwise",
-    "quantize_columnwise_grouped",
+    "quantize_columnwise",
     "row_group_ids",
 ]
 
@@ -84,11 +86,25 @@ def quantize_tensorwise_layouts(t: torch.Tensor, fp8_dtype: torch.dtype, margin:
     return q_rows, q_t, scale.reciprocal()
 
 
+def _rowwise_kernels(t: torch.Tensor):
+    """The Triton per-row / per-column cast kernels for GPU tensors, or None."""
+    if not t.is_cuda or t.dim() not in (2, 3):
+        return None
+    try:
+        from turbo_moe.kernels.triton import fp8_cast
+    except ImportError:
+        return None
+    return fp8_cast
+
+
 def quantize_rowwise(t: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0):
-    """One scale per row, the last dimension being contracted. t: [..., R, C] -> scales [..., R]."""
+    """One scale per row, the last dimension being contracted. t: [..., R, C] -> (fp8, scales [..., R])."""
+    kernels = _rowwise_kernels(t)
+    if kernels is not None:
+        return kernels.fp8_rowwise_cast(t, fp8_dtype, fp8_max(fp8_dtype), margin)
     amax = t.abs().amax(dim=-1, keepdim=True) if t.shape[-1] else t.new_zeros(t.shape[:-1] + (1,))
     scale = _quant_scale(amax, fp8_dtype, margin)
-    return _cast(t, scale, fp8_dtype), scale.reciprocal().squeeze(-1)
+    return _cast(t, scale, fp8_dtype).contiguous(), scale.reciprocal().squeeze(-1)
 
 
 def row_group_ids(group_offs: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -98,14 +114,31 @@ def row_group_ids(group_offs: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.repeat_interleave(groups, lens, output_size=num_rows)
 
 
-def quantize_columnwise_grouped(t: torch.Tensor, group_offs: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0):
-    """Scales per (group, column) over each group's rows, for operands contracted over tokens.
+def quantize_columnwise(t: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, group_offs=None):
+    """Scales per column over rows (the rows being contracted), returned transposed.
 
-    t: [M, C] -> (fp8 [M, C], dequant scales [G, C]). Empty groups get scale 1.
+    * ``t [M, C]`` with ``group_offs [G+1]``: one scale per (group, column) over the group's rows
+      (wgrad operands, contracted over each group's tokens) -> (fp8 ``[C, M]``, scales ``[G, C]``);
+      an empty group gets scale 1.
+    * ``t [B, R, C]`` without offsets: one scale per (batch, column) over all R rows (``W`` for
+      dgrad, contracted over N) -> (fp8 ``[B, C, R]``, scales ``[B, C]``).
     """
+    single = group_offs is None
+    if single:
+        group_offs = torch.tensor([0, t.shape[-2]], dtype=torch.int64, device=t.device)
+    kernels = _rowwise_kernels(t)
+    if kernels is not None:
+        q_t, dequant = kernels.fp8_colwise_grouped_cast(t, group_offs, fp8_dtype, fp8_max(fp8_dtype), margin)
+        return q_t, (dequant.squeeze(-2) if single else dequant)
+    t3 = t if t.dim() == 3 else t[None]
     num_groups = group_offs.shape[0] - 1
-    ids = row_group_ids(group_offs, t.shape[0])
-    amax = torch.zeros(num_groups, t.shape[1], dtype=torch.float32, device=t.device)
-    amax.scatter_reduce_(0, ids[:, None].expand(-1, t.shape[1]), t.abs().float(), reduce="amax", include_self=True)
+    ids = row_group_ids(group_offs, t3.shape[1])
+    amax = torch.zeros(t3.shape[0], num_groups, t3.shape[2], dtype=torch.float32, device=t.device)
+    index = ids[None, :, None].expand(t3.shape[0], -1, t3.shape[2])
+    amax.scatter_reduce_(1, index, t3.abs().float(), reduce="amax", include_self=True)
     scale = _quant_scale(amax, fp8_dtype, margin)
-    return _cast(t, scale[ids], fp8_dtype), scale.reciprocal()
+    q = _cast(t3, scale.gather(1, index), fp8_dtype)
+    q_t, dequant = q.transpose(-1, -2).contiguous(), scale.reciprocal()
+    if single:
+        dequant = dequant.squeeze(-2)
+    return (q_t, dequant) if t.dim() == 3 else (q_t[0], dequant[0])
