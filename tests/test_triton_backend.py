@@ -1,0 +1,184 @@
+"""Triton backend on the CPU, through the Triton interpreter.
+
+The interpreter cases live in ``tests/triton_interpreter_cases.py`` (see its docstring for the
+criteria: bitwise equality with the torch reference on integer-valued FP8 data, an fp32
+summation bound against float64 on real-valued data, NaN-poisoned outputs, two runs bitwise
+equal, empty groups exactly zero). They run in ONE child process with ``TRITON_INTERPRET=1``,
+because Triton decides interpreted-vs-compiled when a kernel is decorated (at import) and the
+variable is process-wide: setting it here would silently switch every other test of the suite
+(GPU tests included) to the interpreter. Each case becomes one pytest test below.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+sys.path.insert(0, str(Path(__file__).parent))
+import triton_interpreter_cases as cases  # noqa: E402
+
+from turbo_moe.backends.base import GemmKind, GroupedGemmProblem  # noqa: E402
+
+_DECLINE_CHECKS = [
+    "decline_bf16_operand",
+    "decline_int32_offsets",
+    "decline_bad_scale_shape",
+    "decline_int8_out",
+    "decline_mismatched_k",
+    "available_under_interpreter",
+]
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    script = Path(cases.__file__)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600, cwd=script.parent.parent
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS_JSON ")]
+    if proc.returncode != 0 or not lines:
+        pytest.fail(f"interpreter worker failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    results = json.loads(lines[-1][len("RESULTS_JSON ") :])
+    if "__unsupported__" in results:
+        # A known defect of an old triton interpreter with a new numpy (see
+        # triton_interpreter_cases.interpreter_limitation); the compiled kernels are unaffected.
+        pytest.skip(results["__unsupported__"])
+    return results
+
+
+@pytest.mark.parametrize("name", [case.name for case in cases.CASES] + _DECLINE_CHECKS)
+def test_interpreter_case(interpreter_results, name):
+    result = interpreter_results.get(name)
+    assert result is not None, f"case {name} did not run"
+    assert result["ok"], result["detail"]
+
+
+def test_cpu_tensors_without_interpreter_are_declined():
+    """In this (non-interpreter) process the backend must decline CPU tensors, saying why."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("this process runs under the interpreter")
+    from turbo_moe.backends.triton_backend import BACKEND
+
+    a = torch.zeros(4, 32, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(1, 16, 32, dtype=torch.float8_e4m3fn)
+    offs = torch.tensor([0, 4])
+    one = torch.ones(())
+    problem = GroupedGemmProblem(GemmKind.M_GROUPED, a, b, one, one, offs, torch.bfloat16)
+    ok, why = BACKEND.can_handle(problem)
+    assert not ok and "TRITON_INTERPRET" in why
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        BACKEND.run(problem)
+    if not torch.cuda.is_available():
+        ok, why = BACKEND.is_available()
+        assert not ok and why
+
+
+def test_validation_names_the_argument():
+    """The contract checks, independent of the device (no interpreter needed)."""
+    from turbo_moe.backends.triton_backend import _validate
+
+    a = torch.zeros(6, 32, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(2, 16, 32, dtype=torch.float8_e5m2)
+    offs = torch.tensor([0, 2, 6])
+    one = torch.ones(())
+    good = GroupedGemmProblem(GemmKind.M_GROUPED, a, b, one, one, offs, torch.bfloat16)
+    assert _validate(good) == ""
+    bad = {
+        "a must be float8": dict(a=a.float()),
+        "b must be [G=2": dict(b=b[:, :, :8]),
+        "group_offs": dict(group_offs=offs.int()),
+        "a_scale must be": dict(a_scale=torch.ones(5)),
+        "b_scale must be float32": dict(b_scale=torch.ones((), dtype=torch.float64)),
+        "out_dtype": dict(out_dtype=torch.float8_e4m3fn),
+        "num_cu must be": dict(num_cu=0),
+    }
+    for expected, change in bad.items():
+        fields = {f: getattr(good, f) for f in ("kind", "a", "b", "a_scale", "b_scale", "group_offs", "out_dtype", "num_cu")}
+        fields.update(change)
+        assert expected in _validate(GroupedGemmProblem(**fields))
+    k_problem = GroupedGemmProblem(
+        GemmKind.K_GROUPED, torch.zeros(16, 6, dtype=torch.float8_e5m2), torch.zeros(24, 6, dtype=torch.float8_e4m3fn),
+        torch.ones(2, 16), torch.ones(2, 24), offs, torch.float32,
+    )
+    assert _validate(k_problem) == ""
+    k_problem.b_scale = torch.ones(2, 16)
+    assert "b_scale must be" in _validate(k_problem)
+
+
+def test_tma_eligibility_reasons():
+    from turbo_moe.backends.triton_backend import _tma_reason
+
+    offs = torch.tensor([0, 3, 6])
+    one = torch.ones(())
+    aligned = GroupedGemmProblem(
+        GemmKind.M_GROUPED, torch.zeros(6, 32, dtype=torch.float8_e4m3fn),
+        torch.zeros(2, 16, 32, dtype=torch.float8_e4m3fn), one, one, offs, torch.float32,
+    )
+    assert _tma_reason(aligned) == ""
+    odd_k = GroupedGemmProblem(
+        GemmKind.M_GROUPED, torch.zeros(6, 40, dtype=torch.float8_e4m3fn)[:, :33],
+        torch.zeros(2, 16, 33, dtype=torch.float8_e4m3fn), one, one, offs, torch.float32,
+    )
+    assert "16 bytes" in _tma_reason(odd_k)
+    transposed = GroupedGemmProblem(
+        GemmKind.K_GROUPED, torch.zeros(6, 16, dtype=torch.float8_e4m3fn).t(),
+        torch.zeros(24, 6, dtype=torch.float8_e4m3fn), one, one, offs, torch.float32,
+    )
+    assert "token-major" in _tma_reason(transposed)
+
+
+@pytest.mark.parametrize("kernel", ["m_grouped_gemm_tma_kernel", "k_grouped_gemm_tma_kernel", "m_grouped_gemm_kernel"])
+def test_kernels_compile_for_hopper_with_wgmma(kernel):
+    """Compile (no GPU needed) each kernel for sm_90 and check that the FP8 dot became a Hopper
+    warpgroup MMA and the TMA kernels use the copy engine: a regression to a slow path fails here."""
+    import triton
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("compiling needs TRITON_INTERPRET unset")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as exc:
+        pytest.skip(f"triton has no ASTSource/GPUTarget: {exc}")
+    from turbo_moe.kernels.triton import grouped_gemm as gg
+
+    scales = {"a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "group_offs_ptr": "*i64", "N": "i32", "K": "i32", "G": "i32"}
+    blocks = dict(A_ROWWISE=True, B_ROWWISE=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8)
+    if kernel == "m_grouped_gemm_tma_kernel":
+        signature = {"a_desc": "tensordesc<fp8e5[128, 128]>", "b_desc": "tensordesc<fp8e4nv[128, 128]>", "out_ptr": "*bf16",
+                     **scales, "stride_om": "i32", "stride_on": "i32"}
+        constexprs = dict(blocks, TMA_STORE=True)
+    elif kernel == "k_grouped_gemm_tma_kernel":
+        signature = {"a_desc": "tensordesc<fp8e5[128, 128]>", "b_desc": "tensordesc<fp8e4nv[128, 128]>",
+                     "a_tail_desc": "tensordesc<fp8e5[128, 32]>", "b_tail_desc": "tensordesc<fp8e4nv[128, 32]>",
+                     "out_desc": "tensordesc<bf16[1, 128, 128]>", "out_ptr": "*bf16", **scales,
+                     "stride_og": "i32", "stride_on": "i32", "stride_ok": "i32"}
+        constexprs = dict(blocks, BAND_CYCLIC=False, TMA_STORE=True, TAIL_K=32)
+    else:
+        signature = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "out_ptr": "*fp32", **scales,
+                     **{name: "i32" for name in ("stride_am", "stride_ak", "stride_bg", "stride_bn", "stride_bk", "stride_om", "stride_on")}}
+        constexprs = dict(blocks, EVEN_K=True)
+    signature.update({name: "constexpr" for name in constexprs})
+    try:
+        compiled = triton.compile(
+            ASTSource(fn=getattr(gg, kernel), signature=signature, constexprs=constexprs),
+            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3),
+        )
+    except Exception as exc:
+        if "ptxas" in str(exc).lower() or "cuda" in type(exc).__name__.lower():
+            pytest.skip(f"cannot compile for sm_90 here: {exc}")
+        raise
+    ttgir = compiled.asm["ttgir"]
+    assert "warp_group_dot" in ttgir, "the FP8 dot is not a Hopper wgmma"
+    if "tma" in kernel:
+        assert "async_tma_copy_global_to_local" in ttgir
+        assert "async_tma_copy_local_to_global" in ttgir

@@ -1,0 +1,462 @@
+"""Triton backend: the persistent FP8 grouped GEMM kernels of ``turbo_moe.kernels.triton``.
+
+Where it runs
+-------------
+* CUDA devices of compute capability >= 8.9 (FP8 tensor cores: Ada, Hopper and later), and ROCm
+  devices whose Triton supports the OCP FP8 types (gfx950, gfx12);
+* CPU tensors when the kernels were imported under ``TRITON_INTERPRET=1`` (Triton fixes a kernel's
+  mode when it is decorated, so the backend asks the kernel object, not the environment). That is
+  how the CPU tests run it. CPU tensors without the interpreter are declined with that reason.
+
+Tuning and CUDA graphs
+----------------------
+Each call picks a kernel configuration (block sizes, warps, pipeline stages) from a small
+candidate table per problem kind. On the first *eager* call of a shape class (kind, N, K, the
+power-of-two classes of M and of the rows per group, FP8 dtypes, scaling, output dtype, device)
+every candidate is timed on the call's own operands and the fastest is cached for the process.
+A call made while a CUDA graph is being captured never benchmarks (that would launch outside the
+captured stream's rules and allocate): it uses the cached choice if there is one, else the
+first candidate, and does not cache it. So: run one eager step first, capture afterwards.
+``TURBO_MOE_TRITON_AUTOTUNE=0`` turns tuning off (the first candidate always).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from .base import GemmKind, GroupedGemmBackend, GroupedGemmProblem
+
+__all__ = ["TritonBackend", "KernelConfig", "BACKEND"]
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 4
+    # K-grouped only: band-cyclic (True) or group-major (False) tile order.
+    band_cyclic: bool = True
+    # Load through TMA descriptors where the operands allow it (see _tma_reason), else pointers.
+    tma: bool = True
+    # With tma: also store the output tile through a descriptor (async, coalesced, overlaps the
+    # next tile's loads) where the output's strides allow it.
+    tma_store: bool = True
+
+    def __str__(self) -> str:
+        return (
+            f"{self.block_m}x{self.block_n}x{self.block_k} gm{self.group_m} w{self.num_warps} s{self.num_stages}"
+            + ("" if self.band_cyclic else " group-major")
+            + ("" if self.tma else " ptr")
+            + ("" if (self.tma_store or not self.tma) else " ptr-store")
+        )
+
+
+# Candidates per problem kind on GPUs; the first is the default (no tuning, or during capture).
+# 128x128x128 with 8 warps is what Hopper's FP8 wgmma likes (two warpgroups, K-major operands).
+GPU_CANDIDATES: Dict[GemmKind, Tuple[KernelConfig, ...]] = {
+    GemmKind.M_GROUPED: (
+        KernelConfig(128, 256, 128, 8, 8, 3),
+        KernelConfig(128, 128, 128, 8, 8, 4),
+        KernelConfig(128, 256, 128, 8, 8, 3, tma_store=False),
+        KernelConfig(128, 256, 128, 8, 8, 3, tma=False),
+        KernelConfig(128, 128, 128, 8, 4, 5, tma=False),
+    ),
+    # Group-major first: measured faster than band-cyclic on the H100 for every shape, balanced
+    # or skewed (docs/triton_notes.md): with a static round-robin deal both orders give every
+    # program the same work, and group-major keeps concurrent programs on the same group's
+    # tokens (L2 reuse).
+    GemmKind.K_GROUPED: (
+        KernelConfig(128, 256, 128, 8, 8, 3, band_cyclic=False),
+        KernelConfig(128, 256, 128, 8, 8, 3),
+        KernelConfig(128, 128, 128, 8, 8, 4, band_cyclic=False),
+        KernelConfig(128, 256, 128, 8, 8, 3, band_cyclic=False, tma_store=False),
+        KernelConfig(128, 256, 128, 8, 8, 3, band_cyclic=False, tma=False),
+    ),
+}
+# Under the interpreter: small tiles, so that small test shapes still span many tiles.
+INTERPRETER_CONFIG = KernelConfig(16, 16, 32, 2, 1, 1)
+
+
+def _kernels():
+    """The kernel module, imported on first use so that importing this backend needs no triton."""
+    from turbo_moe.kernels.triton import grouped_gemm
+
+    return grouped_gemm
+
+
+def _interpreting() -> bool:
+    """Whether the kernels were decorated in interpreter mode (TRITON_INTERPRET=1 at import)."""
+    return type(_kernels().m_grouped_gemm_kernel).__name__ == "InterpretedFunction"
+
+
+def _pow2_class(x: int) -> int:
+    return 0 if x <= 0 else (x - 1).bit_length()
+
+
+class TritonBackend(GroupedGemmBackend):
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._tuned: Dict[tuple, KernelConfig] = {}
+        self._lock = threading.Lock()
+        self._sm_count: Dict[int, int] = {}
+
+    # ------------------------------------------------------------------ availability
+    def is_available(self) -> Tuple[bool, str]:
+        try:
+            import triton  # noqa: F401
+
+            interpreting = _interpreting()
+        except Exception as exc:  # triton missing or broken
+            return False, f"triton does not import: {type(exc).__name__}: {exc}"
+        if interpreting:
+            return True, ""
+        if not torch.cuda.is_available():
+            return False, "no CUDA/ROCm device (and the Triton kernels were not imported under TRITON_INTERPRET=1)"
+        why = self._device_reason(torch.device("cuda", torch.cuda.current_device()))
+        return (not why), why
+
+    def _device_reason(self, device: torch.device) -> str:
+        """Empty if the kernels can run on ``device``, else why not."""
+        interpreting = _interpreting()
+        if device.type == "cpu":
+            return "" if interpreting else "CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 before import)"
+        if device.type != "cuda":
+            return f"tensors on {device.type} are not supported"
+        if interpreting:
+            return "the Triton kernels were imported under TRITON_INTERPRET=1; GPU tensors need compiled kernels"
+        if torch.version.hip:
+            arch = torch.cuda.get_device_properties(device).gcnArchName
+            if not (arch.startswith("gfx95") or arch.startswith("gfx12")):
+                return f"ROCm {arch} has no OCP FP8 (e4m3fn/e5m2) dot in Triton"
+            return ""
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            return f"compute capability {cap[0]}.{cap[1]} has no FP8 tensor cores (needs >= 8.9)"
+        return ""
+
+    # ------------------------------------------------------------------ validation
+    def can_handle(self, problem: GroupedGemmProblem) -> Tuple[bool, str]:
+        try:
+            import triton  # noqa: F401
+        except Exception as exc:
+            return False, f"triton does not import: {type(exc).__name__}: {exc}"
+        why = self._device_reason(problem.device)
+        if why:
+            return False, why
+        why = _validate(problem)
+        if why:
+            return False, why
+        return True, ""
+
+    # ------------------------------------------------------------------ run
+    def run(self, problem: GroupedGemmProblem, config: Optional[KernelConfig] = None) -> torch.Tensor:
+        """Compute ``problem``; ``config`` overrides the tuned choice (tests, tuning scripts)."""
+        ok, why = self.can_handle(problem)
+        if not ok:
+            raise ValueError(f"triton backend cannot run {problem.describe()}: {why}")
+        out = _new_output(problem.out_shape, problem.out_dtype, problem.device)
+        if out.numel() == 0:
+            return out
+        if config is None:
+            config = self._choose_config(problem, out)
+        self._launch(problem, out, config)
+        return out
+
+    def num_programs_limit(self, problem: GroupedGemmProblem) -> int:
+        """The persistent grid's cap: ``problem.num_cu`` if given, else every SM/CU."""
+        if problem.num_cu is not None:
+            return int(problem.num_cu)
+        if problem.device.type != "cuda":
+            return 4  # interpreter: a few programs, so that the persistent loop is exercised
+        index = problem.device.index if problem.device.index is not None else torch.cuda.current_device()
+        if index not in self._sm_count:
+            self._sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        return self._sm_count[index]
+
+    def _launch(self, problem: GroupedGemmProblem, out: torch.Tensor, config: KernelConfig) -> None:
+        from turbo_moe.kernels import tile_scheduler as ts
+
+        k = _kernels()
+        a, b = problem.a, problem.b
+        a_scale = problem.a_scale.contiguous()
+        b_scale = problem.b_scale.contiguous()
+        offs = problem.group_offs
+        G = problem.num_groups
+        a_rowwise, b_rowwise = a_scale.dim() > 0, b_scale.dim() > 0
+        limit = self.num_programs_limit(problem)
+        extra = {} if _interpreting() else {"num_warps": config.num_warps, "num_stages": config.num_stages}
+        use_tma = config.tma and not _tma_reason(problem)
+        if use_tma:
+            _install_descriptor_allocator()
+            config = _fit_shared_memory(config, out.element_size())
+        if problem.kind is GemmKind.M_GROUPED and use_tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            M, K = a.shape
+            N = b.shape[1]
+            a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [config.block_m, config.block_k])
+            # b's groups stacked as one [G*N, K] matrix (checked contiguous across groups).
+            b_desc = TensorDescriptor(b, [G * N, K], [b.stride(1), 1], [config.block_n, config.block_k])
+            bound = ts.m_grouped_tile_upper_bound(M, G, config.block_m, ts.cdiv(N, config.block_n))
+            grid = (ts.persistent_grid_size(bound, limit),)
+            k.m_grouped_gemm_tma_kernel[grid](
+                a_desc, b_desc, out, a_scale, b_scale, offs,
+                N, K, G,
+                out.stride(0), out.stride(1),
+                A_ROWWISE=a_rowwise, B_ROWWISE=b_rowwise,
+                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+                TMA_STORE=config.tma_store and _tma_store_ok(out),
+                **extra,
+            )
+        elif problem.kind is GemmKind.K_GROUPED and use_tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            N, M = a.shape
+            K = b.shape[0]
+            a_desc = TensorDescriptor(a, [N, M], [a.stride(0), 1], [config.block_m, config.block_k])
+            b_desc = TensorDescriptor(b, [K, M], [b.stride(0), 1], [config.block_n, config.block_k])
+            # Narrow boxes for a group's first and last tokens (32: the FP8 dot's smallest K).
+            tail_k = min(32, config.block_k)
+            a_tail_desc = TensorDescriptor(a, [N, M], [a.stride(0), 1], [config.block_m, tail_k])
+            b_tail_desc = TensorDescriptor(b, [K, M], [b.stride(0), 1], [config.block_n, tail_k])
+            tma_store = config.tma_store and _tma_store_ok(out)
+            out_desc = (
+                TensorDescriptor(out, list(out.shape), list(out.stride()), [1, config.block_m, config.block_n])
+                if tma_store
+                else None
+            )
+            total = ts.k_grouped_total_tiles(G, ts.cdiv(N, config.block_m), ts.cdiv(K, config.block_n))
+            grid = (ts.persistent_grid_size(total, limit),)
+            k.k_grouped_gemm_tma_kernel[grid](
+                a_desc, b_desc, a_tail_desc, b_tail_desc, out_desc, out, a_scale, b_scale, offs,
+                N, K, G,
+                out.stride(0), out.stride(1), out.stride(2),
+                A_ROWWISE=a_rowwise, B_ROWWISE=b_rowwise,
+                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+                BAND_CYCLIC=config.band_cyclic, TMA_STORE=tma_store, TAIL_K=tail_k,
+                **extra,
+            )
+        elif problem.kind is GemmKind.M_GROUPED:
+            M, K = a.shape
+            N = b.shape[1]
+            bound = ts.m_grouped_tile_upper_bound(M, G, config.block_m, ts.cdiv(N, config.block_n))
+            grid = (ts.persistent_grid_size(bound, limit),)
+            k.m_grouped_gemm_kernel[grid](
+                a, b, out, a_scale, b_scale, offs,
+                N, K, G,
+                a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+                A_ROWWISE=a_rowwise, B_ROWWISE=b_rowwise,
+                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+                EVEN_K=K % config.block_k == 0,
+                **extra,
+            )
+        else:
+            N, M = a.shape
+            K = b.shape[0]
+            total = ts.k_grouped_total_tiles(G, ts.cdiv(N, config.block_m), ts.cdiv(K, config.block_n))
+            grid = (ts.persistent_grid_size(total, limit),)
+            k.k_grouped_gemm_kernel[grid](
+                a, b, out, a_scale, b_scale, offs,
+                N, K, G,
+                a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
+                A_ROWWISE=a_rowwise, B_ROWWISE=b_rowwise,
+                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+                BAND_CYCLIC=config.band_cyclic,
+                **extra,
+            )
+
+    # ------------------------------------------------------------------ tuning
+    def shape_class(self, problem: GroupedGemmProblem) -> tuple:
+        if problem.kind is GemmKind.M_GROUPED:
+            M, K = problem.a.shape
+            N = problem.b.shape[1]
+        else:
+            N, M = problem.a.shape
+            K = problem.b.shape[0]
+        G = problem.num_groups
+        return (
+            problem.kind, N, K, _pow2_class(M), _pow2_class(max(M // max(G, 1), 1)), G if G <= 8 else _pow2_class(G) + 100,
+            problem.a.dtype, problem.b.dtype, problem.a_scale.dim(), problem.b_scale.dim(), problem.out_dtype,
+            str(problem.device), problem.num_cu,
+        )
+
+    def _choose_config(self, problem: GroupedGemmProblem, out: torch.Tensor) -> KernelConfig:
+        if problem.device.type != "cuda":
+            return INTERPRETER_CONFIG
+        candidates = GPU_CANDIDATES[problem.kind]
+        key = self.shape_class(problem)
+        cached = self._tuned.get(key)
+        if cached is not None:
+            return cached
+        if torch.cuda.is_current_stream_capturing() or os.environ.get("TURBO_MOE_TRITON_AUTOTUNE", "1") == "0":
+            return candidates[0]
+        with self._lock:
+            if key not in self._tuned:
+                self._tuned[key] = self._benchmark(problem, out, candidates)
+        return self._tuned[key]
+
+    def _benchmark(self, problem: GroupedGemmProblem, out: torch.Tensor, candidates) -> KernelConfig:
+        """Time every candidate twice, in two passes, and keep each one's better time: a single
+        pass sometimes caught the GPU mid clock-ramp and crowned a 2x slower config."""
+        import triton.testing
+
+        best_ms: Dict[KernelConfig, float] = {}
+        for _ in range(2):
+            for config in candidates:
+                try:
+                    ms = triton.testing.do_bench(lambda: self._launch(problem, out, config), warmup=5, rep=20)
+                except Exception:  # e.g. out of shared memory for this block shape on this device
+                    continue
+                best_ms[config] = min(ms, best_ms.get(config, float("inf")))
+        if not best_ms:
+            return candidates[0]
+        return min(best_ms, key=best_ms.get)
+
+    def tuned_configs(self) -> Dict[tuple, KernelConfig]:
+        """The cached choice per shape class (for logs and notes)."""
+        return dict(self._tuned)
+
+
+def _new_output(shape, dtype, device) -> torch.Tensor:
+    """The output allocation (every element is written by the kernels; tests poison it here)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+_allocator_installed = False
+
+
+def _install_descriptor_allocator() -> None:
+    """Device-side TMA descriptors need global scratch memory; hand Triton torch's allocator
+    (stream-ordered, so it is also legal while a CUDA graph is captured)."""
+    global _allocator_installed
+    if _allocator_installed:
+        return
+    import triton
+
+    def alloc(size: int, alignment: int, stream):
+        device = "cuda" if torch.cuda.is_available() and not _interpreting() else "cpu"
+        return torch.empty(size, dtype=torch.int8, device=device)
+
+    triton.set_allocator(alloc)
+    _allocator_installed = True
+
+
+# Hopper's per-block shared memory (227 KiB), less a little for the pipeline's barriers.
+_SHARED_MEMORY_BUDGET = 232448 - 1024
+
+
+def _fit_shared_memory(config: KernelConfig, out_bytes: int) -> KernelConfig:
+    """Drop the TMA store's staging tile when it would not fit beside the operand pipeline
+    (num_stages * (BM + BN) * BK bytes of FP8, plus BM * BN * out_bytes): e.g. 128x256 tiles
+    with fp32 output. Every candidate then compiles, whatever the output dtype."""
+    import dataclasses
+
+    operands = config.num_stages * (config.block_m + config.block_n) * config.block_k
+    if config.tma_store and operands + config.block_m * config.block_n * out_bytes > _SHARED_MEMORY_BUDGET:
+        return dataclasses.replace(config, tma_store=False)
+    return config
+
+
+def _tma_store_ok(out: torch.Tensor) -> bool:
+    """A descriptor store needs a unit last stride and 16-byte multiples for the other strides."""
+    item = out.element_size()
+    return (
+        out.stride(-1) == 1
+        and all((s * item) % 16 == 0 for s in out.stride()[:-1])
+        and out.data_ptr() % 16 == 0
+    )
+
+
+def _tma_reason(problem: GroupedGemmProblem) -> str:
+    """Empty if the TMA kernels can load these operands, else why not (then pointer kernels run)."""
+    a, b = problem.a, problem.b
+    if problem.device.type == "cuda":
+        if torch.version.hip:
+            return "TMA is an NVIDIA Hopper+ feature"
+        if torch.cuda.get_device_capability(problem.device) < (9, 0):
+            return "TMA needs compute capability >= 9.0"
+    for name, t in (("a", a), ("b", b)):
+        if t.data_ptr() % 16:
+            return f"{name} is not 16-byte aligned"
+    if problem.kind is GemmKind.M_GROUPED:
+        G, N, K = b.shape
+        if a.stride(1) != 1 or b.stride(2) != 1:
+            return "a and b must be K-major (unit stride along K)"
+        if a.stride(0) % 16 or b.stride(1) % 16:
+            return "row strides of a and b must be multiples of 16 bytes"
+        if G > 1 and b.stride(0) != N * b.stride(1):
+            return "b's groups must be stacked rows (stride(0) == N * stride(1))"
+        if a.shape[0] >= 2**31 or G * N >= 2**31:
+            return "TMA coordinates are 32-bit"
+        if min(a.shape[0], G * N, K) == 0:
+            return "a descriptor cannot describe an empty operand"
+    else:
+        if a.stride(1) != 1 or b.stride(1) != 1:
+            return "a and b must be token-major (unit stride along M)"
+        if a.stride(0) % 16 or b.stride(0) % 16:
+            return "row strides of a and b must be multiples of 16 bytes"
+        if a.shape[1] >= 2**31:
+            return "TMA coordinates are 32-bit"
+        if a.shape[1] == 0 or a.shape[0] == 0 or b.shape[0] == 0:
+            return "a descriptor cannot describe an empty operand"
+    return ""
+
+
+def _validate(problem: GroupedGemmProblem) -> str:
+    """Empty if the operands satisfy the contract of base.py, else the reason naming the argument."""
+    a, b, offs = problem.a, problem.b, problem.group_offs
+    if problem.num_cu is not None and (not isinstance(problem.num_cu, int) or problem.num_cu < 1):
+        return f"num_cu must be a positive int (programs of the persistent grid) or None, got {problem.num_cu!r}"
+    for name, t in (("a", a), ("b", b)):
+        if t.dtype not in _FP8_DTYPES:
+            return f"{name} must be float8_e4m3fn or float8_e5m2, got {t.dtype}"
+    if problem.out_dtype not in _OUT_DTYPES:
+        return f"out_dtype must be bfloat16, float16 or float32, got {problem.out_dtype}"
+    if offs.dtype != torch.int64 or offs.dim() != 1 or offs.shape[0] < 2:
+        return f"group_offs must be a 1-D int64 tensor of G+1 >= 2 offsets, got {offs.dtype} {tuple(offs.shape)}"
+    for name, t in (("b", b), ("group_offs", offs), ("a_scale", problem.a_scale), ("b_scale", problem.b_scale)):
+        if t.device != a.device:
+            return f"{name} is on {t.device} but a is on {a.device}"
+    G = problem.num_groups
+    if problem.kind is GemmKind.M_GROUPED:
+        if a.dim() != 2 or b.dim() != 3:
+            return f"M_GROUPED needs a [M, K] and b [G, N, K], got a {tuple(a.shape)} and b {tuple(b.shape)}"
+        M, K = a.shape
+        if b.shape[0] != G or b.shape[2] != K:
+            return f"b must be [G={G}, N, K={K}], got {tuple(b.shape)}"
+        N = b.shape[1]
+        a_rowwise_shape, b_rowwise_shape = (M,), (G, N)
+    elif problem.kind is GemmKind.K_GROUPED:
+        if a.dim() != 2 or b.dim() != 2:
+            return f"K_GROUPED needs a [N, M] and b [K, M], got a {tuple(a.shape)} and b {tuple(b.shape)}"
+        N, M = a.shape
+        K = b.shape[0]
+        if b.shape[1] != M:
+            return f"b must be [K, M={M}], got {tuple(b.shape)}"
+        a_rowwise_shape, b_rowwise_shape = (G, N), (G, K)
+    else:
+        return f"unknown problem kind {problem.kind!r}"
+    for name, t, rowwise_shape in (
+        ("a_scale", problem.a_scale, a_rowwise_shape),
+        ("b_scale", problem.b_scale, b_rowwise_shape),
+    ):
+        if t.dtype != torch.float32:
+            return f"{name} must be float32, got {t.dtype}"
+        if t.dim() != 0 and tuple(t.shape) != rowwise_shape:
+            return f"{name} must be 0-dim (tensorwise) or {rowwise_shape} (rowwise), got {tuple(t.shape)}"
+    return ""
+
+
+BACKEND = TritonBackend()
