@@ -290,3 +290,48 @@ def test_grouped_gemm_high_precision():
         turbo_moe.grouped_gemm(x, w, lens, config=Float8Config())
     with pytest.raises(ValueError, match="backend='triton'"):
         turbo_moe.grouped_gemm(x, w, lens, backend="triton")
+
+
+# ---------------------------------------------------------------- FP8 weight cache
+def test_fp8_weight_cache_matches_uncached_and_tracks_updates():
+    torch.manual_seed(6)
+    cached = GroupedLinearFP8(3, 32, 24, cache_fp8_weight=True)
+    plain = GroupedLinearFP8(3, 32, 24)
+    plain.load_state_dict(cached.state_dict())
+    opt = torch.optim.SGD(cached.parameters(), lr=0.1)
+    opt_plain = torch.optim.SGD(plain.parameters(), lr=0.1)
+    lens = torch.tensor([5, 0, 11])
+    calls = []
+    import turbo_moe.module as module_mod
+
+    real = module_mod.quantize_weight
+    module_mod.quantize_weight = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        for step in range(3):
+            for micro in range(2):  # gradient accumulation: one quantization per optimizer step
+                x = torch.randn(16, 32)
+                y_c, y_p = cached(x, lens), plain(x, lens)
+                assert torch.equal(y_c, y_p)
+                y_c.sum().backward()
+                y_p.sum().backward()
+            assert torch.equal(cached.weight.grad, plain.weight.grad)
+            opt.step()
+            opt_plain.step()
+            opt.zero_grad()
+            opt_plain.zero_grad()
+        assert len(calls) == 3, calls
+        x = torch.randn(16, 32)
+        assert torch.equal(cached(x, lens), plain(x, lens))  # quantizes the stepped weight: call 4
+        assert len(calls) == 4, calls
+        cached.weight.data.mul_(2)  # behind the version counter: a stale cache until invalidated
+        plain.weight.data.mul_(2)
+        assert not torch.equal(cached(x, lens), plain(x, lens))
+        cached.invalidate_fp8_weight_cache()
+        assert torch.equal(cached(x, lens), plain(x, lens))
+        plain2 = GroupedLinearFP8(3, 32, 24)
+        cached.load_state_dict(plain2.state_dict())  # copy_ bumps the version
+        plain.load_state_dict(plain2.state_dict())
+        assert torch.equal(cached(x, lens), plain(x, lens))
+    finally:
+        module_mod.quantize_weight = real
+    assert "cache_fp8_weight=True" in repr(cached)

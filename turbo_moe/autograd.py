@@ -18,7 +18,7 @@ forward+backward can be captured in a CUDA graph with a kernel backend.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -32,6 +32,8 @@ __all__ = [
     "grouped_gemm_fp8",
     "grouped_gemm_fp8_with_offs",
     "grouped_wgrad_fp8",
+    "Float8Weight",
+    "quantize_weight",
     "grouped_gemm",
     "add_group_bias",
     "group_rows",
@@ -85,28 +87,51 @@ def add_group_bias(y: torch.Tensor, bias: torch.Tensor, group_offs: torch.Tensor
     return y + group_rows(bias.to(y.dtype), group_offs, y.shape[0])
 
 
+class Float8Weight(NamedTuple):
+    """A weight ``[G, N, K]`` in FP8 as the kernels read it: ``data`` for the forward GEMM and, for
+    dgrad, ``data_t`` ``[G, K, N]`` (contracted over N); each with its dequantization scale."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    data_t: Optional[torch.Tensor]
+    scale_t: Optional[torch.Tensor]
+
+
+def quantize_weight(w_nk: torch.Tensor, config: Float8Config, transposed: bool = True) -> Float8Weight:
+    """Quantize ``w_nk [G, N, K]`` as the forward (and, with ``transposed``, dgrad) GEMMs read it."""
+    dtype, margin = config.forward_dtype, config.margin
+    if config.granularity is ScalingGranularity.TENSORWISE:
+        w_fp8, w_kn, w_scale = quantize_tensorwise_layouts(w_nk, dtype, margin, transposed=transposed)
+        return Float8Weight(w_fp8, w_scale, w_kn, w_scale if transposed else None)
+    w_fp8, w_scale = quantize_rowwise(w_nk, dtype, margin)
+    w_kn, w_kn_scale = quantize_columnwise(w_nk, dtype, margin) if transposed else (None, None)
+    return Float8Weight(w_fp8, w_scale, w_kn, w_kn_scale)
+
+
 class GroupedGemmFP8Function(torch.autograd.Function):
     """FP8 grouped GEMM; see the module docstring. ``w`` is always passed here as ``[G, N, K]``."""
 
     @staticmethod
-    def forward(ctx, x, w_nk, group_offs, config: Float8Config, num_cu, backend, out_dtype):
+    def forward(ctx, x, w_nk, group_offs, config: Float8Config, num_cu, backend, out_dtype,
+                w_fp8: Optional[Float8Weight] = None):
         dtype, margin = config.forward_dtype, config.margin
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # Backward's operands, contiguous along their contraction dims: dgrad reads W as
         # [G, K, N] (contracted over N), wgrad reads x as [K, M] (contracted over tokens).
+        if w_fp8 is None or (need_dx and w_fp8.data_t is None):
+            w_fp8 = quantize_weight(w_nk, config, transposed=need_dx)
+        w_q, w_scale, w_kn, w_kn_scale = w_fp8
         if config.granularity is ScalingGranularity.TENSORWISE:
             x_fp8, x_km, x_scale = quantize_tensorwise_layouts(x, dtype, margin, transposed=need_dw)
-            w_fp8, w_kn, w_scale = quantize_tensorwise_layouts(w_nk, dtype, margin, transposed=need_dx)
-            x_km_scale, w_kn_scale = x_scale, w_scale
+            x_km_scale = x_scale
         else:
             x_fp8, x_scale = quantize_rowwise(x, dtype, margin)
-            w_fp8, w_scale = quantize_rowwise(w_nk, dtype, margin)
-            w_kn = w_kn_scale = x_km = x_km_scale = None
-            if need_dx:
-                w_kn, w_kn_scale = quantize_columnwise(w_nk, dtype, margin)
+            x_km = x_km_scale = None
             if need_dw:
                 x_km, x_km_scale = _token_major_operand(x, group_offs, dtype, margin, rowwise=True)
-        y = _run(GemmKind.M_GROUPED, x_fp8, w_fp8, x_scale, w_scale, group_offs, out_dtype, num_cu, backend, "fwd")
+        if not need_dx:
+            w_kn = w_kn_scale = None
+        y = _run(GemmKind.M_GROUPED, x_fp8, w_q, x_scale, w_scale, group_offs, out_dtype, num_cu, backend, "fwd")
         ctx.save_for_backward(w_kn, w_kn_scale, x_km, x_km_scale, group_offs)
         ctx.config, ctx.num_cu, ctx.backend = config, num_cu, backend
         ctx.x_dtype, ctx.w_dtype = x.dtype, w_nk.dtype
@@ -136,7 +161,7 @@ class GroupedGemmFP8Function(torch.autograd.Function):
         if need_dw:
             dw = _run(GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs,
                       ctx.w_dtype, ctx.num_cu, ctx.backend, "wgrad")
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 def _prepare(x, w, group_lens, group_offs, trans_b):
@@ -181,8 +206,13 @@ def grouped_gemm_fp8(
 
 
 @torch.compiler.disable
-def grouped_gemm_fp8_with_offs(x, w, offs, *, trans_b=True, config=None, num_cu=None, backend="auto", out_dtype=None):
-    """``grouped_gemm_fp8`` on offsets already resolved by ``checks.resolve_group_offs`` (no re-check)."""
+def grouped_gemm_fp8_with_offs(x, w, offs, *, trans_b=True, config=None, num_cu=None, backend="auto", out_dtype=None,
+                               w_fp8: Optional[Float8Weight] = None):
+    """``grouped_gemm_fp8`` on offsets already resolved by ``checks.resolve_group_offs`` (no re-check).
+
+    ``w_fp8``: the weight already quantized by ``quantize_weight`` with this config (a cache the
+    caller keeps valid), skipping its quantization; None quantizes ``w`` here.
+    """
     config = Float8Config() if config is None else config
     if not isinstance(config, Float8Config):
         raise TypeError(f"config must be a turbo_moe.Float8Config, got {type(config).__name__}")
@@ -191,7 +221,7 @@ def grouped_gemm_fp8_with_offs(x, w, offs, *, trans_b=True, config=None, num_cu=
         raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
     out_dtype = x.dtype if out_dtype is None else out_dtype
     w_nk = w if trans_b else w.transpose(1, 2)
-    return GroupedGemmFP8Function.apply(x, w_nk, offs, config, num_cu, backend, out_dtype)
+    return GroupedGemmFP8Function.apply(x, w_nk, offs, config, num_cu, backend, out_dtype, w_fp8)
 
 
 @torch.compiler.disable

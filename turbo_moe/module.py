@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .autograd import add_group_bias, grouped_gemm_fp8_with_offs
+from .autograd import add_group_bias, grouped_gemm_fp8_with_offs, quantize_weight
 from .checks import check_operands, resolve_group_offs
 from .config import Float8Config
 
@@ -25,6 +25,14 @@ class GroupedLinearFP8(nn.Module):
         config: the FP8 recipe (``Float8Config``; default e4m3, tensorwise, current scaling).
         num_cu: cap on the SMs/CUs the kernels occupy, or None for all.
         backend: ``"auto"``, ``"flydsl"``, ``"triton"`` or ``"torch"``.
+        cache_fp8_weight: keep the FP8 copies of the weight between calls and re-quantize only
+            when the weight changed (its version counter or storage moved: ``optimizer.step()``,
+            ``load_state_dict``, any in-place op on the Parameter). With gradient accumulation the
+            weight is then quantized once per optimizer step instead of once per micro-batch, at
+            the price of keeping ~2 bytes per weight element alive between calls. Updates made
+            through ``weight.data`` bypass the version counter: call
+            :meth:`invalidate_fp8_weight_cache` after them. Never used while a CUDA graph is being
+            captured (the graph re-quantizes on every replay).
 
     ``weight`` is ``[G, out_features, in_features]``, each expert initialised as ``nn.Linear``
     would initialise it. ``forward(x, group_lens)`` takes tokens already sorted by expert and an
@@ -43,6 +51,7 @@ class GroupedLinearFP8(nn.Module):
         backend: str = "auto",
         device=None,
         dtype=None,
+        cache_fp8_weight: bool = False,
     ) -> None:
         super().__init__()
         for name, value in (("num_groups", num_groups), ("in_features", in_features), ("out_features", out_features)):
@@ -56,6 +65,8 @@ class GroupedLinearFP8(nn.Module):
         self.config = config if config is not None else Float8Config()
         self.num_cu = num_cu
         self.backend = backend
+        self.cache_fp8_weight = bool(cache_fp8_weight)
+        self._fp8_weight_cache = None  # (key, Float8Weight)
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
         if bias:
@@ -90,6 +101,7 @@ class GroupedLinearFP8(nn.Module):
             x,
             self.weight,
             offs,
+            w_fp8=self._cached_fp8_weight() if self.cache_fp8_weight else None,
             config=self.config,
             num_cu=self.num_cu,
             backend=self.backend,
@@ -99,10 +111,27 @@ class GroupedLinearFP8(nn.Module):
             y = add_group_bias(y, self.bias, offs)
         return y
 
+    def invalidate_fp8_weight_cache(self) -> None:
+        """Drop the cached FP8 weight (after changing ``weight.data`` behind autograd's back)."""
+        self._fp8_weight_cache = None
+
+    @torch.compiler.disable
+    def _cached_fp8_weight(self):
+        w = self.weight
+        if w.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None  # the quantization must be part of the captured graph
+        key = (w._version, w.data_ptr(), w.dtype, w.device, self.config)
+        if self._fp8_weight_cache is None or self._fp8_weight_cache[0] != key:
+            self._fp8_weight_cache = None  # release the stale copies before making new ones
+            with torch.no_grad():
+                self._fp8_weight_cache = (key, quantize_weight(w.detach(), self.config, transposed=True))
+        return self._fp8_weight_cache[1]
+
     def extra_repr(self) -> str:
         cfg = self.config
         return (
             f"num_groups={self.num_groups}, in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, format={cfg.format.value}, granularity={cfg.granularity.value}, "
             f"num_cu={self.num_cu}, backend={self.backend!r}"
+            + (", cache_fp8_weight=True" if self.cache_fp8_weight else "")
         )

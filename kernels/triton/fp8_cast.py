@@ -72,8 +72,9 @@ def fp8_cast(x, scale, fp8_dtype, fp8_max: float, write_rows: bool = True, write
 @triton.jit
 def _quant_scales(amax, FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr):
     """(quantization scale, dequantization scale) from amax, bit-for-bit turbo_moe.quantize's
-    float32 math: IEEE-rounded divisions; amax == 0 -> 1; NaN/Inf amax propagate."""
-    scale = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)
+    float32 math: ``fp8_max / amax`` is torch's ``amax.reciprocal() * fp8_max`` (two IEEE-rounded
+    steps); amax == 0 -> 1; NaN/Inf amax propagate."""
+    scale = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax) * FP8_MAX
     if MARGIN_FACTOR != 1.0:
         scale = scale * MARGIN_FACTOR
     scale = tl.where(amax == 0, 1.0, scale)

@@ -334,23 +334,22 @@ def _new_output(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-_allocator_installed = False
+def _torch_scratch_allocator(size: int, alignment: int, stream):
+    device = "cuda" if torch.cuda.is_available() and not _interpreting() else "cpu"
+    return torch.empty(size, dtype=torch.int8, device=device)
 
 
 def _install_descriptor_allocator() -> None:
     """Device-side TMA descriptors need global scratch memory; hand Triton torch's allocator
-    (stream-ordered, so it is also legal while a CUDA graph is captured)."""
-    global _allocator_installed
-    if _allocator_installed:
-        return
+    (stream-ordered, so it is also legal while a CUDA graph is captured).
+
+    ``triton.set_allocator`` sets a context variable, which is per thread: autograd runs backward
+    on its own device threads, so the allocator is (re)installed before every TMA launch rather
+    than once per process (a one-shot flag left the forward thread without one).
+    """
     import triton
 
-    def alloc(size: int, alignment: int, stream):
-        device = "cuda" if torch.cuda.is_available() and not _interpreting() else "cpu"
-        return torch.empty(size, dtype=torch.int8, device=device)
-
-    triton.set_allocator(alloc)
-    _allocator_installed = True
+    triton.set_allocator(_torch_scratch_allocator)
 
 
 # Hopper's per-block shared memory (227 KiB), less a little for the pipeline's barriers.

@@ -91,8 +91,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     p.add_argument("--kernel-scales", choices=["rowwise", "tensorwise"], default="rowwise",
                    help="scale granularity of turbo_moe's kernel-level problems (the peers are rowwise)")
-    p.add_argument("--granularity", type=_csv, default=["rowwise", "tensorwise"],
-                   help="Float8Config granularities of the end-to-end turbo_moe layer")
+    p.add_argument("--granularity", type=_csv, default=["tensorwise", "tensorwise+wcache", "rowwise"],
+                   help="Float8Config granularities of the end-to-end turbo_moe layer; '+wcache' builds it with "
+                        "cache_fp8_weight=True (the weight, unchanged between steps here, is quantized once)")
     p.add_argument("--format", choices=["e4m3", "hybrid"], default="e4m3", help="Float8Config format end to end")
     p.add_argument("--num-cu", type=int, default=None, help="cap turbo_moe's persistent grid at this many SMs/CUs")
     p.add_argument("--align", type=int, default=16, help="group sizes are multiples of this (CUTLASS FP8 wants 16)")
@@ -116,7 +117,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible to torch (use --device cpu for the smoke mode)")
     for name, allowed in (("levels", ("kernel", "e2e")), ("ops", KERNEL_OPS),
-                          ("granularity", ("rowwise", "tensorwise"))):
+                          ("granularity", ("rowwise", "tensorwise", "rowwise+wcache", "tensorwise+wcache"))):
         bad = [v for v in getattr(args, name) if v not in allowed]
         if bad:
             p.error(f"--{name}: {', '.join(bad)} not in {', '.join(allowed)}")

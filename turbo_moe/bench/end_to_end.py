@@ -3,7 +3,9 @@
 Implementations:
 
 * ``turbo:<backend>:<granularity>`` -- ``turbo_moe.GroupedLinearFP8`` (its weight is the shared
-  ``[G, N, K]`` bf16 parameter);
+  ``[G, N, K]`` bf16 parameter); ``<granularity>+wcache`` with ``cache_fp8_weight=True``: the
+  weight does not change between the timed steps (no optimizer step), so it is quantized once,
+  as it is once per optimizer step under gradient accumulation;
 * ``bf16`` -- ``torch._grouped_mm`` forward and its autograd backward;
 * ``torchao_fp8`` -- torchao's ``_to_fp8_rowwise_then_scaled_grouped_mm`` (dynamic rowwise e4m3,
   CUTLASS grouped GEMMs; torchao 0.18).
@@ -75,9 +77,11 @@ def turbo_step(inputs: E2EInputs, backend: str, granularity: str, fmt: str, num_
     import turbo_moe
 
     g, n, k = inputs.w.shape
+    granularity, _, option = granularity.partition("+")
     config = turbo_moe.Float8Config(format=fmt, granularity=granularity)
     # Build on the meta device (no init kernels, no memory), then share the bench's weight.
-    layer = turbo_moe.GroupedLinearFP8(g, k, n, config=config, num_cu=num_cu, backend=backend, device="meta", dtype=inputs.w.dtype)
+    layer = turbo_moe.GroupedLinearFP8(g, k, n, config=config, num_cu=num_cu, backend=backend, device="meta",
+                                       dtype=inputs.w.dtype, cache_fp8_weight=option == "wcache")
     layer.weight = inputs.w
     return _grad_step(inputs, lambda: layer(inputs.x, inputs.group_lens))
 
