@@ -101,11 +101,11 @@ ROWWISE_CHECK = textwrap.dedent(
         return x.to(dtype).to(device)
 
     def torch_path(fn, *args, **kw):  # the reference: the same function without the GPU kernels
-        saved, Q._rowwise_kernels = Q._rowwise_kernels, lambda t: None
+        saved, Q._cast_kernels = Q._cast_kernels, lambda t: None
         try:
             return fn(*args, **kw)
         finally:
-            Q._rowwise_kernels = saved
+            Q._cast_kernels = saved
 
     same = lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):

@@ -50,12 +50,12 @@ def _amax(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t, float("inf")) if t.numel() else t.new_zeros(())
 
 
-def _fused_cast_kernel(t: torch.Tensor):
-    """The Triton cast+transpose kernel for GPU tensors, or None (CPU, or no triton)."""
-    if not t.is_cuda:
+def _cast_kernels(t: torch.Tensor):
+    """``turbo_moe.kernels.triton.fp8_cast`` for 2-D/3-D GPU tensors, or None (CPU, or no triton)."""
+    if not t.is_cuda or t.dim() not in (2, 3):
         return None
     try:
-        from turbo_moe.kernels.triton.fp8_cast import fp8_cast
+        from turbo_moe.kernels.triton import fp8_cast
     except ImportError:
         return None
     return fp8_cast
@@ -76,9 +76,9 @@ def quantize_tensorwise_layouts(t: torch.Tensor, fp8_dtype: torch.dtype, margin:
     On a GPU one fused Triton pass writes both; elsewhere torch ops give the same bits.
     """
     scale = _quant_scale(_amax(t), fp8_dtype, margin)
-    kernel = _fused_cast_kernel(t)
-    if kernel is not None and t.dim() in (2, 3):
-        q_rows, q_t = kernel(t, scale, fp8_dtype, fp8_max(fp8_dtype), write_rows=rows, write_transposed=transposed)
+    kernels = _cast_kernels(t)
+    if kernels is not None:
+        q_rows, q_t = kernels.fp8_cast(t, scale, fp8_dtype, fp8_max(fp8_dtype), write_rows=rows, write_transposed=transposed)
     else:
         q = _cast(t, scale, fp8_dtype)
         q_rows = q.contiguous() if rows else None
@@ -86,20 +86,9 @@ def quantize_tensorwise_layouts(t: torch.Tensor, fp8_dtype: torch.dtype, margin:
     return q_rows, q_t, scale.reciprocal()
 
 
-def _rowwise_kernels(t: torch.Tensor):
-    """The Triton per-row / per-column cast kernels for GPU tensors, or None."""
-    if not t.is_cuda or t.dim() not in (2, 3):
-        return None
-    try:
-        from turbo_moe.kernels.triton import fp8_cast
-    except ImportError:
-        return None
-    return fp8_cast
-
-
 def quantize_rowwise(t: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0):
     """One scale per row, the last dimension being contracted. t: [..., R, C] -> (fp8, scales [..., R])."""
-    kernels = _rowwise_kernels(t)
+    kernels = _cast_kernels(t)
     if kernels is not None:
         return kernels.fp8_rowwise_cast(t, fp8_dtype, fp8_max(fp8_dtype), margin)
     amax = t.abs().amax(dim=-1, keepdim=True) if t.shape[-1] else t.new_zeros(t.shape[:-1] + (1,))
@@ -126,7 +115,7 @@ def quantize_columnwise(t: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0
     single = group_offs is None
     if single:
         group_offs = torch.tensor([0, t.shape[-2]], dtype=torch.int64, device=t.device)
-    kernels = _rowwise_kernels(t)
+    kernels = _cast_kernels(t)
     if kernels is not None:
         q_t, dequant = kernels.fp8_colwise_grouped_cast(t, group_offs, fp8_dtype, fp8_max(fp8_dtype), margin)
         return q_t, (dequant.squeeze(-2) if single else dequant)

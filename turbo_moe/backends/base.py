@@ -84,14 +84,16 @@ class GroupedGemmProblem:
             return (self.a.shape[0], self.b.shape[1])
         return (self.num_groups, self.a.shape[0], self.b.shape[0])
 
+    @property
+    def mnk(self) -> tuple[int, int, int]:
+        """(M, N, K) of the problem: M tokens, out[.., N, K] for K_GROUPED, out[M, N] contracted over K."""
+        if self.kind is GemmKind.M_GROUPED:
+            return self.a.shape[0], self.b.shape[1], self.a.shape[1]
+        return self.a.shape[1], self.a.shape[0], self.b.shape[0]
+
     def describe(self) -> str:
         g = self.num_groups
-        if self.kind is GemmKind.M_GROUPED:
-            m, k = self.a.shape
-            n = self.b.shape[1]
-        else:
-            n, m = self.a.shape
-            k = self.b.shape[0]
+        m, n, k = self.mnk
         scales = "rowwise" if self.rowwise else "tensorwise"
         return (
             f"{self.role or self.kind.value} G={g} M={m} N={n} K={k} "

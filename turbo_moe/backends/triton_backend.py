@@ -279,12 +279,7 @@ class TritonBackend(GroupedGemmBackend):
 
     # ------------------------------------------------------------------ tuning
     def shape_class(self, problem: GroupedGemmProblem) -> tuple:
-        if problem.kind is GemmKind.M_GROUPED:
-            M, K = problem.a.shape
-            N = problem.b.shape[1]
-        else:
-            N, M = problem.a.shape
-            K = problem.b.shape[0]
+        M, N, K = problem.mnk
         G = problem.num_groups
         return (
             problem.kind, N, K, _pow2_class(M), _pow2_class(max(M // max(G, 1), 1)), G if G <= 8 else _pow2_class(G) + 100,
