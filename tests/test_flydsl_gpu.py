@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from turbo_moe.backends.base import GemmKind, GroupedGemmProblem
+from turbo_moe.backends.torch_backend import reference_grouped_gemm
 
 pytestmark = pytest.mark.gpu
 
@@ -35,20 +36,7 @@ def _fp8(shape, dtype, device):
 
 def _reference(problem):
     """float64 reference of the problem (base.py semantics)."""
-    offs = problem.group_offs.tolist()
-    a, b = problem.a.double(), problem.b.double()
-    sa, sb = problem.a_scale.double(), problem.b_scale.double()
-    out = torch.zeros(problem.out_shape, dtype=torch.float64, device=a.device)
-    for g in range(problem.num_groups):
-        lo, hi = offs[g], offs[g + 1]
-        sbg = sb if sb.dim() == 0 else sb[g]
-        if problem.kind is GemmKind.M_GROUPED:
-            sag = sa if sa.dim() == 0 else sa[lo:hi, None]
-            out[lo:hi] = (a[lo:hi] @ b[g].T) * sag * sbg
-        else:
-            sag = sa if sa.dim() == 0 else sa[g][:, None]
-            out[g] = (a[:, lo:hi] @ b[:, lo:hi].T) * sag * sbg
-    return out
+    return reference_grouped_gemm(problem, torch.float64)
 
 
 def _check(out, ref, out_dtype):

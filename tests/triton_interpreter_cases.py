@@ -154,25 +154,16 @@ def _build(case: Case):
 
 def _reference64(problem):
     """float64 result and the float64 sum of |products| (for the fp32 summation bound)."""
-    from turbo_moe.backends.base import GemmKind
+    import dataclasses
 
-    a, b = problem.a.double(), problem.b.double()
-    sa, sb = problem.a_scale.double(), problem.b_scale.double()
-    offs = problem.group_offs.tolist()
-    ref = torch.zeros(problem.out_shape, dtype=torch.float64)
-    mag = torch.zeros(problem.out_shape, dtype=torch.float64)
-    for g in range(problem.num_groups):
-        lo, hi = offs[g], offs[g + 1]
-        gsb = sb if sb.dim() == 0 else sb[g]
-        if problem.kind is GemmKind.M_GROUPED:
-            gsa = sa if sa.dim() == 0 else sa[lo:hi, None]
-            ref[lo:hi] = (a[lo:hi] @ b[g].T) * gsa * gsb
-            mag[lo:hi] = (a[lo:hi].abs() @ b[g].abs().T) * gsa.abs() * gsb.abs()
-        else:
-            gsa = sa if sa.dim() == 0 else sa[g][:, None]
-            ref[g] = (a[:, lo:hi] @ b[:, lo:hi].T) * gsa * gsb
-            mag[g] = (a[:, lo:hi].abs() @ b[:, lo:hi].abs().T) * gsa.abs() * gsb.abs()
-    return ref, mag
+    from turbo_moe.backends.torch_backend import reference_grouped_gemm
+
+    ref = reference_grouped_gemm(problem, torch.float64)
+    magnitudes = dataclasses.replace(
+        problem, a=problem.a.double().abs(), b=problem.b.double().abs(),
+        a_scale=problem.a_scale.double().abs(), b_scale=problem.b_scale.double().abs(),
+    )
+    return ref, reference_grouped_gemm(magnitudes, torch.float64)
 
 
 def _build_exact_fp32(problem, ref_out):

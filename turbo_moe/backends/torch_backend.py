@@ -31,22 +31,30 @@ class TorchBackend(GroupedGemmBackend):
         return True, ""
 
     def run(self, problem: GroupedGemmProblem) -> torch.Tensor:
-        offs = problem.group_offs.tolist()
-        a = problem.a.float()
-        b = problem.b.float()
-        out = torch.empty(problem.out_shape, dtype=torch.float32, device=problem.device)
-        a_scale, b_scale = problem.a_scale.float(), problem.b_scale.float()
-        for g in range(problem.num_groups):
-            lo, hi = offs[g], offs[g + 1]
-            sb = b_scale if b_scale.dim() == 0 else b_scale[g]
-            if problem.kind is GemmKind.M_GROUPED:
-                sa = a_scale if a_scale.dim() == 0 else a_scale[lo:hi, None]
-                out[lo:hi] = (a[lo:hi] @ b[g].T) * sa * sb
-            else:
-                sa = a_scale if a_scale.dim() == 0 else a_scale[g][:, None]
-                # An empty token range gives an exactly zero product.
-                out[g] = (a[:, lo:hi] @ b[:, lo:hi].T) * sa * sb
-        return out.to(problem.out_dtype)
+        return reference_grouped_gemm(problem).to(problem.out_dtype)
+
+
+def reference_grouped_gemm(problem: GroupedGemmProblem, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The problem's exact semantics in ``compute_dtype`` (float64 in tests), not yet cast to out_dtype.
+
+    Operands may also be given in a high-precision dtype (tests pass ``|a|``, ``|b|`` in float64 to
+    get the magnitude of the products for error bounds).
+    """
+    offs = problem.group_offs.tolist()
+    a, b = problem.a.to(compute_dtype), problem.b.to(compute_dtype)
+    a_scale, b_scale = problem.a_scale.to(compute_dtype), problem.b_scale.to(compute_dtype)
+    out = torch.empty(problem.out_shape, dtype=compute_dtype, device=problem.device)
+    for g in range(problem.num_groups):
+        lo, hi = offs[g], offs[g + 1]
+        sb = b_scale if b_scale.dim() == 0 else b_scale[g]
+        if problem.kind is GemmKind.M_GROUPED:
+            sa = a_scale if a_scale.dim() == 0 else a_scale[lo:hi, None]
+            out[lo:hi] = (a[lo:hi] @ b[g].T) * sa * sb
+        else:
+            sa = a_scale if a_scale.dim() == 0 else a_scale[g][:, None]
+            # An empty token range gives an exactly zero product.
+            out[g] = (a[:, lo:hi] @ b[:, lo:hi].T) * sa * sb
+    return out
 
 
 BACKEND = TorchBackend()
