@@ -194,6 +194,7 @@ class TritonBackend(GroupedGemmBackend):
         b_scale = problem.b_scale.contiguous()
         offs = problem.group_offs
         G = problem.num_groups
+        M, N, K = problem.mnk
         a_rowwise, b_rowwise = a_scale.dim() > 0, b_scale.dim() > 0
         limit = self.num_programs_limit(problem)
         extra = {} if _interpreting() else {"num_warps": config.num_warps, "num_stages": config.num_stages}
@@ -204,8 +205,6 @@ class TritonBackend(GroupedGemmBackend):
         if problem.kind is GemmKind.M_GROUPED and use_tma:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
-            M, K = a.shape
-            N = b.shape[1]
             a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [config.block_m, config.block_k])
             # b's groups stacked as one [G*N, K] matrix (checked contiguous across groups).
             b_desc = TensorDescriptor(b, [G * N, K], [b.stride(1), 1], [config.block_n, config.block_k])
@@ -223,8 +222,6 @@ class TritonBackend(GroupedGemmBackend):
         elif problem.kind is GemmKind.K_GROUPED and use_tma:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
-            N, M = a.shape
-            K = b.shape[0]
             a_desc = TensorDescriptor(a, [N, M], [a.stride(0), 1], [config.block_m, config.block_k])
             b_desc = TensorDescriptor(b, [K, M], [b.stride(0), 1], [config.block_n, config.block_k])
             # Narrow boxes for a group's first and last tokens (32: the FP8 dot's smallest K).
@@ -249,8 +246,6 @@ class TritonBackend(GroupedGemmBackend):
                 **extra,
             )
         elif problem.kind is GemmKind.M_GROUPED:
-            M, K = a.shape
-            N = b.shape[1]
             bound = ts.m_grouped_tile_upper_bound(M, G, config.block_m, ts.cdiv(N, config.block_n))
             grid = (ts.persistent_grid_size(bound, limit),)
             k.m_grouped_gemm_kernel[grid](
@@ -263,8 +258,6 @@ class TritonBackend(GroupedGemmBackend):
                 **extra,
             )
         else:
-            N, M = a.shape
-            K = b.shape[0]
             total = ts.k_grouped_total_tiles(G, ts.cdiv(N, config.block_m), ts.cdiv(K, config.block_n))
             grid = (ts.persistent_grid_size(total, limit),)
             k.k_grouped_gemm_kernel[grid](

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import math
 import os
 import platform
 import shlex

@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from . import data
-from .kernel_level import Missing
+from .kernel_level import Missing, peer_impls
 from .shapes import Case
 
 __all__ = ["E2E_PEERS", "E2EInputs", "prepare_e2e", "e2e_impls", "reference_errors"]
@@ -123,15 +123,7 @@ def e2e_impls(
                 out.append((label, turbo_step(inputs, backend, granularity, fmt, num_cu)))
             except Exception as exc:  # a module that cannot be built here is reported, not fatal
                 out.append((label, Missing(f"{type(exc).__name__}: {exc}")))
-    makers = {"bf16": bf16_step, "torchao_fp8": torchao_step}
-    for peer in peers:
-        if peer not in makers:
-            continue
-        try:
-            out.append((peer, makers[peer](inputs)))
-        except Missing as exc:
-            out.append((peer, exc))
-    return out
+    return out + peer_impls({"bf16": bf16_step, "torchao_fp8": torchao_step}, inputs, peers)
 
 
 def reference_errors(inputs: E2EInputs, y: torch.Tensor, dx: torch.Tensor, dw: torch.Tensor) -> Dict[str, float]:

@@ -218,6 +218,12 @@ def kernel_impls(
             seen.add(impl.name)
             out.append((impl.name, impl))
     makers = {"cutlass_fp8": cutlass_fp8_impl, "bf16": bf16_impl, "dense_fp8": dense_fp8_impl}
+    return out + peer_impls(makers, inputs, peers)
+
+
+def peer_impls(makers, inputs, peers) -> list:
+    """``(peer, impl or Missing)`` for each requested peer this level knows (others are skipped)."""
+    out = []
     for peer in peers:
         if peer not in makers:
             continue
