@@ -15,3 +15,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dispatch_decisions():
+    """Dispatch decisions are cached per problem signature; tests that fake a device or flip an
+    environment switch must not see a decision cached by an earlier test."""
+    from turbo_moe.backends import clear_dispatch_cache
+
+    clear_dispatch_cache()
+    yield

@@ -295,8 +295,8 @@ def test_grouped_gemm_high_precision():
 # ---------------------------------------------------------------- FP8 weight cache
 def test_fp8_weight_cache_matches_uncached_and_tracks_updates():
     torch.manual_seed(6)
-    cached = GroupedLinearFP8(3, 32, 24, cache_fp8_weight=True)
-    plain = GroupedLinearFP8(3, 32, 24)
+    cached = GroupedLinearFP8(3, 32, 24)  # the cache is the default
+    plain = GroupedLinearFP8(3, 32, 24, cache_fp8_weight=False)
     plain.load_state_dict(cached.state_dict())
     opt = torch.optim.SGD(cached.parameters(), lr=0.1)
     opt_plain = torch.optim.SGD(plain.parameters(), lr=0.1)
@@ -328,10 +328,10 @@ def test_fp8_weight_cache_matches_uncached_and_tracks_updates():
         assert not torch.equal(cached(x, lens), plain(x, lens))
         cached.invalidate_fp8_weight_cache()
         assert torch.equal(cached(x, lens), plain(x, lens))
-        plain2 = GroupedLinearFP8(3, 32, 24)
+        plain2 = GroupedLinearFP8(3, 32, 24, cache_fp8_weight=False)
         cached.load_state_dict(plain2.state_dict())  # copy_ bumps the version
         plain.load_state_dict(plain2.state_dict())
         assert torch.equal(cached(x, lens), plain(x, lens))
     finally:
         module_mod.quantize_weight = real
-    assert "cache_fp8_weight=True" in repr(cached)
+    assert "cache_fp8_weight=True" in repr(cached) and "cache_fp8_weight" not in repr(plain)

@@ -1,4 +1,4 @@
-"""The fused FP8 cast+transpose kernel gives the same bits as the torch quantization path.
+"""The fused FP8 quantization kernels give the same bits as the torch quantization path.
 
 On the CPU the kernel runs in Triton's interpreter (in a subprocess, because Triton fixes a
 kernel's mode when the module is imported); on a GPU (marked ``gpu``) it runs compiled.
@@ -22,12 +22,20 @@ import torch
 CHECK = textwrap.dedent(
     """
     import torch
-    from turbo_moe.kernels.triton.fp8_cast import fp8_cast
+    from turbo_moe.kernels.triton.fp8_cast import fp8_tensorwise_cast
     from turbo_moe.quantize import _cast, _quant_scale, _amax
+
+    def fp8_cast(x, scale, fp8, fmax, write_rows=True, write_transposed=False):
+        # the kernels find the scale themselves: it must equal the torch path's
+        rows, trans, dequant = fp8_tensorwise_cast(x, fp8, fmax, 0, write_rows, write_transposed)
+        assert torch.equal(dequant, scale.reciprocal()), (dequant, scale.reciprocal())
+        return rows, trans
     from turbo_moe.config import fp8_max
     device = DEVICE
     gen = torch.Generator().manual_seed(0)
-    cases = [((37, 70), torch.float32), ((3, 65, 129), torch.bfloat16), ((1, 1), torch.float16), ((0, 5), torch.float32)]
+    # (3, 65, 129) and (130, 80) span several amax partials (4096 elements each)
+    cases = [((37, 70), torch.float32), ((3, 65, 129), torch.bfloat16), ((1, 1), torch.float16), ((0, 5), torch.float32),
+             ((130, 80), torch.bfloat16)]
     for shape, dtype in cases:
         for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
             if EXACT:
@@ -55,10 +63,11 @@ CHECK = textwrap.dedent(
     assert torch.equal(rows.view(torch.uint8), _cast(x, scale, torch.float8_e4m3fn).contiguous().view(torch.uint8))
     if not EXACT:  # the interpreter also encodes NaN wrongly (0x7C in e4m3fn), so compiled only
         # NaN propagates instead of clamping to +-max
-        x = torch.randn(8, 8, generator=gen).to(device)
-        x[1, 1] = float("nan")
-        rows, _ = fp8_cast(x, _quant_scale(_amax(x), torch.float8_e4m3fn, 0), torch.float8_e4m3fn, 448.0)
-        assert torch.isnan(rows.float()).all()
+        for shape, where in (((8, 8), (1, 1)), ((300, 70), (250, 3))):  # NaN in the first / a later partial
+            x = torch.randn(*shape, generator=gen).to(device)
+            x[where] = float("nan")
+            rows, _, dequant = fp8_tensorwise_cast(x, torch.float8_e4m3fn, 448.0)
+            assert torch.isnan(rows.float()).all() and torch.isnan(dequant)
     print("ok")
     """
 )
@@ -121,7 +130,7 @@ ROWWISE_CHECK = textwrap.dedent(
                 g_offs = torch.tensor(offs, device=device) if lens else None
                 qt, st = Q.quantize_columnwise(x, fp8, margin, group_offs=g_offs) if device != "cpu" else \
                     (lambda r: (r[0] if lens else r[0], r[1] if lens else r[1].squeeze(-2)))(
-                        fp8_colwise_grouped_cast(x, torch.tensor(offs, device=device), fp8, fp8_max(fp8), margin))
+                        fp8_colwise_grouped_cast(x, g_offs, fp8, fp8_max(fp8), margin))
                 qt_ref, st_ref = torch_path(Q.quantize_columnwise, x, fp8, margin, group_offs=g_offs)
                 assert qt.shape == qt_ref.shape and st.shape == st_ref.shape, (qt.shape, qt_ref.shape, st.shape, st_ref.shape)
                 assert same(qt, qt_ref) and torch.equal(st, st_ref), ("colwise", shape, fp8, margin)

@@ -42,10 +42,7 @@ __all__ = [
 
 def _run(kind, a, b, a_scale, b_scale, offs, out_dtype, num_cu, backend, role) -> torch.Tensor:
     problem = GroupedGemmProblem(kind, a, b, a_scale, b_scale, offs, out_dtype, num_cu, role)
-    chosen = select_backend(problem, backend)
-    # The FP8 semantics are fixed by the recipe; an enclosing autocast must not recast the math.
-    with torch.autocast(device_type=a.device.type, enabled=False):
-        return chosen.run(problem)
+    return select_backend(problem, backend).run(problem)
 
 
 def _token_major_operand(t, offs, fp8_dtype, margin, rowwise):
@@ -132,14 +129,23 @@ class GroupedGemmFP8Function(torch.autograd.Function):
         if not need_dx:
             w_kn = w_kn_scale = None
         y = _run(GemmKind.M_GROUPED, x_fp8, w_q, x_scale, w_scale, group_offs, out_dtype, num_cu, backend, "fwd")
-        ctx.save_for_backward(w_kn, w_kn_scale, x_km, x_km_scale, group_offs)
+        # W^T in FP8 is dgrad's alone: held on ctx (not saved) so backward can drop it before the
+        # wgrad output is allocated -- unless it belongs to the caller's cache, which keeps it anyway.
+        # w itself is saved (a live parameter: no memory) to re-derive it if backward runs again
+        # (retain_graph); the saved-tensor version check then also catches an in-place change of w.
+        ctx.w_kn = w_kn
+        ctx.save_for_backward(w_nk if need_dx else None, w_kn_scale, x_km, x_km_scale, group_offs)
         ctx.config, ctx.num_cu, ctx.backend = config, num_cu, backend
         ctx.x_dtype, ctx.w_dtype = x.dtype, w_nk.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        w_kn, w_kn_scale, x_km, x_km_scale, group_offs = ctx.saved_tensors
+        w_nk, w_kn_scale, x_km, x_km_scale, group_offs = ctx.saved_tensors
+        w_kn, ctx.w_kn = ctx.w_kn, None
+        if w_kn is None and ctx.needs_input_grad[0]:  # a second backward (retain_graph): re-derive W^T
+            requantized = quantize_weight(w_nk, ctx.config, transposed=True)
+            w_kn, w_kn_scale = requantized.data_t, requantized.scale_t
         config = ctx.config
         rowwise = config.granularity is ScalingGranularity.ROWWISE
         gdtype, margin = config.grad_dtype, config.margin
@@ -158,6 +164,8 @@ class GroupedGemmFP8Function(torch.autograd.Function):
         if need_dx:
             dx = _run(GemmKind.M_GROUPED, dy_fp8, w_kn, dy_scale, w_kn_scale, group_offs,
                       ctx.x_dtype, ctx.num_cu, ctx.backend, "dgrad")
+        # dgrad's operands are dead: release them before wgrad allocates dW (the peak of the step).
+        del w_kn, dy_fp8
         if need_dw:
             dw = _run(GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs,
                       ctx.w_dtype, ctx.num_cu, ctx.backend, "wgrad")

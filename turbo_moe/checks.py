@@ -80,6 +80,10 @@ def resolve_group_offs(
         raise ValueError(f"len({name})={t.shape[0]} but w has {num_groups} groups (expected {expected})")
     if t.device != device:
         raise ValueError(f"{name} must be on the data's device {device}, got {t.device}")
+    if device.type != "cpu" and not _sync_checks():
+        kernel = _offsets_kernel(t)
+        if kernel is not None:  # one launch: prefix sum, device asserts, clamp (the path below in one)
+            return kernel.resolve_group_offs(t, num_rows, from_lens=name == "group_lens")
     t = t.to(torch.int64)
     if name == "group_lens":
         offs = torch.cat([t.new_zeros(1), torch.cumsum(t, 0)])
@@ -97,6 +101,25 @@ def resolve_group_offs(
     torch._assert_async(offs[-1] == num_rows, "turbo_moe: group sizes do not sum to x.shape[0]")
     # Keep every kernel in bounds whatever the routing says (see the module doc).
     return torch.cummax(offs.clamp(0, num_rows), 0).values
+
+
+_offsets_module = None  # turbo_moe.kernels.triton.group_offsets once imported; False without triton
+
+
+def _offsets_kernel(t: torch.Tensor):
+    """The one-launch offsets kernel for CUDA tensors, or None (no triton, too many groups)."""
+    global _offsets_module
+    if not t.is_cuda:
+        return None
+    if _offsets_module is None:
+        try:
+            from turbo_moe.kernels.triton import group_offsets
+        except ImportError:
+            group_offsets = False
+        _offsets_module = group_offsets
+    if not _offsets_module or t.shape[0] > _offsets_module.MAX_GROUPS:
+        return None
+    return _offsets_module
 
 
 def _check_on_host(name: str, t: torch.Tensor, offs: torch.Tensor, num_rows: int) -> None:

@@ -25,14 +25,17 @@ class GroupedLinearFP8(nn.Module):
         config: the FP8 recipe (``Float8Config``; default e4m3, tensorwise, current scaling).
         num_cu: cap on the SMs/CUs the kernels occupy, or None for all.
         backend: ``"auto"``, ``"flydsl"``, ``"triton"`` or ``"torch"``.
-        cache_fp8_weight: keep the FP8 copies of the weight between calls and re-quantize only
-            when the weight changed (its version counter or storage moved: ``optimizer.step()``,
-            ``load_state_dict``, any in-place op on the Parameter). With gradient accumulation the
-            weight is then quantized once per optimizer step instead of once per micro-batch, at
-            the price of keeping ~2 bytes per weight element alive between calls. Updates made
-            through ``weight.data`` bypass the version counter: call
-            :meth:`invalidate_fp8_weight_cache` after them. Never used while a CUDA graph is being
-            captured (the graph re-quantizes on every replay).
+        cache_fp8_weight: (default True) keep the FP8 copies of the weight between calls and
+            re-quantize only when the weight changed (its version counter or storage moved:
+            ``optimizer.step()``, ``load_state_dict``, any in-place op on the Parameter). Under
+            gradient accumulation the weight is then quantized once per optimizer step instead of
+            once per micro-batch, which is what a trainer wants: the quantization of a large expert
+            weight otherwise dominates the step at many experts. The price is ~2 bytes per weight
+            element kept alive between calls (the forward copy and dgrad's transposed copy: as much
+            as the bf16 weight itself). Updates made through ``weight.data`` (or into a flat
+            buffer the parameter views, as ZeRO-style optimizers do) bypass the version counter:
+            call :meth:`invalidate_fp8_weight_cache` after them, or pass False. Never used while a
+            CUDA graph is being captured (the graph re-quantizes on every replay).
 
     ``weight`` is ``[G, out_features, in_features]``, each expert initialised as ``nn.Linear``
     would initialise it. ``forward(x, group_lens)`` takes tokens already sorted by expert and an
@@ -51,7 +54,7 @@ class GroupedLinearFP8(nn.Module):
         backend: str = "auto",
         device=None,
         dtype=None,
-        cache_fp8_weight: bool = False,
+        cache_fp8_weight: bool = True,
     ) -> None:
         super().__init__()
         for name, value in (("num_groups", num_groups), ("in_features", in_features), ("out_features", out_features)):

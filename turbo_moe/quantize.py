@@ -50,15 +50,21 @@ def _amax(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t, float("inf")) if t.numel() else t.new_zeros(())
 
 
+_fp8_cast_module = None  # turbo_moe.kernels.triton.fp8_cast once imported; False if triton is missing
+
+
 def _cast_kernels(t: torch.Tensor):
     """``turbo_moe.kernels.triton.fp8_cast`` for 2-D/3-D GPU tensors, or None (CPU, or no triton)."""
+    global _fp8_cast_module
     if not t.is_cuda or t.dim() not in (2, 3):
         return None
-    try:
-        from turbo_moe.kernels.triton import fp8_cast
-    except ImportError:
-        return None
-    return fp8_cast
+    if _fp8_cast_module is None:
+        try:
+            from turbo_moe.kernels.triton import fp8_cast
+        except ImportError:
+            fp8_cast = False
+        _fp8_cast_module = fp8_cast
+    return _fp8_cast_module or None
 
 
 def quantize_tensorwise(t: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0):
@@ -73,16 +79,17 @@ def quantize_tensorwise_layouts(t: torch.Tensor, fp8_dtype: torch.dtype, margin:
 
     Returns ``(rows_fp8, transposed_fp8, dequant_scale)``: a contiguous copy in t's layout, a
     contiguous copy of its last two dims swapped (``[..., C, R]``), each None unless asked for.
-    On a GPU one fused Triton pass writes both; elsewhere torch ops give the same bits.
+    On a GPU two Triton launches (amax partials, then one cast writing both layouts, the scale
+    derived on the device) do it all; elsewhere torch ops give the same bits.
     """
-    scale = _quant_scale(_amax(t), fp8_dtype, margin)
     kernels = _cast_kernels(t)
     if kernels is not None:
-        q_rows, q_t = kernels.fp8_cast(t, scale, fp8_dtype, fp8_max(fp8_dtype), write_rows=rows, write_transposed=transposed)
-    else:
-        q = _cast(t, scale, fp8_dtype)
-        q_rows = q.contiguous() if rows else None
-        q_t = q.transpose(-1, -2).contiguous() if transposed else None
+        return kernels.fp8_tensorwise_cast(t, fp8_dtype, fp8_max(fp8_dtype), margin, write_rows=rows,
+                                           write_transposed=transposed)
+    scale = _quant_scale(_amax(t), fp8_dtype, margin)
+    q = _cast(t, scale, fp8_dtype)
+    q_rows = q.contiguous() if rows else None
+    q_t = q.transpose(-1, -2).contiguous() if transposed else None
     return q_rows, q_t, scale.reciprocal()
 
 
@@ -113,12 +120,12 @@ def quantize_columnwise(t: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0
       dgrad, contracted over N) -> (fp8 ``[B, C, R]``, scales ``[B, C]``).
     """
     single = group_offs is None
-    if single:
-        group_offs = torch.tensor([0, t.shape[-2]], dtype=torch.int64, device=t.device)
     kernels = _cast_kernels(t)
     if kernels is not None:
         q_t, dequant = kernels.fp8_colwise_grouped_cast(t, group_offs, fp8_dtype, fp8_max(fp8_dtype), margin)
         return q_t, (dequant.squeeze(-2) if single else dequant)
+    if single:
+        group_offs = torch.tensor([0, t.shape[-2]], dtype=torch.int64, device=t.device)
     t3 = t if t.dim() == 3 else t[None]
     num_groups = group_offs.shape[0] - 1
     ids = row_group_ids(group_offs, t3.shape[1])

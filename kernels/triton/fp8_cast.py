@@ -1,9 +1,13 @@
-"""Fused FP8 cast: one read of a high-precision tensor, FP8 writes in both layouts the GEMMs read.
+"""Fused FP8 quantization: amax, scale and cast on the device, FP8 writes in both layouts the GEMMs read.
 
 The grouped GEMMs want every operand contiguous along its contraction dimension, so one tensor is
 needed twice: row-major (``x`` for the forward, ``dy`` for dgrad) and transposed (``x^T`` and
 ``dy^T`` for wgrad, ``W^T`` for dgrad). Casting and transposing in one pass reads the source once
 instead of three times (cast, read back, transpose).
+
+Tensorwise: two launches per tensor (an amax pass, then a cast that reduces the amax partials and
+derives the scale itself: no torch scalar ops between them). Rowwise: one launch (each program
+owns whole rows, or whole (group, column) slices, so it finds their amax and casts them).
 
 ``out[b, r, c] = fp8(clamp(x[b, r, c] * scale, -max, max))`` and ``out_t[b, c, r]`` the same value;
 the multiply is in float32 and the cast rounds to nearest even, bit-for-bit what
@@ -17,21 +21,54 @@ import triton.language as tl
 
 
 @triton.jit
+def amax_partials_kernel(x_ptr, partials_ptr, numel, chunk, BLOCK: tl.constexpr):
+    """Program p writes max |x| over the flat elements [p * chunk, (p + 1) * chunk) of a contiguous
+    tensor to partials[p] (NaN if any of them is NaN). Every program writes its slot, so the
+    partials buffer needs no zero-fill launch; the cast kernel reduces the partials itself, so no
+    scalar op sits between the two launches. Max is exact in any order: deterministic."""
+    pid = tl.program_id(0)
+    start = pid.to(tl.int64) * chunk
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for off in range(0, chunk, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + idx, mask=idx < numel, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, tl.abs(v), propagate_nan=tl.PropagateNan.ALL)
+    amax = tl.max(acc, axis=0)
+    amax = tl.where(tl.sum((acc != acc).to(tl.int32), axis=0) > 0, float("nan"), amax)
+    tl.store(partials_ptr + pid, amax)
+
+
+@triton.jit
+def _amax_from_partials(partials_ptr, num_partials, BLOCK_P: tl.constexpr):
+    """max of partials[:num_partials], NaN if any is NaN (tl.max alone would drop it)."""
+    offs = tl.arange(0, BLOCK_P)
+    p = tl.load(partials_ptr + offs, mask=offs < num_partials, other=0.0)
+    amax = tl.max(p, axis=0)
+    return tl.where(tl.sum((p != p).to(tl.int32), axis=0) > 0, float("nan"), amax)
+
+
+@triton.jit
 def fp8_cast_kernel(
-    x_ptr, scale_ptr, out_ptr, out_t_ptr,
+    x_ptr, partials_ptr, num_partials, out_ptr, out_t_ptr, dequant_ptr,
     R, C,
     stride_xb, stride_xr, stride_xc,
-    FP8_MAX: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_T: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_T: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
+    """Tensorwise cast of x [B, R, C]: the scale comes from the amax partials (every program
+    reduces them: a few hundred floats, cheaper than a launch), program (0, 0, 0) stores the
+    dequantization scale. Writes the row-major copy and/or the transposed copy [B, C, R]."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
+    amax = _amax_from_partials(partials_ptr, num_partials, BLOCK_P)
+    scale, dequant = _quant_scales(amax, FP8_MAX, MARGIN_FACTOR)
+    if (pid_r == 0) & (pid_c == 0) & (batch == 0):
+        tl.store(dequant_ptr, dequant)
     rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = pid_c.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     x = tl.load(x_ptr + batch * stride_xb + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask)
-    scale = tl.load(scale_ptr)
     q = tl.clamp(x.to(tl.float32) * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     if WRITE_ROWS:
         q_rows = q.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
@@ -41,32 +78,47 @@ def fp8_cast_kernel(
         tl.store(out_t_ptr + batch * R * C + cols[:, None] * R + rows[None, :], q_t, mask=tl.trans(mask))
 
 
-def fp8_cast(x, scale, fp8_dtype, fp8_max: float, write_rows: bool = True, write_transposed: bool = False):
-    """Cast a 2-D ``[R, C]`` or 3-D ``[B, R, C]`` tensor to FP8 with a 0-dim float32 scale.
+# Most amax partials (programs of amax_partials_kernel); the cast kernels reduce them in one block.
+MAX_PARTIALS = 1024
+_AMAX_BLOCK = 4096
 
-    Returns ``(rows, transposed)``: contiguous ``[..., R, C]`` and ``[..., C, R]`` FP8 tensors, each
-    None when not asked for.
+
+def fp8_tensorwise_cast(x, fp8_dtype, fp8_max: float, margin: int = 0, write_rows: bool = True,
+                        write_transposed: bool = False):
+    """Tensorwise current-scaling FP8 of a 2-D ``[R, C]`` or 3-D ``[B, R, C]`` tensor in two
+    launches: amax partials, then the cast (which reduces the partials and derives the scale on the
+    device). Returns ``(rows, transposed, dequant)``: contiguous ``[..., R, C]`` and ``[..., C, R]``
+    FP8 copies (each None when not asked for) and the 0-dim float32 dequantization scale.
     """
     import torch
 
-    squeeze = x.dim() == 2
-    x3 = x[None] if squeeze else x
+    x = x if x.is_contiguous() else x.contiguous()  # the amax pass walks flat memory
+    x3 = x[None] if x.dim() == 2 else x
     batches, r, c = x3.shape
+    numel = x3.numel()
+    dequant = torch.empty((), dtype=torch.float32, device=x.device)
     rows = torch.empty((batches, r, c), dtype=fp8_dtype, device=x.device) if write_rows else None
     trans = torch.empty((batches, c, r), dtype=fp8_dtype, device=x.device) if write_transposed else None
-    if x3.numel():
+    if numel == 0:
+        dequant.fill_(1.0)
+    else:
+        num_partials = min(MAX_PARTIALS, triton.cdiv(numel, _AMAX_BLOCK))
+        chunk = triton.cdiv(triton.cdiv(numel, num_partials), _AMAX_BLOCK) * _AMAX_BLOCK
+        num_partials = triton.cdiv(numel, chunk)
+        partials = torch.empty((num_partials,), dtype=torch.float32, device=x.device)
+        amax_partials_kernel[(num_partials,)](x3, partials, numel, chunk, BLOCK=_AMAX_BLOCK, num_warps=8)
         block_r, block_c = 64, 64
-        grid = (triton.cdiv(r, block_r), triton.cdiv(c, block_c), batches)
-        fp8_cast_kernel[grid](
-            x3, scale, rows if rows is not None else trans, trans if trans is not None else rows,
+        out = rows if rows is not None else trans
+        fp8_cast_kernel[(triton.cdiv(r, block_r), triton.cdiv(c, block_c), batches)](
+            x3, partials, num_partials, out, trans if trans is not None else out, dequant,
             r, c, x3.stride(0), x3.stride(1), x3.stride(2),
-            FP8_MAX=fp8_max, WRITE_ROWS=write_rows, WRITE_T=write_transposed,
-            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
+            FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, WRITE_ROWS=write_rows, WRITE_T=write_transposed,
+            BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_P=MAX_PARTIALS, num_warps=4,
         )
-    if squeeze:
+    if x.dim() == 2:
         rows = rows[0] if rows is not None else None
         trans = trans[0] if trans is not None else None
-    return rows, trans
+    return rows, trans, dequant
 
 
 @triton.jit
@@ -118,15 +170,22 @@ def fp8_colwise_grouped_cast_kernel(
     x_ptr, group_offs_ptr, out_t_ptr, dequant_ptr,
     R, C, G, stride_xb, stride_xr, stride_xc,
     FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ONE_GROUP: tl.constexpr,
 ):
     """One scale per (group of rows, column) of x [B, R, C], contracted over rows: the transposed
     FP8 copy out_t [B, C, R] (rows contiguous, as the wgrad / dgrad kernels read) and dequant
-    [B, G, C]. Groups are rows offs[g]:offs[g+1], the same for every batch; an empty group gets 1."""
+    [B, G, C]. Groups are rows offs[g]:offs[g+1], the same for every batch; an empty group gets 1.
+    ONE_GROUP: all R rows form one group and group_offs_ptr is not read (no offsets tensor to
+    build on the host: that would be a host-to-device copy on every call)."""
     pid_c = tl.program_id(0)
     group = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
-    lo = tl.load(group_offs_ptr + group)
-    hi = tl.load(group_offs_ptr + group + 1)
+    if ONE_GROUP:
+        lo = tl.zeros((), tl.int64)
+        hi = R.to(tl.int64)
+    else:
+        lo = tl.load(group_offs_ptr + group)
+        hi = tl.load(group_offs_ptr + group + 1)
     cols = pid_c.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < C
     x_base = x_ptr + batch * stride_xb + cols[None, :] * stride_xc
@@ -173,18 +232,22 @@ def fp8_rowwise_cast(x, fp8_dtype, fp8_max: float, margin: int = 0):
 
 
 def fp8_colwise_grouped_cast(x, group_offs, fp8_dtype, fp8_max: float, margin: int = 0):
-    """Per-(group, column) FP8 of x [R, C] (or [B, R, C]), transposed: (out_t [..., C, R], dequant [..., G, C])."""
+    """Per-(group, column) FP8 of x [R, C] (or [B, R, C]), transposed: (out_t [..., C, R], dequant [..., G, C]).
+
+    ``group_offs`` None: all rows are one group (dequant [..., 1, C])."""
     import torch
 
     x3, squeeze = _as_3d(x)
     batches, r, c = x3.shape
-    groups = group_offs.shape[0] - 1
+    one_group = group_offs is None
+    groups = 1 if one_group else group_offs.shape[0] - 1
     out_t = torch.empty((batches, c, r), dtype=fp8_dtype, device=x.device)
     dequant = torch.empty((batches, groups, c), dtype=torch.float32, device=x.device)
     if batches * groups * c:
         block_r, block_c = 64, 64
         fp8_colwise_grouped_cast_kernel[(triton.cdiv(c, block_c), groups, batches)](
-            x3, group_offs, out_t, dequant, r, c, groups, x3.stride(0), x3.stride(1), x3.stride(2),
-            FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
+            x3, x3 if one_group else group_offs, out_t, dequant, r, c, groups, x3.stride(0), x3.stride(1), x3.stride(2),
+            FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, BLOCK_R=block_r, BLOCK_C=block_c, ONE_GROUP=one_group,
+            num_warps=4,
         )
     return (out_t[0], dequant[0]) if squeeze else (out_t, dequant)

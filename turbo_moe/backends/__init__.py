@@ -33,6 +33,7 @@ __all__ = [
     "recent_dispatches",
     "clear_recent_dispatches",
     "DispatchRecord",
+    "clear_dispatch_cache",
 ]
 
 # name -> module that defines ``BACKEND`` (an instance of GroupedGemmBackend). Modules are imported
@@ -127,8 +128,35 @@ def _check(name: str, problem: GroupedGemmProblem) -> Tuple[object, str]:
     return backend, ""
 
 
+# (backend argument, problem signature) -> (chosen backend, its record). A decision depends only on
+# what the signature holds (see GroupedGemmProblem.signature), so the second call of a shape class
+# costs one dict lookup: no availability probes, no validation, no string formatting.
+_decisions: Dict[tuple, Tuple[GroupedGemmBackend, DispatchRecord]] = {}
+_MAX_DECISIONS = 4096
+
+
 def select_backend(problem: GroupedGemmProblem, backend: str = "auto") -> GroupedGemmBackend:
-    """Pick the backend that runs ``problem``; record and log why."""
+    """Pick the backend that runs ``problem``; record and log why (decisions cached per signature)."""
+    key = (backend, problem.signature())
+    hit = _decisions.get(key)
+    if hit is not None:
+        _recent.append(hit[1])
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s", hit[1])
+        return hit[0]
+    chosen = _select_uncached(problem, backend)
+    if len(_decisions) >= _MAX_DECISIONS:
+        _decisions.clear()
+    _decisions[key] = (chosen, _recent[-1])
+    return chosen
+
+
+def clear_dispatch_cache() -> None:
+    """Forget cached dispatch decisions (after changing TURBO_MOE_DISABLE_FLYDSL, say)."""
+    _decisions.clear()
+
+
+def _select_uncached(problem: GroupedGemmProblem, backend: str) -> GroupedGemmBackend:
     if backend == "auto":
         passed_over = []
         for name in AUTO_ORDER:

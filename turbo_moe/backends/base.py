@@ -66,6 +66,21 @@ class GroupedGemmProblem:
     # What the call is for ("fwd", "dgrad", "wgrad"): for logs and per-op tuning only.
     role: str = ""
 
+    def signature(self) -> tuple:
+        """Everything a backend's ``can_handle`` and launch plan depend on, as a hashable key: the
+        kind, dtypes, devices, shapes, strides and 16-byte alignment of every tensor, the cap, the
+        role, and whether a CUDA graph is being captured. Two problems with one signature get the
+        same dispatch decision and the same kernel configuration, so both are cached on it."""
+        a, b, sa, sb, offs = self.a, self.b, self.a_scale, self.b_scale, self.group_offs
+        capturing = a.is_cuda and torch.cuda.is_current_stream_capturing()
+        return (
+            self.kind, self.role, self.out_dtype, self.num_cu, capturing, a.device,
+            a.dtype, a.shape, a.stride(), a.data_ptr() % 16,
+            b.dtype, b.device, b.shape, b.stride(), b.data_ptr() % 16,
+            sa.dtype, sa.device, sa.shape, sb.dtype, sb.device, sb.shape,
+            offs.dtype, offs.device, offs.shape,
+        )
+
     @property
     def num_groups(self) -> int:
         return self.group_offs.shape[0] - 1

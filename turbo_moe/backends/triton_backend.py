@@ -109,6 +109,7 @@ class TritonBackend(GroupedGemmBackend):
 
     def __init__(self) -> None:
         self._tuned: Dict[tuple, KernelConfig] = {}
+        self._plans: Dict[tuple, _LaunchPlan] = {}
         self._lock = threading.Lock()
         self._sm_count: Dict[int, int] = {}
 
@@ -162,16 +163,27 @@ class TritonBackend(GroupedGemmBackend):
 
     # ------------------------------------------------------------------ run
     def run(self, problem: GroupedGemmProblem, config: Optional[KernelConfig] = None) -> torch.Tensor:
-        """Compute ``problem``; ``config`` overrides the tuned choice (tests, tuning scripts)."""
-        ok, why = self.can_handle(problem)
-        if not ok:
-            raise ValueError(f"triton backend cannot run {problem.describe()}: {why}")
-        out = _new_output(problem.out_shape, problem.out_dtype, problem.device)
-        if out.numel() == 0:
-            return out
-        if config is None:
-            config = self._choose_config(problem, out)
-        self._launch(problem, out, config)
+        """Compute ``problem``; ``config`` overrides the tuned choice (tests, tuning scripts).
+
+        The first call of a problem signature (``GroupedGemmProblem.signature``) validates it,
+        picks (or tunes) the configuration and builds a launch plan; later calls of the same
+        signature reuse the plan: the host work per call is the launch itself."""
+        key = problem.signature() if config is None else None
+        plan = self._plans.get(key) if key is not None else None
+        if plan is None:
+            ok, why = self.can_handle(problem)
+            if not ok:
+                raise ValueError(f"triton backend cannot run {problem.describe()}: {why}")
+            out = _new_output(problem.out_shape, problem.out_dtype, problem.device)
+            if out.numel() == 0:
+                return out
+            tuned_or_given = config is not None or self._is_tuned(problem)
+            plan = self._make_plan(problem, out, config or self._choose_config(problem, out))
+            if key is not None and (tuned_or_given or not torch.cuda.is_current_stream_capturing()):
+                self._plans[key] = plan
+        else:
+            out = _new_output(problem.out_shape, problem.out_dtype, problem.device)
+        plan.launch(problem, out)
         return out
 
     def num_programs_limit(self, problem: GroupedGemmProblem) -> int:
@@ -186,89 +198,28 @@ class TritonBackend(GroupedGemmBackend):
         return self._sm_count[index]
 
     def _launch(self, problem: GroupedGemmProblem, out: torch.Tensor, config: KernelConfig) -> None:
+        """Launch with an explicit configuration (tuning): plan and go, nothing cached."""
+        self._make_plan(problem, out, config).launch(problem, out)
+
+    def _make_plan(self, problem: GroupedGemmProblem, out: torch.Tensor, config: KernelConfig) -> "_LaunchPlan":
         from turbo_moe.kernels import tile_scheduler as ts
 
-        k = _kernels()
-        a, b = problem.a, problem.b
-        a_scale = problem.a_scale.contiguous()
-        b_scale = problem.b_scale.contiguous()
-        offs = problem.group_offs
-        G = problem.num_groups
         M, N, K = problem.mnk
-        a_rowwise, b_rowwise = a_scale.dim() > 0, b_scale.dim() > 0
+        G = problem.num_groups
         limit = self.num_programs_limit(problem)
-        extra = {} if _interpreting() else {"num_warps": config.num_warps, "num_stages": config.num_stages}
         use_tma = config.tma and not _tma_reason(problem)
         if use_tma:
-            _install_descriptor_allocator()
             config = _fit_shared_memory(config, out.element_size())
-        if problem.kind is GemmKind.M_GROUPED and use_tma:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
-            a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [config.block_m, config.block_k])
-            # b's groups stacked as one [G*N, K] matrix (checked contiguous across groups).
-            b_desc = TensorDescriptor(b, [G * N, K], [b.stride(1), 1], [config.block_n, config.block_k])
+        if problem.kind is GemmKind.M_GROUPED:
             bound = ts.m_grouped_tile_upper_bound(M, G, config.block_m, ts.cdiv(N, config.block_n))
-            grid = (ts.persistent_grid_size(bound, limit),)
-            k.m_grouped_gemm_tma_kernel[grid](
-                a_desc, b_desc, out, a_scale, b_scale, offs,
-                N, K, G,
-                out.stride(0), out.stride(1),
-                A_ROWWISE=a_rowwise, B_ROWWISE=b_rowwise,
-                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-                TMA_STORE=config.tma_store and _tma_store_ok(out),
-                **extra,
-            )
-        elif problem.kind is GemmKind.K_GROUPED and use_tma:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
-            a_desc = TensorDescriptor(a, [N, M], [a.stride(0), 1], [config.block_m, config.block_k])
-            b_desc = TensorDescriptor(b, [K, M], [b.stride(0), 1], [config.block_n, config.block_k])
-            # Narrow boxes for a group's first and last tokens (32: the FP8 dot's smallest K).
-            tail_k = min(32, config.block_k)
-            a_tail_desc = TensorDescriptor(a, [N, M], [a.stride(0), 1], [config.block_m, tail_k])
-            b_tail_desc = TensorDescriptor(b, [K, M], [b.stride(0), 1], [config.block_n, tail_k])
-            tma_store = config.tma_store and _tma_store_ok(out)
-            out_desc = (
-                TensorDescriptor(out, list(out.shape), list(out.stride()), [1, config.block_m, config.block_n])
-                if tma_store
-                else None
-            )
-            total = ts.k_grouped_total_tiles(G, ts.cdiv(N, config.block_m), ts.cdiv(K, config.block_n))
-            grid = (ts.persistent_grid_size(total, limit),)
-            k.k_grouped_gemm_tma_kernel[grid](
-                a_desc, b_desc, a_tail_desc, b_tail_desc, out_desc, out, a_scale, b_scale, offs,
-                N, K, G,
-                out.stride(0), out.stride(1), out.stride(2),
-                A_ROWWISE=a_rowwise, B_ROWWISE=b_rowwise,
-                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-                BAND_CYCLIC=config.band_cyclic, TMA_STORE=tma_store, TAIL_K=tail_k,
-                **extra,
-            )
-        elif problem.kind is GemmKind.M_GROUPED:
-            bound = ts.m_grouped_tile_upper_bound(M, G, config.block_m, ts.cdiv(N, config.block_n))
-            grid = (ts.persistent_grid_size(bound, limit),)
-            k.m_grouped_gemm_kernel[grid](
-                a, b, out, a_scale, b_scale, offs,
-                N, K, G,
-                a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
-                A_ROWWISE=a_rowwise, B_ROWWISE=b_rowwise,
-                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-                EVEN_K=K % config.block_k == 0,
-                **extra,
-            )
         else:
-            total = ts.k_grouped_total_tiles(G, ts.cdiv(N, config.block_m), ts.cdiv(K, config.block_n))
-            grid = (ts.persistent_grid_size(total, limit),)
-            k.k_grouped_gemm_kernel[grid](
-                a, b, out, a_scale, b_scale, offs,
-                N, K, G,
-                a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
-                A_ROWWISE=a_rowwise, B_ROWWISE=b_rowwise,
-                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-                BAND_CYCLIC=config.band_cyclic,
-                **extra,
-            )
+            bound = ts.k_grouped_total_tiles(G, ts.cdiv(N, config.block_m), ts.cdiv(K, config.block_n))
+        return _LaunchPlan(
+            kind=problem.kind, config=config, grid=(ts.persistent_grid_size(bound, limit),), use_tma=use_tma,
+            tma_store=use_tma and config.tma_store and _tma_store_ok(out),
+            a_rowwise=problem.a_scale.dim() > 0, b_rowwise=problem.b_scale.dim() > 0,
+            extra={} if _interpreting() else {"num_warps": config.num_warps, "num_stages": config.num_stages},
+        )
 
     # ------------------------------------------------------------------ tuning
     def shape_class(self, problem: GroupedGemmProblem) -> tuple:
@@ -279,6 +230,9 @@ class TritonBackend(GroupedGemmBackend):
             problem.a.dtype, problem.b.dtype, problem.a_scale.dim(), problem.b_scale.dim(), problem.out_dtype,
             str(problem.device), problem.num_cu,
         )
+
+    def _is_tuned(self, problem: GroupedGemmProblem) -> bool:
+        return problem.device.type != "cuda" or self.shape_class(problem) in self._tuned
 
     def _choose_config(self, problem: GroupedGemmProblem, out: torch.Tensor) -> KernelConfig:
         if problem.device.type != "cuda":
@@ -315,6 +269,72 @@ class TritonBackend(GroupedGemmBackend):
     def tuned_configs(self) -> Dict[tuple, KernelConfig]:
         """The cached choice per shape class (for logs and notes)."""
         return dict(self._tuned)
+
+
+@dataclass(frozen=True)
+class _LaunchPlan:
+    """What a launch of one problem signature needs besides the tensors themselves."""
+
+    kind: GemmKind
+    config: KernelConfig
+    grid: Tuple[int]
+    use_tma: bool
+    tma_store: bool
+    a_rowwise: bool
+    b_rowwise: bool
+    extra: dict
+
+    def launch(self, problem: GroupedGemmProblem, out: torch.Tensor) -> None:
+        k = _kernels()
+        cfg = self.config
+        a, b, offs = problem.a, problem.b, problem.group_offs
+        a_scale, b_scale = problem.a_scale.contiguous(), problem.b_scale.contiguous()
+        M, N, K = problem.mnk
+        G = offs.shape[0] - 1
+        tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)
+        if self.use_tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            _install_descriptor_allocator()
+        if self.kind is GemmKind.M_GROUPED and self.use_tma:
+            a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [cfg.block_m, cfg.block_k])
+            # b's groups stacked as one [G*N, K] matrix (checked contiguous across groups).
+            b_desc = TensorDescriptor(b, [G * N, K], [b.stride(1), 1], [cfg.block_n, cfg.block_k])
+            k.m_grouped_gemm_tma_kernel[self.grid](
+                a_desc, b_desc, out, a_scale, b_scale, offs, N, K, G, out.stride(0), out.stride(1),
+                A_ROWWISE=self.a_rowwise, B_ROWWISE=self.b_rowwise, TMA_STORE=self.tma_store, **tiles, **self.extra,
+            )
+        elif self.kind is GemmKind.K_GROUPED and self.use_tma:
+            a_desc = TensorDescriptor(a, [N, M], [a.stride(0), 1], [cfg.block_m, cfg.block_k])
+            b_desc = TensorDescriptor(b, [K, M], [b.stride(0), 1], [cfg.block_n, cfg.block_k])
+            # Narrow boxes for a group's first and last tokens (32: the FP8 dot's smallest K).
+            tail_k = min(32, cfg.block_k)
+            a_tail_desc = TensorDescriptor(a, [N, M], [a.stride(0), 1], [cfg.block_m, tail_k])
+            b_tail_desc = TensorDescriptor(b, [K, M], [b.stride(0), 1], [cfg.block_n, tail_k])
+            out_desc = (
+                TensorDescriptor(out, list(out.shape), list(out.stride()), [1, cfg.block_m, cfg.block_n])
+                if self.tma_store else None
+            )
+            k.k_grouped_gemm_tma_kernel[self.grid](
+                a_desc, b_desc, a_tail_desc, b_tail_desc, out_desc, out, a_scale, b_scale, offs, N, K, G,
+                out.stride(0), out.stride(1), out.stride(2),
+                A_ROWWISE=self.a_rowwise, B_ROWWISE=self.b_rowwise, BAND_CYCLIC=cfg.band_cyclic,
+                TMA_STORE=self.tma_store, TAIL_K=tail_k, **tiles, **self.extra,
+            )
+        elif self.kind is GemmKind.M_GROUPED:
+            k.m_grouped_gemm_kernel[self.grid](
+                a, b, out, a_scale, b_scale, offs, N, K, G,
+                a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+                A_ROWWISE=self.a_rowwise, B_ROWWISE=self.b_rowwise, EVEN_K=K % cfg.block_k == 0,
+                **tiles, **self.extra,
+            )
+        else:
+            k.k_grouped_gemm_kernel[self.grid](
+                a, b, out, a_scale, b_scale, offs, N, K, G,
+                a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
+                A_ROWWISE=self.a_rowwise, B_ROWWISE=self.b_rowwise, BAND_CYCLIC=cfg.band_cyclic,
+                **tiles, **self.extra,
+            )
 
 
 def _new_output(shape, dtype, device) -> torch.Tensor:

@@ -1,0 +1,198 @@
+"""Hot-path numbers of one GroupedLinearFP8 forward+backward, beside bf16 ``torch._grouped_mm``.
+
+For each shape and implementation, in one process on one GPU:
+
+* host us: CPU time to *issue* one fwd+bwd. A loop of steps runs without synchronizing while the
+  GPU is kept busy by a long kernel queued first (``torch.cuda._sleep``), so the host never waits
+  on the GPU and the loop's wall time is pure issue cost;
+* launches: GPU kernels of one fwd+bwd (torch.profiler, CUDA activity, after warm-up);
+* eager ms / graph ms: CUDA-event median of one fwd+bwd, eager and replayed from a CUDA graph;
+* peak MB: ``torch.cuda.max_memory_allocated`` over one step (inputs included).
+
+``--micro-batches 4`` runs the turbo layer as a trainer does under gradient accumulation: the
+weight cache is on and the weight does not change between the 4 micro-batches, so the weight is
+quantized once per 4 steps (the numbers are per micro-batch).
+
+Run the same command under two checkouts (``PYTHONPATH=<old tree>``) for a before/after table;
+``--json`` writes the rows for that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+SHAPES = {
+    # name: (experts, tokens per expert, N, K)
+    "tiny-8x128-256x256": (8, 128, 256, 256),
+    "gptoss-fc2-16x1024": (16, 1024, 2880, 2880),
+    "dsv3-fc1-32x512": (32, 512, 4096, 7168),
+    "qwen3-fc2-32x512": (32, 512, 4096, 1536),
+    "dsv3-fc1-128x128": (128, 128, 4096, 7168),
+    "dsv3-fc1-8x4096": (8, 4096, 4096, 7168),
+}
+
+
+def _events_ms(fn, reps=20):
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        start[i].record()
+        fn()
+        end[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(start, end))
+
+
+def _issue_us(fn, steps=10):
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(4e8))  # ~0.2 s of GPU spin: the queue never drains during the loop
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / steps * 1e6
+
+
+def _count_kernels(fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def _graph_ms(fn):
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        return _events_ms(graph.replay), ""
+    except Exception as exc:  # report, do not fail the table
+        return float("nan"), f"{type(exc).__name__}: {str(exc)[:120]}"
+
+
+def build(impl, shape, fmt, granularity, micro_batches):
+    import turbo_moe
+
+    g, t, n, k = SHAPES[shape]
+    m = g * t
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16).requires_grad_(True)
+    w = torch.nn.Parameter(torch.randn(g, n, k, device=dev, dtype=torch.bfloat16) * k**-0.5)
+    dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+    lens = torch.full((g,), t, dtype=torch.int64, device=dev)
+    if impl == "bf16":
+        ends = torch.cumsum(lens, 0).to(torch.int32)
+
+        def step():
+            y = torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)
+            return torch.autograd.grad(y, (x, w), dy)
+
+        return step
+    kwargs = {"cache_fp8_weight": micro_batches > 1} if micro_batches > 1 else {}
+    cfg = turbo_moe.Float8Config(format=fmt, granularity=granularity)
+    layer = turbo_moe.GroupedLinearFP8(g, k, n, config=cfg, device="meta", dtype=torch.bfloat16, **kwargs)
+    layer.weight = w
+    if micro_batches == 1 and hasattr(layer, "cache_fp8_weight"):
+        layer.cache_fp8_weight = False  # a fresh quantization every step (1 micro-batch per optimizer step)
+    state = {"i": 0}
+
+    def step():
+        if micro_batches > 1 and state["i"] % micro_batches == 0:
+            with torch.no_grad():
+                w.add_(0.0)  # an optimizer step: bumps the version, the cache re-quantizes
+        state["i"] += 1
+        y = layer(x, lens)
+        return torch.autograd.grad(y, (x, w), dy)
+
+    return step
+
+
+def measure(impl, shape, fmt, granularity, micro_batches, profile_top):
+    step = build(impl, shape, fmt, granularity, micro_batches)
+    for _ in range(3 * max(micro_batches, 1)):
+        step()
+    torch.cuda.synchronize()
+    row = {"impl": impl, "shape": shape, "mb": micro_batches}
+    row["host_us"] = statistics.median(_issue_us(step) for _ in range(3))
+    row["launches"] = _count_kernels(step)
+    row["eager_ms"] = _events_ms(step)
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    row["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    if micro_batches == 1:
+        row["graph_ms"], row["graph_note"] = _graph_ms(step)
+    g, t, n, k = SHAPES[shape]
+    row["tflops"] = 6 * g * t * n * k / (row["eager_ms"] * 1e-3) / 1e12
+    if profile_top:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(20):
+            step()
+        prof.disable()
+        torch.cuda.synchronize()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(profile_top)
+        row["profile"] = buf.getvalue()
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="tiny-8x128-256x256,dsv3-fc1-32x512")
+    p.add_argument("--impls", default="turbo,bf16")
+    p.add_argument("--format", default="hybrid")
+    p.add_argument("--granularities", default="tensorwise,rowwise")
+    p.add_argument("--micro-batches", default="1,4")
+    p.add_argument("--profile-top", type=int, default=0, help="cProfile the issue loop of the first shape")
+    p.add_argument("--label", default="")
+    p.add_argument("--json", default="")
+    args = p.parse_args(argv)
+    rows = []
+    for si, shape in enumerate(args.shapes.split(",")):
+        for impl in args.impls.split(","):
+            variants = [("-", 1)] if impl == "bf16" else [
+                (gr, int(mb)) for gr in args.granularities.split(",") for mb in args.micro_batches.split(",")
+            ]
+            for granularity, mb in variants:
+                try:
+                    row = measure(impl, shape, args.format, granularity, mb,
+                                  args.profile_top if (si == 0 and impl == "turbo" and mb == 1) else 0)
+                except Exception as exc:
+                    row = {"impl": impl, "shape": shape, "mb": mb, "error": f"{type(exc).__name__}: {exc}"}
+                row["granularity"], row["label"] = granularity, args.label
+                prof = row.pop("profile", None)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                if prof:
+                    print(prof, flush=True)
+                torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
