@@ -19,6 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .launch import lean
+
 
 @triton.jit
 def amax_partials_kernel(x_ptr, partials_ptr, numel, chunk, BLOCK: tl.constexpr):
@@ -106,10 +108,10 @@ def fp8_tensorwise_cast(x, fp8_dtype, fp8_max: float, margin: int = 0, write_row
         chunk = triton.cdiv(triton.cdiv(numel, num_partials), _AMAX_BLOCK) * _AMAX_BLOCK
         num_partials = triton.cdiv(numel, chunk)
         partials = torch.empty((num_partials,), dtype=torch.float32, device=x.device)
-        amax_partials_kernel[(num_partials,)](x3, partials, numel, chunk, BLOCK=_AMAX_BLOCK, num_warps=8)
+        _lean['amax_partials_kernel'][(num_partials,)](x3, partials, numel, chunk, BLOCK=_AMAX_BLOCK, num_warps=8)
         block_r, block_c = 64, 64
         out = rows if rows is not None else trans
-        fp8_cast_kernel[(triton.cdiv(r, block_r), triton.cdiv(c, block_c), batches)](
+        _lean['fp8_cast_kernel'][(triton.cdiv(r, block_r), triton.cdiv(c, block_c), batches)](
             x3, partials, num_partials, out, trans if trans is not None else out, dequant,
             r, c, x3.stride(0), x3.stride(1), x3.stride(2),
             FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, WRITE_ROWS=write_rows, WRITE_T=write_transposed,
@@ -224,7 +226,7 @@ def fp8_rowwise_cast(x, fp8_dtype, fp8_max: float, margin: int = 0):
     dequant = torch.empty((batches, r), dtype=torch.float32, device=x.device)
     if batches * r:
         block_r, block_c = 16, 128
-        fp8_rowwise_cast_kernel[(triton.cdiv(r, block_r), batches)](
+        _lean['fp8_rowwise_cast_kernel'][(triton.cdiv(r, block_r), batches)](
             x3, out, dequant, r, c, x3.stride(0), x3.stride(1), x3.stride(2),
             FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
         )
@@ -245,9 +247,14 @@ def fp8_colwise_grouped_cast(x, group_offs, fp8_dtype, fp8_max: float, margin: i
     dequant = torch.empty((batches, groups, c), dtype=torch.float32, device=x.device)
     if batches * groups * c:
         block_r, block_c = 64, 64
-        fp8_colwise_grouped_cast_kernel[(triton.cdiv(c, block_c), groups, batches)](
+        _lean['fp8_colwise_grouped_cast_kernel'][(triton.cdiv(c, block_c), groups, batches)](
             x3, x3 if one_group else group_offs, out_t, dequant, r, c, groups, x3.stride(0), x3.stride(1), x3.stride(2),
             FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, BLOCK_R=block_r, BLOCK_C=block_c, ONE_GROUP=one_group,
             num_warps=4,
         )
     return (out_t[0], dequant[0]) if squeeze else (out_t, dequant)
+
+
+# Host-lean launchers of the kernels above (kernels/triton/launch.py).
+_lean = {name: lean(globals()[name]) for name in (
+    "amax_partials_kernel", "fp8_cast_kernel", "fp8_rowwise_cast_kernel", "fp8_colwise_grouped_cast_kernel")}

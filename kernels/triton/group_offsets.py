@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .launch import lean
+
 # One program holds all offsets in one block: enough for any MoE layer's experts per rank.
 MAX_GROUPS = 8191
 
@@ -51,6 +53,9 @@ def resolve_group_offs(src, num_rows: int, from_lens: bool):
     num_groups = src.shape[0] - (0 if from_lens else 1)
     offs = torch.empty(num_groups + 1, dtype=torch.int64, device=src.device)
     block = triton.next_power_of_2(num_groups + 1)
-    resolve_group_offs_kernel[(1,)](src, offs, num_groups, num_rows, FROM_LENS=from_lens, BLOCK=block,
+    _resolve_launcher[(1,)](src, offs, num_groups, num_rows, FROM_LENS=from_lens, BLOCK=block,
                                     num_warps=4 if block <= 1024 else 8)
     return offs
+
+
+_resolve_launcher = lean(resolve_group_offs_kernel)

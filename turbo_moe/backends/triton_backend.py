@@ -88,16 +88,34 @@ GPU_CANDIDATES: Dict[GemmKind, Tuple[KernelConfig, ...]] = {
 INTERPRETER_CONFIG = KernelConfig(16, 16, 32, 2, 1, 1)
 
 
-def _kernels():
-    """The kernel module, imported on first use so that importing this backend needs no triton."""
-    from turbo_moe.kernels.triton import grouped_gemm
+_KERNELS = None
 
-    return grouped_gemm
+
+class _Kernels:
+    """The GEMM kernels behind host-lean launchers (kernels/triton/launch.py)."""
+
+    def __init__(self, module) -> None:
+        from turbo_moe.kernels.triton.launch import lean
+
+        self.module = module
+        for name in ("m_grouped_gemm_kernel", "m_grouped_gemm_tma_kernel", "k_grouped_gemm_kernel",
+                     "k_grouped_gemm_tma_kernel"):
+            setattr(self, name, lean(getattr(module, name)))
+
+
+def _kernels():
+    """The kernels, imported on first use so that importing this backend needs no triton."""
+    global _KERNELS
+    if _KERNELS is None:
+        from turbo_moe.kernels.triton import grouped_gemm
+
+        _KERNELS = _Kernels(grouped_gemm)
+    return _KERNELS
 
 
 def _interpreting() -> bool:
     """Whether the kernels were decorated in interpreter mode (TRITON_INTERPRET=1 at import)."""
-    return type(_kernels().m_grouped_gemm_kernel).__name__ == "InterpretedFunction"
+    return type(_kernels().module.m_grouped_gemm_kernel).__name__ == "InterpretedFunction"
 
 
 def _pow2_class(x: int) -> int:

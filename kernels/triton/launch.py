@@ -1,0 +1,134 @@
+"""A lean launch path for the hot Triton kernels: ``launcher(kernel)[grid](*runtime_args, **constexprs)``.
+
+``JITFunction.__getitem__(grid)(...)`` spends tens of microseconds of CPU per launch binding the
+arguments, deriving the specialization of every argument, hashing it into a cache key and
+preparing launch metadata. A MoE layer's fwd+bwd launches ~8 kernels, so that alone is most of
+its host time. Here the compiled kernel is memoized on a key computed from exactly the facts
+Triton specializes on, taken conservatively (a superset, so one key can never stand for two
+Triton specializations):
+
+* a tensor: its dtype and whether its address is 16-byte aligned;
+* an int: whether it is 1, whether it is a multiple of 16, and whether it fits in 32 bits;
+* a host tensor descriptor: its base's dtype and alignment, block shape, and the 16-divisibility
+  of its shape and strides;
+* anything else (floats, None, bools): its type, and for bools and None its value;
+* every constexpr: its value; the launch options (num_warps, num_stages, ...): their values.
+
+A miss (first call of a key) goes through Triton's own ``kernel[grid](...)``, which compiles if
+needed and launches; the compiled kernel it returns is memoized. A hit calls the compiled
+kernel's launcher directly with the current torch stream. Launch hooks (profilers such as
+proton) or the interpreter always take Triton's own path. ``TURBO_MOE_LAUNCH_CHECK=1``
+re-derives Triton's key on every hit and asserts it names the memoized kernel (the GPU tests run
+with it).
+
+Runtime arguments are positional and come first in the kernel signature; constexprs and launch
+options are keywords (every kernel of this package is written that way).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict
+
+import torch
+
+def _arg_fact(arg):
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if type(arg) is int:
+        return (arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31)
+    if arg is None or type(arg) is bool:
+        return (arg,)
+    base = getattr(arg, "base", None)
+    if isinstance(base, torch.Tensor):  # triton.tools.tensor_descriptor.TensorDescriptor
+        return (
+            "desc", base.dtype, base.data_ptr() % 16 == 0, tuple(arg.block_shape),
+            tuple(s % 16 == 0 for s in arg.shape), tuple(s % 16 == 0 for s in arg.strides),
+            getattr(arg, "padding", None),
+        )
+    return (type(arg),)
+
+
+class _Memo:
+    __slots__ = ("kernel", "constexpr_values")
+
+    def __init__(self, kernel, constexpr_values):
+        self.kernel = kernel
+        self.constexpr_values = constexpr_values
+
+
+class LeanLauncher:
+    """Wraps one ``@triton.jit`` kernel; see the module docstring."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self._memo: Dict[tuple, _Memo] = {}
+        self._num_runtime = None
+        self._check = os.environ.get("TURBO_MOE_LAUNCH_CHECK", "0") not in ("", "0")
+        self.hits = 0
+        self.misses = 0
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid, args, kwargs):
+        from triton import knobs
+
+        if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+            return self.fn[grid](*args, **kwargs)
+        device = torch.cuda.current_device()
+        key = (device, tuple(map(_arg_fact, args)), tuple(sorted(kwargs.items())))
+        memo = self._memo.get(key)
+        if memo is None:
+            self.misses += 1
+            kernel = self.fn[grid](*args, **kwargs)
+            if kernel is not None and not hasattr(kernel, "result"):  # never memoize an async compile
+                self._memo[key] = _Memo(kernel, self._constexpr_values(args, kwargs))
+            return kernel
+        self.hits += 1
+        if self._check:
+            self._assert_same_kernel(memo.kernel, args, kwargs)
+        grid_size = len(grid)
+        kernel = memo.kernel
+        kernel.run(
+            grid[0], grid[1] if grid_size > 1 else 1, grid[2] if grid_size > 2 else 1,
+            torch._C._cuda_getCurrentRawStream(device), kernel.function, kernel.packed_metadata, None, None, None,
+            *args, *memo.constexpr_values,
+        )
+        return kernel
+
+    def _constexpr_values(self, args, kwargs):
+        """The values of every parameter after the runtime ones, in signature order (defaults
+        applied): what Triton's bound arguments hold there."""
+        values = []
+        for param in self.fn.params[len(args):]:
+            if not param.is_constexpr:
+                raise TypeError(f"{self.fn.__name__}: runtime argument {param.name!r} must be positional")
+            if param.name in kwargs:
+                values.append(kwargs[param.name])
+            elif param.has_default:
+                values.append(param.default)
+            else:
+                raise TypeError(f"{self.fn.__name__}: constexpr {param.name!r} has no value")
+        return tuple(values)
+
+    def _assert_same_kernel(self, kernel, args, kwargs):
+        from triton import knobs
+        from triton.runtime.jit import compute_cache_key
+
+        caches = self.fn.device_caches[torch.cuda.current_device()]
+        kernel_cache, kernel_key_cache, _, _, binder = caches
+        full = dict(kwargs)
+        full["debug"] = full.get("debug", self.fn.debug) or knobs.runtime.debug
+        if hasattr(knobs.compilation, "instrumentation_mode"):
+            full["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+        _, specialization, options = binder(*args, **full)
+        found = kernel_cache.get(compute_cache_key(kernel_key_cache, specialization, options))
+        assert found is kernel, f"lean launch of {self.fn.__name__} memoized a different specialization"
+
+
+def lean(fn) -> LeanLauncher:
+    """``fn`` wrapped for lean launches, or ``fn`` itself under the interpreter (CPU tensors)."""
+    if type(fn).__name__ == "InterpretedFunction":
+        return fn
+    return LeanLauncher(fn)
