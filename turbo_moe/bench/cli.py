@@ -40,8 +40,8 @@ QUICK_CPU = (
     ("tiny", "fc1", (4, 48), "balanced"),
     ("tiny", "fc2", (16, 16), "dirichlet"),
 )
-# --preset peers: the shapes of /work/shared/PEERS_H100.md's table (model, layer, experts), each
-# balanced, then skewed, then with a ragged Dirichlet routing.
+# --preset peers: the shapes of docs/results/h100_peers_baseline.md's kernel-level table (model, layer,
+# experts), each balanced, then skewed, then with a ragged Dirichlet routing.
 PEERS_SHAPES = (
     ("deepseek-v3", "fc1", 8), ("deepseek-v3", "fc2", 8), ("qwen3-235b", "fc1", 8), ("gpt-oss", "fc1", 8),
     ("deepseek-v3", "fc1", 32), ("deepseek-v3", "fc2", 32), ("qwen3-235b", "fc2", 32), ("gpt-oss", "fc2", 32),
@@ -72,7 +72,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cuda (default when a GPU is visible) or cpu (smoke mode, tiny shapes)")
     p.add_argument("--quick", action="store_true", help="a couple of representative shapes (same as --preset quick)")
     p.add_argument("--preset", choices=["quick", "peers", "full"], default=None,
-                   help="quick: a couple of shapes; peers: the shapes of PEERS_H100.md x balanced/skewed/dirichlet; "
+                   help="quick: a couple of shapes; peers: the shapes of docs/results/h100_peers_baseline.md "
+                        "x balanced/skewed/dirichlet; "
                         "full (default): every model x layer x experts x routing")
     p.add_argument("--models", type=_csv, default=None, help="comma list of deepseek-v3,qwen3-235b,gpt-oss (tiny on cpu)")
     p.add_argument("--layers", type=_csv, default=None, help="comma list of fc1,fc2")
