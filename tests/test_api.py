@@ -156,6 +156,12 @@ def test_functional_under_autocast_follows_f_linear(fn):
     # Autocast off (also inside an autocast region): the input dtype.
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
         assert gemm(x.detach(), w, lens).dtype == torch.float32
+    # A device type without autocast (meta) is no error: the input dtype.
+    from turbo_moe.autograd import _autocast_out_dtype
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _autocast_out_dtype(torch.empty(2, 3, device="meta"), None) == torch.float32
+        assert _autocast_out_dtype(x, torch.float16) == torch.float16
 
 
 def test_module_and_functional_agree_under_autocast():

@@ -45,8 +45,10 @@ def _autocast_out_dtype(x: torch.Tensor, out_dtype: Optional[torch.dtype]) -> to
     autocast dtype while autocast is on for x's device, else ``x.dtype``."""
     if out_dtype is not None:
         return out_dtype
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
+    device_type = x.device.type
+    # is_autocast_enabled raises for device types without autocast (meta).
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
     return x.dtype
 
 
