@@ -23,34 +23,6 @@ from . import scheduler as S
 
 
 @triton.jit
-def _dequantize(
-    acc, a_scale_ptr, a_scale_offsets, b_scale_ptr, b_scale_offsets,
-    A_ROWWISE: tl.constexpr, B_ROWWISE: tl.constexpr,
-):
-    """acc * a_scale * b_scale in fp32, in that order (the torch reference's order, so integer
-    products match it bitwise)."""
-    if A_ROWWISE:
-        acc = acc * tl.load(a_scale_ptr + a_scale_offsets)[:, None]
-    else:
-        acc = acc * tl.load(a_scale_ptr)
-    if B_ROWWISE:
-        acc = acc * tl.load(b_scale_ptr + b_scale_offsets)[None, :]
-    else:
-        acc = acc * tl.load(b_scale_ptr)
-    return acc
-
-
-@triton.jit
-def _dequantize_and_store(
-    acc, out_ptrs, out_mask, a_scale_ptr, a_scale_offsets, b_scale_ptr, b_scale_offsets,
-    A_ROWWISE: tl.constexpr, B_ROWWISE: tl.constexpr,
-):
-    """Dequantize, cast to the output dtype and store through (masked) pointers."""
-    acc = _dequantize(acc, a_scale_ptr, a_scale_offsets, b_scale_ptr, b_scale_offsets, A_ROWWISE, B_ROWWISE)
-    tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
 def _m_grouped_cursor_start(group_offs_ptr, G, BLOCK_M: tl.constexpr, num_n_blocks):
     """The M-grouped kernels' forward-only group cursor (tile_scheduler's module docstring), on
     group 0: (group, group_first_tile, lo, hi, group_tiles), lo/hi the group's first/end row."""
@@ -83,6 +55,34 @@ def _m_grouped_tile_blocks(tile, group_first_tile, lo, hi, BLOCK_M: tl.constexpr
     rows = hi - lo
     m_block, n_block = S.swizzle_group_m(tile - group_first_tile, S.cdiv(rows, BLOCK_M), num_n_blocks, GROUP_M)
     return rows, m_block, n_block
+
+
+@triton.jit
+def _dequantize(
+    acc, a_scale_ptr, a_scale_offsets, b_scale_ptr, b_scale_offsets,
+    A_ROWWISE: tl.constexpr, B_ROWWISE: tl.constexpr,
+):
+    """acc * a_scale * b_scale in fp32, in that order (the torch reference's order, so integer
+    products match it bitwise)."""
+    if A_ROWWISE:
+        acc = acc * tl.load(a_scale_ptr + a_scale_offsets)[:, None]
+    else:
+        acc = acc * tl.load(a_scale_ptr)
+    if B_ROWWISE:
+        acc = acc * tl.load(b_scale_ptr + b_scale_offsets)[None, :]
+    else:
+        acc = acc * tl.load(b_scale_ptr)
+    return acc
+
+
+@triton.jit
+def _dequantize_and_store(
+    acc, out_ptrs, out_mask, a_scale_ptr, a_scale_offsets, b_scale_ptr, b_scale_offsets,
+    A_ROWWISE: tl.constexpr, B_ROWWISE: tl.constexpr,
+):
+    """Dequantize, cast to the output dtype and store through (masked) pointers."""
+    acc = _dequantize(acc, a_scale_ptr, a_scale_offsets, b_scale_ptr, b_scale_offsets, A_ROWWISE, B_ROWWISE)
+    tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
