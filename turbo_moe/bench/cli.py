@@ -72,8 +72,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cuda (default when a GPU is visible) or cpu (smoke mode, tiny shapes)")
     p.add_argument("--quick", action="store_true", help="a couple of representative shapes (same as --preset quick)")
     p.add_argument("--preset", choices=["quick", "peers", "full"], default=None,
-                   help="quick: a couple of shapes; peers: the shapes of docs/results/h100_peers_baseline.md "
-                        "x balanced/skewed/dirichlet; "
+                   help="quick: a couple of shapes; peers: the shapes of PEERS_H100.md x balanced/skewed/dirichlet; "
                         "full (default): every model x layer x experts x routing")
     p.add_argument("--models", type=_csv, default=None, help="comma list of deepseek-v3,qwen3-235b,gpt-oss (tiny on cpu)")
     p.add_argument("--layers", type=_csv, default=None, help="comma list of fc1,fc2")
