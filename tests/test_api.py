@@ -125,6 +125,59 @@ def test_module_under_autocast_returns_autocast_dtype():
     torch.testing.assert_close(y.float(), ref, rtol=2**-8, atol=1e-6)
 
 
+@pytest.mark.parametrize("fn", ["grouped_gemm_fp8", "grouped_gemm"])
+def test_functional_under_autocast_follows_f_linear(fn):
+    """As F.linear: float32 inputs under CPU autocast give the autocast dtype; out_dtype given wins;
+    the values are the float32 call's, rounded once to the autocast dtype; grads stay float32."""
+    torch.manual_seed(5)
+    gemm = getattr(turbo_moe, fn)
+    x, w, lens = fresh_inputs([4, 0, 7, 2], 24, 40, dtype=torch.float32, seed=5)
+    x.requires_grad_(True)
+    ref = gemm(x.detach(), w, lens)
+    for autocast_dtype in (torch.bfloat16, torch.float16):
+        with torch.autocast("cpu", dtype=autocast_dtype):
+            y = gemm(x, w, lens)
+            linear_dtype = torch.nn.functional.linear(x[:1], w[0]).dtype
+            y_fp32 = gemm(x.detach(), w, lens, out_dtype=torch.float32)
+        assert linear_dtype == autocast_dtype
+        assert y.dtype == autocast_dtype
+        assert y_fp32.dtype == torch.float32
+        if fn == "grouped_gemm_fp8":
+            # Same FP8 math and fp32 accumulation; only the final cast differs.
+            assert torch.equal(y, ref.to(autocast_dtype))
+            assert torch.equal(y_fp32, ref)
+        else:
+            # The high-precision path computes in the autocast dtype, as F.linear does: its
+            # inputs are rounded to it (relative 2**-9 for bf16), so the whole result is close.
+            rel = float((y.detach().double() - ref.double()).norm() / ref.double().norm())
+            assert rel < 2**-6, rel
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32
+    # Autocast off (also inside an autocast region): the input dtype.
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+        assert gemm(x.detach(), w, lens).dtype == torch.float32
+    # A device type without autocast (meta) is no error: the input dtype.
+    from turbo_moe.autograd import _autocast_out_dtype
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _autocast_out_dtype(torch.empty(2, 3, device="meta"), None) == torch.float32
+        assert _autocast_out_dtype(x, torch.float16) == torch.float16
+
+
+def test_module_and_functional_agree_under_autocast():
+    torch.manual_seed(6)
+    m = GroupedLinearFP8(3, 40, 24, bias=True)
+    x, lens = torch.randn(13, 40), torch.tensor([6, 0, 7])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_module = m(x, lens)
+        y_functional = turbo_moe.grouped_gemm_fp8(x, m.weight, lens)
+        y_linear = torch.nn.functional.linear(x, m.weight[0], m.bias[0])
+    assert y_module.dtype == y_functional.dtype == y_linear.dtype == torch.bfloat16
+    offs = [0, 6, 6, 13]
+    expected = torch.cat([y_functional[offs[g]:offs[g + 1]] + m.bias[g].to(torch.bfloat16) for g in range(3)])
+    assert torch.equal(y_module, expected.detach())
+
+
 def test_module_under_torch_compile():
     torch.manual_seed(4)
     m = GroupedLinearFP8(3, 32, 16, bias=True)

@@ -62,6 +62,29 @@ def test_fwd_bwd_on_gpu_within_fp8_bound(group_lens, n, k, fmt):
             assert torch.equal(dw[g], torch.zeros_like(dw[g]))
 
 
+def test_cuda_autocast_gives_the_autocast_dtype_like_f_linear():
+    """float32 CUDA inputs under torch.autocast("cuda", bf16): the functional form and the module
+    both return bf16 (as F.linear / nn.Linear), from the kernel backend, with the float32 call's
+    values up to the bf16 rounding; gradients stay float32."""
+    x, w, lens = fresh_inputs([300, 0, 517, 64], 384, 512, dtype=torch.float32, seed=11)
+    x, w, lens = x.cuda().requires_grad_(True), w.cuda(), lens.cuda()
+    layer = GroupedLinearFP8(4, 512, 384, device="cuda")
+    ref = turbo_moe.grouped_gemm_fp8(x.detach(), w, lens)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = turbo_moe.grouped_gemm_fp8(x, w, lens)
+        assert turbo_moe.recent_dispatches()[-1].chosen != "torch", str(turbo_moe.recent_dispatches()[-1])
+        y_module = layer(x, lens)
+        y_module_functional = turbo_moe.grouped_gemm_fp8(x.detach(), layer.weight.detach(), lens)
+        linear_dtype = torch.nn.functional.linear(x[:1], w[0]).dtype
+    assert ref.dtype == torch.float32
+    assert y.dtype == y_module.dtype == linear_dtype == torch.bfloat16
+    assert torch.equal(y_module, y_module_functional)
+    rel = float((y.detach().double() - ref.double()).norm() / ref.double().norm())
+    assert rel < 2**-7, rel
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32
+
+
 def _step(layer, x, lens, dy):
     for p in layer.parameters():
         p.grad = None if p.grad is None else p.grad.zero_()

@@ -40,6 +40,18 @@ __all__ = [
 ]
 
 
+def _autocast_out_dtype(x: torch.Tensor, out_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """The output dtype when the caller gave ``out_dtype`` (None: not given). As ``F.linear``: the
+    autocast dtype while autocast is on for x's device, else ``x.dtype``."""
+    if out_dtype is not None:
+        return out_dtype
+    device_type = x.device.type
+    # is_autocast_enabled raises for device types without autocast (meta).
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
 def _run(kind, a, b, a_scale, b_scale, offs, out_dtype, num_cu, backend, role) -> torch.Tensor:
     problem = GroupedGemmProblem(kind, a, b, a_scale, b_scale, offs, out_dtype, num_cu, role)
     return select_backend(problem, backend).run(problem)
@@ -206,7 +218,8 @@ def grouped_gemm_fp8(
         config: the FP8 recipe (default ``Float8Config()``: e4m3, tensorwise, current scaling).
         num_cu: cap on the SMs/CUs the kernels occupy (persistent grid), or None for all.
         backend: ``"auto"``, ``"flydsl"``, ``"triton"`` or ``"torch"``.
-        out_dtype: dtype of ``y`` (default ``x.dtype``).
+        out_dtype: dtype of ``y``; default, as ``F.linear``: the autocast dtype under
+            ``torch.autocast`` for x's device, else ``x.dtype``.
     """
     offs = _prepare(x, w, group_lens, group_offs, trans_b)
     return grouped_gemm_fp8_with_offs(x, w, offs, trans_b=trans_b, config=config, num_cu=num_cu,
@@ -227,7 +240,7 @@ def grouped_gemm_fp8_with_offs(x, w, offs, *, trans_b=True, config=None, num_cu=
     _check_num_cu(num_cu)
     if out_dtype is not None and out_dtype not in HIGH_PRECISION_DTYPES:
         raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
-    out_dtype = x.dtype if out_dtype is None else out_dtype
+    out_dtype = _autocast_out_dtype(x, out_dtype)
     w_nk = w if trans_b else w.transpose(1, 2)
     return GroupedGemmFP8Function.apply(x, w_nk, offs, config, num_cu, backend, out_dtype, w_fp8)
 
@@ -283,7 +296,7 @@ def grouped_gemm(
     _check_num_cu(num_cu)
     offs = _prepare(x, w, group_lens, group_offs, trans_b)
     w_nk = w if trans_b else w.transpose(1, 2)
-    out_dtype = x.dtype if out_dtype is None else out_dtype
+    out_dtype = _autocast_out_dtype(x, out_dtype)
     use_grouped_mm = (
         x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
         and x.shape[1] % 8 == 0 and w_nk.shape[1] % 8 == 0  # CUTLASS wants 16-byte aligned rows

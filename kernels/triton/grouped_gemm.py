@@ -23,6 +23,41 @@ from . import scheduler as S
 
 
 @triton.jit
+def _m_grouped_cursor_start(group_offs_ptr, G, BLOCK_M: tl.constexpr, num_n_blocks):
+    """The M-grouped kernels' forward-only group cursor (tile_scheduler's module docstring), on
+    group 0: (group, group_first_tile, lo, hi, group_tiles), lo/hi the group's first/end row."""
+    group = tl.zeros((), dtype=tl.int32)
+    group_first_tile = tl.zeros((), dtype=tl.int64)
+    lo = tl.load(group_offs_ptr)
+    hi = tl.load(group_offs_ptr + min(1, G))
+    group_tiles = S.m_grouped_group_tiles(hi - lo, BLOCK_M, num_n_blocks)
+    return group, group_first_tile, lo, hi, group_tiles
+
+
+@triton.jit
+def _m_grouped_cursor_advance(
+    tile, group, group_first_tile, lo, hi, group_tiles, group_offs_ptr, G, BLOCK_M: tl.constexpr, num_n_blocks,
+):
+    """The cursor moved forward past the groups (empty ones too) that end before ``tile``; past
+    the last group it stops with ``group == G``. Each offset is read once per program."""
+    while (tile >= group_first_tile + group_tiles) & (group < G):
+        group_first_tile += group_tiles
+        group += 1
+        lo = hi
+        hi = tl.load(group_offs_ptr + min(group + 1, G))
+        group_tiles = S.m_grouped_group_tiles(hi - lo, BLOCK_M, num_n_blocks)
+    return group, group_first_tile, lo, hi, group_tiles
+
+
+@triton.jit
+def _m_grouped_tile_blocks(tile, group_first_tile, lo, hi, BLOCK_M: tl.constexpr, num_n_blocks, GROUP_M: tl.constexpr):
+    """(rows of the cursor's group, m_block, n_block) of ``tile``, GROUP_M-swizzled in the group."""
+    rows = hi - lo
+    m_block, n_block = S.swizzle_group_m(tile - group_first_tile, S.cdiv(rows, BLOCK_M), num_n_blocks, GROUP_M)
+    return rows, m_block, n_block
+
+
+@triton.jit
 def _dequantize(
     acc, a_scale_ptr, a_scale_offsets, b_scale_ptr, b_scale_offsets,
     A_ROWWISE: tl.constexpr, B_ROWWISE: tl.constexpr,
@@ -69,11 +104,7 @@ def m_grouped_gemm_kernel(
     num_n_blocks = S.cdiv(N, BLOCK_N)
     num_k_blocks = S.cdiv(K, BLOCK_K)
 
-    group = tl.zeros((), dtype=tl.int32)
-    group_first_tile = tl.zeros((), dtype=tl.int64)
-    lo = tl.load(group_offs_ptr)
-    hi = tl.load(group_offs_ptr + min(1, G))
-    group_tiles = S.m_grouped_group_tiles(hi - lo, BLOCK_M, num_n_blocks)
+    group, group_first_tile, lo, hi, group_tiles = _m_grouped_cursor_start(group_offs_ptr, G, BLOCK_M, num_n_blocks)
     tile = pid.to(tl.int64)
 
     arange_m = tl.arange(0, BLOCK_M)
@@ -81,18 +112,11 @@ def m_grouped_gemm_kernel(
     arange_k = tl.arange(0, BLOCK_K)
 
     while group < G:
-        # Forward-only cursor: skip the groups (empty ones too) that end before this tile.
-        while (tile >= group_first_tile + group_tiles) & (group < G):
-            group_first_tile += group_tiles
-            group += 1
-            lo = hi
-            hi = tl.load(group_offs_ptr + min(group + 1, G))
-            group_tiles = S.m_grouped_group_tiles(hi - lo, BLOCK_M, num_n_blocks)
+        group, group_first_tile, lo, hi, group_tiles = _m_grouped_cursor_advance(
+            tile, group, group_first_tile, lo, hi, group_tiles, group_offs_ptr, G, BLOCK_M, num_n_blocks
+        )
         if group < G:
-            rows = hi - lo
-            m_block, n_block = S.swizzle_group_m(
-                tile - group_first_tile, S.cdiv(rows, BLOCK_M), num_n_blocks, GROUP_M
-            )
+            rows, m_block, n_block = _m_grouped_tile_blocks(tile, group_first_tile, lo, hi, BLOCK_M, num_n_blocks, GROUP_M)
             offs_m = m_block * BLOCK_M + arange_m  # int64: rows of the group
             offs_n = n_block.to(tl.int32) * BLOCK_N + arange_n
             # Clamp out-of-range rows/columns onto valid memory instead of masking the loads
@@ -237,27 +261,17 @@ def m_grouped_gemm_tma_kernel(
     num_n_blocks = S.cdiv(N, BLOCK_N)
     num_k_blocks = S.cdiv(K, BLOCK_K)
 
-    group = tl.zeros((), dtype=tl.int32)
-    group_first_tile = tl.zeros((), dtype=tl.int64)
-    lo = tl.load(group_offs_ptr)
-    hi = tl.load(group_offs_ptr + min(1, G))
-    group_tiles = S.m_grouped_group_tiles(hi - lo, BLOCK_M, num_n_blocks)
+    group, group_first_tile, lo, hi, group_tiles = _m_grouped_cursor_start(group_offs_ptr, G, BLOCK_M, num_n_blocks)
     tile = pid.to(tl.int64)
     arange_m = tl.arange(0, BLOCK_M)
     arange_n = tl.arange(0, BLOCK_N)
 
     while group < G:
-        while (tile >= group_first_tile + group_tiles) & (group < G):
-            group_first_tile += group_tiles
-            group += 1
-            lo = hi
-            hi = tl.load(group_offs_ptr + min(group + 1, G))
-            group_tiles = S.m_grouped_group_tiles(hi - lo, BLOCK_M, num_n_blocks)
+        group, group_first_tile, lo, hi, group_tiles = _m_grouped_cursor_advance(
+            tile, group, group_first_tile, lo, hi, group_tiles, group_offs_ptr, G, BLOCK_M, num_n_blocks
+        )
         if group < G:
-            rows = hi - lo
-            m_block, n_block = S.swizzle_group_m(
-                tile - group_first_tile, S.cdiv(rows, BLOCK_M), num_n_blocks, GROUP_M
-            )
+            rows, m_block, n_block = _m_grouped_tile_blocks(tile, group_first_tile, lo, hi, BLOCK_M, num_n_blocks, GROUP_M)
             row0 = (lo + m_block * BLOCK_M).to(tl.int32)
             col0 = (group * N + n_block * BLOCK_N).to(tl.int32)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -40,8 +40,8 @@ QUICK_CPU = (
     ("tiny", "fc1", (4, 48), "balanced"),
     ("tiny", "fc2", (16, 16), "dirichlet"),
 )
-# --preset peers: the shapes of /work/shared/PEERS_H100.md's table (model, layer, experts), each
-# balanced, then skewed, then with a ragged Dirichlet routing.
+# --preset peers: the shapes of docs/results/h100_peers_baseline.md's kernel-level table (model, layer,
+# experts), each balanced, then skewed, then with a ragged Dirichlet routing.
 PEERS_SHAPES = (
     ("deepseek-v3", "fc1", 8), ("deepseek-v3", "fc2", 8), ("qwen3-235b", "fc1", 8), ("gpt-oss", "fc1", 8),
     ("deepseek-v3", "fc1", 32), ("deepseek-v3", "fc2", 32), ("qwen3-235b", "fc2", 32), ("gpt-oss", "fc2", 32),

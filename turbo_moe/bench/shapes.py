@@ -32,7 +32,7 @@ MODELS: Dict[str, Tuple[int, int]] = {
 }
 GPU_MODELS = ("deepseek-v3", "qwen3-235b", "gpt-oss")
 
-# experts -> tokens per expert, as the peers were measured (/work/shared/PEERS_H100.md).
+# experts -> tokens per expert, as the peers were measured (docs/results/h100_peers_baseline.md).
 GPU_EXPERTS: Tuple[Tuple[int, int], ...] = ((8, 4096), (32, 512), (128, 128))
 CPU_EXPERTS: Tuple[Tuple[int, int], ...] = ((4, 48), (16, 16))
 
