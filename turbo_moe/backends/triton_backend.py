@@ -82,6 +82,11 @@ GPU_CANDIDATES: Dict[GemmKind, Tuple[KernelConfig, ...]] = {
         KernelConfig(128, 128, 128, 8, 8, 4, band_cyclic=False),
         KernelConfig(128, 256, 128, 8, 8, 3, band_cyclic=False, tma_store=False),
         KernelConfig(128, 256, 128, 8, 8, 3, band_cyclic=False, tma=False),
+        # Short groups (many experts, few tokens each): each output tile runs 1-4 K-steps, so the
+        # tile's fixed cost (prologue, epilogue store) dominates; smaller or one-warpgroup tiles
+        # give more tiles in flight per SM and overlap one tile's store with another's loads.
+        KernelConfig(128, 128, 128, 8, 4, 3, band_cyclic=False),
+        KernelConfig(64, 256, 128, 8, 4, 3, band_cyclic=False),
     ),
 }
 # Under the interpreter: small tiles, so that small test shapes still span many tiles.
