@@ -188,6 +188,12 @@ def main(argv=None):
                 if prof:
                     print(prof, flush=True)
                 torch.cuda.empty_cache()
+    try:
+        from turbo_moe.kernels.triton.launch import launch_stats
+
+        print("lean launches (hits, misses):", launch_stats())
+    except ImportError:  # a checkout from before the lean launcher
+        pass
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -57,10 +57,19 @@ class _Memo:
         self.constexpr_values = constexpr_values
 
 
+_LAUNCHERS = []
+
+
+def launch_stats() -> dict:
+    """``{kernel name: (lean hits, misses through Triton's path)}`` of every lean launcher."""
+    return {launcher.fn.__name__: (launcher.hits, launcher.misses) for launcher in _LAUNCHERS}
+
+
 class LeanLauncher:
     """Wraps one ``@triton.jit`` kernel; see the module docstring."""
 
     def __init__(self, fn) -> None:
+        _LAUNCHERS.append(self)
         self.fn = fn
         self._memo: Dict[tuple, _Memo] = {}
         self._num_runtime = None
