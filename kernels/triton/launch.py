@@ -49,6 +49,11 @@ def _arg_fact(arg):
     return (type(arg),)
 
 
+def _hook_active(hook) -> bool:
+    """Triton >= 3.5 keeps launch hooks in a ``HookChain`` (never None; empty when unused)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 class _Memo:
     __slots__ = ("kernel", "constexpr_values")
 
@@ -83,7 +88,7 @@ class LeanLauncher:
     def launch(self, grid, args, kwargs):
         from triton import knobs
 
-        if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+        if _hook_active(knobs.runtime.launch_enter_hook) or _hook_active(knobs.runtime.launch_exit_hook):
             return self.fn[grid](*args, **kwargs)
         device = torch.cuda.current_device()
         key = (device, tuple(map(_arg_fact, args)), tuple(sorted(kwargs.items())))
