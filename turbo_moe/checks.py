@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["HIGH_PRECISION_DTYPES", "check_operands", "resolve_group_offs"]
+__all__ = ["HIGH_PRECISION_DTYPES", "check_operands", "check_wgrad_operands", "check_group_offs", "resolve_group_offs"]
 
 HIGH_PRECISION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -58,6 +58,21 @@ def check_operands(x: torch.Tensor, w: torch.Tensor, trans_b: bool) -> Tuple[int
     return num_groups, x.shape[0], n, k
 
 
+def check_wgrad_operands(dy: torch.Tensor, x: torch.Tensor) -> None:
+    """Validate the wgrad GEMM's dy [M, N] and x [M, K] (``grouped_wgrad_fp8``)."""
+    for name, t in (("dy", dy), ("x", x)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in HIGH_PRECISION_DTYPES:
+            raise TypeError(f"{name} must be bfloat16, float16 or float32 (it is quantized to FP8 here), got {t.dtype}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D [tokens, features], got shape {tuple(t.shape)}")
+    if dy.device != x.device:
+        raise ValueError(f"dy and x must be on the same device, got dy on {dy.device} and x on {x.device}")
+    if dy.shape[0] != x.shape[0]:
+        raise ValueError(f"dy.shape[0]={dy.shape[0]} and x.shape[0]={x.shape[0]} must match (tokens)")
+
+
 def resolve_group_offs(
     group_lens: Optional[torch.Tensor],
     group_offs: Optional[torch.Tensor],
@@ -68,35 +83,66 @@ def resolve_group_offs(
     """Return int64 ``[G+1]`` device offsets from either ``group_lens`` or ``group_offs``."""
     if (group_lens is None) == (group_offs is None):
         raise ValueError("pass exactly one of group_lens and group_offs")
-    name, t = ("group_lens", group_lens) if group_lens is not None else ("group_offs", group_offs)
+    if group_offs is not None:
+        return check_group_offs(group_offs, num_groups, num_rows, device)
+    name = "group_lens"
+    _check_index_tensor(name, group_lens, num_groups, device, f"w has {num_groups} groups")
+    t = group_lens.to(torch.int64)
+    offs = torch.cat([t.new_zeros(1), torch.cumsum(t, 0)])
+    if device.type == "meta":
+        return offs
+
+    if device.type == "cpu" or _sync_checks():
+        _check_on_host(name, t, offs, num_rows)
+        return offs
+    torch._assert_async(torch.all(t >= 0), "turbo_moe: group_lens has a negative entry")
+    return _assert_total_and_clamp(offs, num_rows)
+
+
+def check_group_offs(
+    offs: torch.Tensor,
+    num_groups: Optional[int],
+    num_rows: int,
+    device: torch.device,
+    name: str = "group_offs",
+) -> torch.Tensor:
+    """Check offsets ``[G+1]`` (0, non-decreasing, ending at ``num_rows``) as the module doc says;
+    return them as int64, on a GPU clamped so that no kernel can leave ``[0, num_rows)``.
+    ``num_groups`` None: any G >= 1 (the offsets define it)."""
+    what = f"w has {num_groups} groups" if num_groups is not None else ""
+    _check_index_tensor(name, offs, None if num_groups is None else num_groups + 1, device, what)
+    offs = offs.to(torch.int64)
+    if device.type == "meta":
+        return offs  # shape inference only: no values to check
+    if device.type == "cpu" or _sync_checks():
+        _check_on_host(name, offs, offs, num_rows)
+        return offs
+    torch._assert_async(torch.all(offs[1:] >= offs[:-1]), f"turbo_moe: {name} is decreasing")
+    torch._assert_async(offs[0] == 0, f"turbo_moe: {name}[0] != 0")
+    return _assert_total_and_clamp(offs, num_rows)
+
+
+def _assert_total_and_clamp(offs: torch.Tensor, num_rows: int) -> torch.Tensor:
+    torch._assert_async(offs[-1] == num_rows, "turbo_moe: group sizes do not sum to x.shape[0]")
+    # Keep every kernel in bounds whatever the routing says (see the module doc).
+    return torch.cummax(offs.clamp(0, num_rows), 0).values
+
+
+def _check_index_tensor(name: str, t, expected_len: Optional[int], device: torch.device, what: str) -> None:
+    """Metadata of group_lens / group_offs: an int64/int32 1-D tensor of the expected length on ``device``."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be an integer torch.Tensor on the data's device, got {type(t).__name__}")
     if t.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{name} must be int64 (or int32), got {t.dtype}")
     if t.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
-    expected = num_groups if name == "group_lens" else num_groups + 1
-    if t.shape[0] != expected:
-        raise ValueError(f"len({name})={t.shape[0]} but w has {num_groups} groups (expected {expected})")
+    if expected_len is None:
+        if t.shape[0] < 2:
+            raise ValueError(f"len({name})={t.shape[0]}: offsets of at least one group need 2 entries [0, M]")
+    elif t.shape[0] != expected_len:
+        raise ValueError(f"len({name})={t.shape[0]} but {what} (expected {expected_len})")
     if t.device != device:
         raise ValueError(f"{name} must be on the data's device {device}, got {t.device}")
-    t = t.to(torch.int64)
-    if name == "group_lens":
-        offs = torch.cat([t.new_zeros(1), torch.cumsum(t, 0)])
-    else:
-        offs = t
-
-    if device.type == "cpu" or _sync_checks():
-        _check_on_host(name, t, offs, num_rows)
-        return offs
-    if name == "group_lens":
-        torch._assert_async(torch.all(t >= 0), "turbo_moe: group_lens has a negative entry")
-    else:
-        torch._assert_async(torch.all(offs[1:] >= offs[:-1]), "turbo_moe: group_offs is decreasing")
-        torch._assert_async(offs[0] == 0, "turbo_moe: group_offs[0] != 0")
-    torch._assert_async(offs[-1] == num_rows, "turbo_moe: group sizes do not sum to x.shape[0]")
-    # Keep every kernel in bounds whatever the routing says (see the module doc).
-    return torch.cummax(offs.clamp(0, num_rows), 0).values
 
 
 def _check_on_host(name: str, t: torch.Tensor, offs: torch.Tensor, num_rows: int) -> None:
@@ -110,9 +156,9 @@ def _check_on_host(name: str, t: torch.Tensor, offs: torch.Tensor, num_rows: int
             raise ValueError(f"group_lens sums to {total} but x has {num_rows} rows (x.shape[0])")
     else:
         if values[0] != 0:
-            raise ValueError(f"group_offs[0] must be 0, got {values[0]}")
+            raise ValueError(f"{name}[0] must be 0, got {values[0]}")
         bad = [i for i in range(1, len(values)) if values[i] < values[i - 1]]
         if bad:
-            raise ValueError(f"group_offs must be non-decreasing; it decreases at index {bad[0]}")
+            raise ValueError(f"{name} must be non-decreasing; it decreases at index {bad[0]}")
         if values[-1] != num_rows:
-            raise ValueError(f"group_offs[-1]={values[-1]} but x has {num_rows} rows (x.shape[0])")
+            raise ValueError(f"{name}[-1]={values[-1]} but x has {num_rows} rows (x.shape[0])")
