@@ -226,6 +226,7 @@ def grouped_gemm_fp8_with_offs(x, w, offs, *, trans_b=True, config=None, num_cu=
                                       backend=backend, out_dtype=out_dtype, w_fp8=w_fp8)
 
 
+@torch.compiler.disable
 def _grouped_gemm_fp8_resolved(x, w, offs, *, trans_b=True, config=None, num_cu=None, backend="auto", out_dtype=None,
                                w_fp8: Optional[Float8Weight] = None):
     """``grouped_gemm_fp8_with_offs`` on operands and offsets already checked (by ``check_operands``
@@ -265,6 +266,7 @@ def grouped_wgrad_fp8(
                                        out_dtype=out_dtype)
 
 
+@torch.compiler.disable
 def _grouped_wgrad_fp8_resolved(dy, x, group_offs, *, config=None, num_cu=None, backend="auto", out_dtype=None):
     """``grouped_wgrad_fp8`` on operands and offsets already checked (see ``_grouped_gemm_fp8_resolved``)."""
     config = Float8Config() if config is None else config

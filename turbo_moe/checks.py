@@ -10,7 +10,11 @@ What is checked where (no check may add a host sync on a GPU, or CUDA-graph capt
     assert does). Before the kernels see them, the offsets are clamped into ``[0, M]`` and made
     non-decreasing, so a bad routing can never make a kernel read or write out of bounds.
     Set ``TURBO_MOE_SYNC_CHECKS=1`` to check on the host instead (a sync per call, a clean
-    ``ValueError``; not capturable).
+    ``ValueError``; not capturable);
+  - meta tensors: no values, nothing to check (shape inference).
+
+``check_group_offs`` is the offsets' check for every entry that takes offsets
+(``resolve_group_offs``, ``grouped_gemm_fp8_with_offs``, ``grouped_wgrad_fp8``).
 """
 
 from __future__ import annotations
