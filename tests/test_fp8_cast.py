@@ -153,3 +153,63 @@ def test_rowwise_cast_kernels_match_torch_in_interpreter():
 def test_rowwise_cast_kernels_match_torch_on_gpu():
     pytest.importorskip("triton")
     exec(compile(ROWWISE_CHECK.replace("DEVICE", "'cuda'").replace("EXACT", "False"), "rowwise_check", "exec"), {})
+
+
+TINY_CHECK = textwrap.dedent(
+    """
+    import torch
+    from turbo_moe.kernels.triton.fp8_cast import fp8_rowwise_cast, fp8_colwise_grouped_cast
+    from turbo_moe.config import fp8_max
+    import turbo_moe.quantize as Q
+    device = DEVICE
+    gen = torch.Generator().manual_seed(2)
+    same = lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+    def torch_path(fn, *args, **kw):
+        saved, Q._cast_kernels = Q._cast_kernels, lambda t: None
+        try:
+            return fn(*args, **kw)
+        finally:
+            Q._cast_kernels = saved
+
+    # Rows (and groups of rows) at amax = 448 * 2**e: e = 0 (scale 2**0), -125 (scale 2**125, under the
+    # cap), -127 (2**127, capped), -130 (2**130 overflows float32, capped), an all-zero row, a NaN-free
+    # mix. Data are FP8 grid values g (|g| >= 1) times the row's 2**e, so that with the capped scale
+    # 2**126, g * 2**(e + 126) is still exact in both formats: no rounding under the interpreter.
+    exps = [0, -125, -127, -130, None, -130, -127, 0]
+    g = (torch.randn(len(exps), 40, generator=gen) * 40).clamp(-224, 224).to(torch.float8_e5m2).float()
+    g = torch.where(g.abs() < 1, torch.ones_like(g), g)
+    g[:, 0] = 448.0
+    x = torch.stack([g[i] * 2.0**e if e is not None else torch.zeros(40) for i, e in enumerate(exps)])
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        xs = x if fp8 == torch.float8_e4m3fn else x * (57344.0 / 448.0)  # amax on e5m2's max
+        xs = xs.to(device)
+        q, s = fp8_rowwise_cast(xs, fp8, fp8_max(fp8))
+        q_ref, s_ref = torch_path(Q.quantize_rowwise, xs, fp8)
+        assert same(q, q_ref) and torch.equal(s, s_ref), ("rowwise", fp8, s, s_ref)
+        want = torch.tensor([1.0 if e is None else 2.0 ** max(-126, e) for e in exps], device=device)
+        assert torch.equal(s, want), s  # dequant amax / fp8_max, at least 2**-126; an all-zero row 1
+        deq = q.float() * s[:, None]
+        assert torch.equal(deq, xs.float()), "every row, the capped ones too, must come back exactly"
+        offs = torch.tensor([0, 1, 2, 4, 5, 5, 8], device=device)  # one row each, a pair, an empty group
+        qt, st = fp8_colwise_grouped_cast(xs.t().contiguous().t(), offs, fp8, fp8_max(fp8))
+        qt_ref, st_ref = torch_path(Q.quantize_columnwise, xs, fp8, 0, group_offs=offs)
+        assert same(qt, qt_ref) and torch.equal(st, st_ref), ("colwise", fp8)
+        assert torch.isfinite(st).all() and (st >= 2.0**-126).all()
+    print("ok")
+    """
+)
+
+
+def test_tiny_amax_scale_cap_matches_torch_in_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    code = TINY_CHECK.replace("DEVICE", "'cpu'")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_tiny_amax_scale_cap_matches_torch_on_gpu():
+    pytest.importorskip("triton")
+    exec(compile(TINY_CHECK.replace("DEVICE", "'cuda'"), "tiny_check", "exec"), {})

@@ -391,6 +391,8 @@ def test_bad_inputs_name_the_argument(world):
         experts(x, torch.tensor([2, 2, 2]), torch.ones(5))
     with pytest.raises(TypeError, match="m_splits"):
         experts.linear_fc1(x, torch.tensor([2.0, 3.0, 0.0]))
+    with pytest.raises(ValueError, match=r"group_offs\[-1\]=9 but x has 5 rows"):  # checked, never trusted
+        experts.linear_fc1(x, group_offs=torch.tensor([0, 2, 3, 9]))
     unsupported = make_config(num_moe_experts=3)
     unsupported.use_te_activation_func = True
     with pytest.raises(NotImplementedError, match="use_te_activation_func"):

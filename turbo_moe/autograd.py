@@ -13,7 +13,9 @@ FP8 data flow (current scaling, per tensor or rowwise):
 
 Gradients come back in the inputs' dtypes; a group with no tokens gets an exactly zero ``dW[g]``.
 Nothing here reads the group sizes on the host when the data is on a GPU (see ``checks``), so
-forward+backward can be captured in a CUDA graph with a kernel backend.
+forward+backward can be captured in a CUDA graph with a kernel backend. Backward is not itself
+differentiable (``once_differentiable``): a double backward raises instead of returning a wrong
+second-order gradient. On the meta device every entry infers shapes and dtypes (no kernel runs).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .backends import GemmKind, GroupedGemmProblem, select_backend
-from .checks import HIGH_PRECISION_DTYPES, check_operands, resolve_group_offs
+from .checks import HIGH_PRECISION_DTYPES, check_group_offs, check_operands, check_wgrad_operands, resolve_group_offs
 from .config import Float8Config, ScalingGranularity
 from .quantize import quantize_columnwise, quantize_rowwise, quantize_tensorwise_layouts, row_group_ids
 
@@ -54,6 +56,8 @@ def _autocast_out_dtype(x: torch.Tensor, out_dtype: Optional[torch.dtype]) -> to
 
 def _run(kind, a, b, a_scale, b_scale, offs, out_dtype, num_cu, backend, role) -> torch.Tensor:
     problem = GroupedGemmProblem(kind, a, b, a_scale, b_scale, offs, out_dtype, num_cu, role)
+    if a.device.type == "meta":  # shape inference: no values, no kernel
+        return torch.empty(problem.out_shape, dtype=out_dtype, device=a.device)
     return select_backend(problem, backend).run(problem)
 
 
@@ -80,6 +84,7 @@ class _GroupRows(torch.autograd.Function):
         return table.index_select(0, row_group_ids(group_offs, num_rows))
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         (group_offs,) = ctx.saved_tensors
         dtable = torch.segment_reduce(grad.float(), "sum", offsets=group_offs, axis=0, unsafe=True)
@@ -152,6 +157,7 @@ class GroupedGemmFP8Function(torch.autograd.Function):
         return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # no double backward: one clear error, never a wrong one
     def backward(ctx, dy):
         w_nk, w_kn_scale, x_km, x_km_scale, group_offs = ctx.saved_tensors
         w_kn, ctx.w_kn = ctx.w_kn, None
@@ -222,18 +228,30 @@ def grouped_gemm_fp8(
             ``torch.autocast`` for x's device, else ``x.dtype``.
     """
     offs = _prepare(x, w, group_lens, group_offs, trans_b)
-    return grouped_gemm_fp8_with_offs(x, w, offs, trans_b=trans_b, config=config, num_cu=num_cu,
+    return _grouped_gemm_fp8_resolved(x, w, offs, trans_b=trans_b, config=config, num_cu=num_cu,
                                       backend=backend, out_dtype=out_dtype)
 
 
 @torch.compiler.disable
 def grouped_gemm_fp8_with_offs(x, w, offs, *, trans_b=True, config=None, num_cu=None, backend="auto", out_dtype=None,
                                w_fp8: Optional[Float8Weight] = None):
-    """``grouped_gemm_fp8`` on offsets already resolved by ``checks.resolve_group_offs`` (no re-check).
+    """``grouped_gemm_fp8`` on int64 ``[G+1]`` offsets ``offs``, checked (and on a GPU clamped) as
+    ``grouped_gemm_fp8`` checks its ``group_offs``.
 
     ``w_fp8``: the weight already quantized by ``quantize_weight`` with this config (a cache the
     caller keeps valid), skipping its quantization; None quantizes ``w`` here.
     """
+    num_groups, num_rows, _, _ = check_operands(x, w, trans_b)
+    offs = check_group_offs(offs, num_groups, num_rows, x.device, name="offs")
+    return _grouped_gemm_fp8_resolved(x, w, offs, trans_b=trans_b, config=config, num_cu=num_cu,
+                                      backend=backend, out_dtype=out_dtype, w_fp8=w_fp8)
+
+
+@torch.compiler.disable
+def _grouped_gemm_fp8_resolved(x, w, offs, *, trans_b=True, config=None, num_cu=None, backend="auto", out_dtype=None,
+                               w_fp8: Optional[Float8Weight] = None):
+    """``grouped_gemm_fp8_with_offs`` on operands and offsets already checked (by ``check_operands``
+    and ``checks.resolve_group_offs``): for callers that resolved them once for several uses."""
     config = Float8Config() if config is None else config
     if not isinstance(config, Float8Config):
         raise TypeError(f"config must be a turbo_moe.Float8Config, got {type(config).__name__}")
@@ -259,10 +277,25 @@ def grouped_wgrad_fp8(
     """The wgrad GEMM alone, ``dW[g] = dy[rows of g]^T @ x[rows of g]`` -> ``[G, N, K]``, quantized
     exactly as ``grouped_gemm_fp8``'s backward quantizes it (for delayed-wgrad schedules).
 
-    ``group_offs``: int64 ``[G+1]`` device offsets as returned by ``checks.resolve_group_offs``.
+    ``group_offs``: int64 ``[G+1]`` offsets on the data's device, checked (and on a GPU clamped)
+    as ``grouped_gemm_fp8`` checks its ``group_offs``.
     ``out_dtype`` defaults to dy's dtype (pass float32 to accumulate into an fp32 main_grad).
     """
+    check_wgrad_operands(dy, x)
+    group_offs = check_group_offs(group_offs, None, x.shape[0], x.device)
+    return _grouped_wgrad_fp8_resolved(dy, x, group_offs, config=config, num_cu=num_cu, backend=backend,
+                                       out_dtype=out_dtype)
+
+
+@torch.compiler.disable
+def _grouped_wgrad_fp8_resolved(dy, x, group_offs, *, config=None, num_cu=None, backend="auto", out_dtype=None):
+    """``grouped_wgrad_fp8`` on operands and offsets already checked (see ``_grouped_gemm_fp8_resolved``)."""
     config = Float8Config() if config is None else config
+    if not isinstance(config, Float8Config):
+        raise TypeError(f"config must be a turbo_moe.Float8Config, got {type(config).__name__}")
+    _check_num_cu(num_cu)
+    if out_dtype is not None and out_dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
     rowwise = config.granularity is ScalingGranularity.ROWWISE
     dy_t, dy_scale = _token_major_operand(dy, group_offs, config.grad_dtype, config.margin, rowwise)
     x_t, x_scale = _token_major_operand(x, group_offs, config.forward_dtype, config.margin, rowwise)
@@ -301,6 +334,8 @@ def grouped_gemm(
         x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
         and x.shape[1] % 8 == 0 and w_nk.shape[1] % 8 == 0  # CUTLASS wants 16-byte aligned rows
     )
+    if x.device.type == "meta":  # shape inference (and autograd's shapes); no values to loop over
+        return (x @ w_nk[0].to(x.dtype).T).to(out_dtype)
     if use_grouped_mm:
         y = torch._grouped_mm(x, w_nk.transpose(1, 2), offs=offs[1:].to(torch.int32))
         return y.to(out_dtype)

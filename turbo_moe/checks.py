@@ -10,7 +10,11 @@ What is checked where (no check may add a host sync on a GPU, or CUDA-graph capt
     assert does). Before the kernels see them, the offsets are clamped into ``[0, M]`` and made
     non-decreasing, so a bad routing can never make a kernel read or write out of bounds.
     Set ``TURBO_MOE_SYNC_CHECKS=1`` to check on the host instead (a sync per call, a clean
-    ``ValueError``; not capturable).
+    ``ValueError``; not capturable);
+  - meta tensors: no values, nothing to check (shape inference).
+
+``check_group_offs`` is the offsets' check for every entry that takes offsets
+(``resolve_group_offs``, ``grouped_gemm_fp8_with_offs``, ``grouped_wgrad_fp8``).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["HIGH_PRECISION_DTYPES", "check_operands", "resolve_group_offs"]
+__all__ = ["HIGH_PRECISION_DTYPES", "check_operands", "check_wgrad_operands", "check_group_offs", "resolve_group_offs"]
 
 HIGH_PRECISION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -58,6 +62,21 @@ def check_operands(x: torch.Tensor, w: torch.Tensor, trans_b: bool) -> Tuple[int
     return num_groups, x.shape[0], n, k
 
 
+def check_wgrad_operands(dy: torch.Tensor, x: torch.Tensor) -> None:
+    """Validate the wgrad GEMM's dy [M, N] and x [M, K] (``grouped_wgrad_fp8``)."""
+    for name, t in (("dy", dy), ("x", x)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in HIGH_PRECISION_DTYPES:
+            raise TypeError(f"{name} must be bfloat16, float16 or float32 (it is quantized to FP8 here), got {t.dtype}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D [tokens, features], got shape {tuple(t.shape)}")
+    if dy.device != x.device:
+        raise ValueError(f"dy and x must be on the same device, got dy on {dy.device} and x on {x.device}")
+    if dy.shape[0] != x.shape[0]:
+        raise ValueError(f"dy.shape[0]={dy.shape[0]} and x.shape[0]={x.shape[0]} must match (tokens)")
+
+
 def resolve_group_offs(
     group_lens: Optional[torch.Tensor],
     group_offs: Optional[torch.Tensor],
@@ -68,48 +87,59 @@ def resolve_group_offs(
     """Return int64 ``[G+1]`` device offsets from either ``group_lens`` or ``group_offs``."""
     if (group_lens is None) == (group_offs is None):
         raise ValueError("pass exactly one of group_lens and group_offs")
-    name, t = ("group_lens", group_lens) if group_lens is not None else ("group_offs", group_offs)
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be an integer torch.Tensor on the data's device, got {type(t).__name__}")
-    if t.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"{name} must be int64 (or int32), got {t.dtype}")
-    if t.dim() != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
-    expected = num_groups if name == "group_lens" else num_groups + 1
-    if t.shape[0] != expected:
-        raise ValueError(f"len({name})={t.shape[0]} but w has {num_groups} groups (expected {expected})")
-    if t.device != device:
-        raise ValueError(f"{name} must be on the data's device {device}, got {t.device}")
-    if device.type != "cpu" and not _sync_checks():
-        kernel = _offsets_kernel(t)
-        if kernel is not None:  # one launch: prefix sum, device asserts, clamp (the path below in one)
-            return kernel.resolve_group_offs(t, num_rows, from_lens=name == "group_lens")
-    t = t.to(torch.int64)
-    if name == "group_lens":
-        offs = torch.cat([t.new_zeros(1), torch.cumsum(t, 0)])
-    else:
-        offs = t
+    if group_offs is not None:
+        return check_group_offs(group_offs, num_groups, num_rows, device)
+    name = "group_lens"
+    _check_index_tensor(name, group_lens, num_groups, device, f"w has {num_groups} groups")
+    kernel = _offsets_kernel(group_lens)
+    if kernel is not None:  # one launch: prefix sum, device asserts, clamp (the torch path below in one)
+        return kernel.resolve_group_offs(group_lens, num_rows, from_lens=True)
+    t = group_lens.to(torch.int64)
+    offs = torch.cat([t.new_zeros(1), torch.cumsum(t, 0)])
+    if device.type == "meta":
+        return offs
 
     if device.type == "cpu" or _sync_checks():
         _check_on_host(name, t, offs, num_rows)
         return offs
-    if name == "group_lens":
-        torch._assert_async(torch.all(t >= 0), "turbo_moe: group_lens has a negative entry")
-    else:
-        torch._assert_async(torch.all(offs[1:] >= offs[:-1]), "turbo_moe: group_offs is decreasing")
-        torch._assert_async(offs[0] == 0, "turbo_moe: group_offs[0] != 0")
-    torch._assert_async(offs[-1] == num_rows, "turbo_moe: group sizes do not sum to x.shape[0]")
-    # Keep every kernel in bounds whatever the routing says (see the module doc).
-    return torch.cummax(offs.clamp(0, num_rows), 0).values
+    torch._assert_async(torch.all(t >= 0), "turbo_moe: group_lens has a negative entry")
+    return _assert_total_and_clamp(offs, num_rows)
+
+
+def check_group_offs(
+    offs: torch.Tensor,
+    num_groups: Optional[int],
+    num_rows: int,
+    device: torch.device,
+    name: str = "group_offs",
+) -> torch.Tensor:
+    """Check offsets ``[G+1]`` (0, non-decreasing, ending at ``num_rows``) as the module doc says;
+    return them as int64, on a GPU clamped so that no kernel can leave ``[0, num_rows)``.
+    ``num_groups`` None: any G >= 1 (the offsets define it)."""
+    what = f"w has {num_groups} groups" if num_groups is not None else ""
+    _check_index_tensor(name, offs, None if num_groups is None else num_groups + 1, device, what)
+    kernel = _offsets_kernel(offs)
+    if kernel is not None:
+        return kernel.resolve_group_offs(offs, num_rows, from_lens=False)
+    offs = offs.to(torch.int64)
+    if device.type == "meta":
+        return offs  # shape inference only: no values to check
+    if device.type == "cpu" or _sync_checks():
+        _check_on_host(name, offs, offs, num_rows)
+        return offs
+    torch._assert_async(torch.all(offs[1:] >= offs[:-1]), f"turbo_moe: {name} is decreasing")
+    torch._assert_async(offs[0] == 0, f"turbo_moe: {name}[0] != 0")
+    return _assert_total_and_clamp(offs, num_rows)
 
 
 _offsets_module = None  # turbo_moe.kernels.triton.group_offsets once imported; False without triton
 
 
 def _offsets_kernel(t: torch.Tensor):
-    """The one-launch offsets kernel for CUDA tensors, or None (no triton, too many groups)."""
+    """The one-launch offsets kernel for CUDA tensors checked on the device, or None (CPU, meta,
+    TURBO_MOE_SYNC_CHECKS, no triton, more groups than one program holds)."""
     global _offsets_module
-    if not t.is_cuda:
+    if not t.is_cuda or _sync_checks():
         return None
     if _offsets_module is None:
         try:
@@ -120,6 +150,29 @@ def _offsets_kernel(t: torch.Tensor):
     if not _offsets_module or t.shape[0] > _offsets_module.MAX_GROUPS:
         return None
     return _offsets_module
+
+
+def _assert_total_and_clamp(offs: torch.Tensor, num_rows: int) -> torch.Tensor:
+    torch._assert_async(offs[-1] == num_rows, "turbo_moe: group sizes do not sum to x.shape[0]")
+    # Keep every kernel in bounds whatever the routing says (see the module doc).
+    return torch.cummax(offs.clamp(0, num_rows), 0).values
+
+
+def _check_index_tensor(name: str, t, expected_len: Optional[int], device: torch.device, what: str) -> None:
+    """Metadata of group_lens / group_offs: an int64/int32 1-D tensor of the expected length on ``device``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be an integer torch.Tensor on the data's device, got {type(t).__name__}")
+    if t.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name} must be int64 (or int32), got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if expected_len is None:
+        if t.shape[0] < 2:
+            raise ValueError(f"len({name})={t.shape[0]}: offsets of at least one group need 2 entries [0, M]")
+    elif t.shape[0] != expected_len:
+        raise ValueError(f"len({name})={t.shape[0]} but {what} (expected {expected_len})")
+    if t.device != device:
+        raise ValueError(f"{name} must be on the data's device {device}, got {t.device}")
 
 
 def _check_on_host(name: str, t: torch.Tensor, offs: torch.Tensor, num_rows: int) -> None:
@@ -133,9 +186,9 @@ def _check_on_host(name: str, t: torch.Tensor, offs: torch.Tensor, num_rows: int
             raise ValueError(f"group_lens sums to {total} but x has {num_rows} rows (x.shape[0])")
     else:
         if values[0] != 0:
-            raise ValueError(f"group_offs[0] must be 0, got {values[0]}")
+            raise ValueError(f"{name}[0] must be 0, got {values[0]}")
         bad = [i for i in range(1, len(values)) if values[i] < values[i - 1]]
         if bad:
-            raise ValueError(f"group_offs must be non-decreasing; it decreases at index {bad[0]}")
+            raise ValueError(f"{name} must be non-decreasing; it decreases at index {bad[0]}")
         if values[-1] != num_rows:
-            raise ValueError(f"group_offs[-1]={values[-1]} but x has {num_rows} rows (x.shape[0])")
+            raise ValueError(f"{name}[-1]={values[-1]} but x has {num_rows} rows (x.shape[0])")

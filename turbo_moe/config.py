@@ -56,14 +56,24 @@ def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
+# The largest Float8Config.margin: the largest m with 2**m < 448, e4m3's largest value (every recipe
+# quantizes x and W to e4m3; e5m2's 57344 would allow 15). The bound keeps both ends working:
+# * the largest element of a tensor quantizes to fp8_max * 2**-m >= 448 / 256 = 1.75, a normal e4m3
+#   number with its full 3-bit mantissa (at m = 19 it rounds to zero: an all-zero output);
+# * the dequantization scale amax * 2**m / fp8_max stays finite float32 for every finite amax,
+#   up to FLT_MAX (at m = 9 an amax near FLT_MAX would dequantize to inf; at m >= 150, 2**-m is 0
+#   in float32, so the scale is 0 and the output NaN).
+MAX_MARGIN = 8
+
+
 @dataclass(frozen=True)
 class Float8Config:
     """The FP8 recipe for one grouped GEMM (forward and backward).
 
     ``format``: ``"e4m3"`` or ``"hybrid"``; ``granularity``: ``"tensorwise"`` or ``"rowwise"``;
     ``strategy``: ``"current"`` (``"delayed"`` is a reserved seam: ``amax_history_len`` will size
-    its history, and asking for it today raises). ``margin`` shrinks the scale by ``2**margin`` to
-    leave head-room, as Transformer Engine's recipe does.
+    its history, and asking for it today raises). ``margin`` (an int in ``[0, 8]``) shrinks the
+    scale by ``2**margin`` to leave head-room, as Transformer Engine's recipe does.
     """
 
     format: Float8Format = Float8Format.E4M3
@@ -89,8 +99,8 @@ class Float8Config:
                 "Float8Config.strategy='delayed' (amax history) is a reserved seam and not implemented; "
                 "use strategy='current'"
             )
-        if not isinstance(self.margin, int) or self.margin < 0:
-            raise ValueError(f"Float8Config.margin must be a non-negative int, got {self.margin!r}")
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or not 0 <= self.margin <= MAX_MARGIN:
+            raise ValueError(f"Float8Config.margin must be an int in [0, {MAX_MARGIN}], got {self.margin!r}")
         if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
             raise ValueError(f"Float8Config.amax_history_len must be >= 1, got {self.amax_history_len!r}")
 
@@ -107,4 +117,9 @@ class Float8Config:
     @classmethod
     def from_megatron(cls, fp8: str, **kwargs) -> "Float8Config":
         """Map Megatron's ``config.fp8`` names (``"e4m3"``, ``"hybrid"``) onto a Float8Config."""
-        return cls(format=Float8Format(fp8), **kwargs)
+        try:
+            fmt = Float8Format(fp8)
+        except ValueError:
+            allowed = ", ".join(repr(m.value) for m in Float8Format)
+            raise ValueError(f"from_megatron(fp8={fp8!r}): Megatron's config.fp8 must be one of {allowed}") from None
+        return cls(format=fmt, **kwargs)

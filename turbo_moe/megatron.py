@@ -56,7 +56,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without megatron
         "3.11: pip install --no-deps --ignore-requires-python megatron-core==0.19.2 numpy packaging)"
     ) from exc
 
-from .autograd import add_group_bias, group_rows, grouped_gemm, grouped_gemm_fp8_with_offs, grouped_wgrad_fp8
+from .autograd import _grouped_gemm_fp8_resolved, _grouped_wgrad_fp8_resolved, add_group_bias, group_rows, grouped_gemm
 from .checks import resolve_group_offs
 from .config import Float8Config, ScalingGranularity
 
@@ -410,7 +410,7 @@ class TurboGroupedLinear(torch.nn.Module):
         out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
         if self.fp8_config is None:
             return grouped_gemm(x, weight, group_offs=offs, out_dtype=out_dtype)
-        return grouped_gemm_fp8_with_offs(
+        return _grouped_gemm_fp8_resolved(  # offs resolved (checked) once in forward
             x, weight, offs, config=self.fp8_config, num_cu=self.options.num_cu,
             backend=self.options.backend, out_dtype=out_dtype,
         )
@@ -437,7 +437,7 @@ class TurboGroupedLinear(torch.nn.Module):
                 raise ValueError("pass m_splits (tokens per local expert) or group_offs")
             offs = self.group_offsets(x, m_splits)
         else:
-            offs = group_offs
+            offs = resolve_group_offs(None, group_offs, self.num_gemms, x.shape[0], x.device)
         weight = self.weight
         defer_wgrad = self.delay_wgrad_compute and torch.is_grad_enabled() and weight.requires_grad
         if defer_wgrad:
@@ -476,8 +476,8 @@ class TurboGroupedLinear(torch.nn.Module):
                     dw[e] = (dy[lo:hi].t() @ x[lo:hi]).to(out_dtype)
             return dw
         # Quantized exactly as the FP8 autograd function's backward quantizes its wgrad GEMM.
-        return grouped_wgrad_fp8(dy, x, offs, config=cfg, num_cu=self.options.num_cu,
-                                 backend=self.options.backend, out_dtype=out_dtype)
+        return _grouped_wgrad_fp8_resolved(dy, x, offs, config=cfg, num_cu=self.options.num_cu,
+                                           backend=self.options.backend, out_dtype=out_dtype)
 
     def backward_dw(self) -> None:
         """Compute the weight gradients deferred by ``delay_wgrad_compute`` (no-op otherwise)."""

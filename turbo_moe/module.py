@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .autograd import add_group_bias, grouped_gemm_fp8_with_offs, quantize_weight
+from .autograd import _grouped_gemm_fp8_resolved, add_group_bias, quantize_weight
 from .checks import check_operands, resolve_group_offs
 from .config import Float8Config
 
@@ -95,10 +95,10 @@ class GroupedLinearFP8(nn.Module):
         *,
         group_offs: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        check_operands(x, self.weight, trans_b=True)
+        check_operands(x, self.weight, trans_b=True)  # first: every error names the argument
         # Resolve the offsets once: the GEMM and the bias gather share them.
         offs = resolve_group_offs(group_lens, group_offs, self.num_groups, x.shape[0], x.device)
-        y = grouped_gemm_fp8_with_offs(
+        y = _grouped_gemm_fp8_resolved(
             x,
             self.weight,
             offs,
@@ -110,6 +110,14 @@ class GroupedLinearFP8(nn.Module):
         if self.bias is not None:
             y = add_group_bias(y, self.bias, offs)
         return y
+
+    def __getstate__(self):
+        # The FP8 cache is derived data keyed on storage addresses and version counters, which mean
+        # nothing in another process or copy (and FP8 tensors inside a tuple do not unpickle):
+        # pickle, deepcopy and torch.save leave it out, and the first forward rebuilds it.
+        state = super().__getstate__()  # a copy of __dict__
+        state["_fp8_weight_cache"] = None
+        return state
 
     def invalidate_fp8_weight_cache(self) -> None:
         """Drop the cached FP8 weight (after changing ``weight.data`` behind autograd's back)."""

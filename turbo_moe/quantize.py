@@ -5,8 +5,23 @@ input. Scales are float32 on the input's device. The quantization scale is ``fp8
 (times ``2**-margin``), so the largest magnitude lands on the format's largest finite value and
 values saturate instead of overflowing. An all-zero tensor (or slice) gets scale 1.
 
-NaN and Inf: a NaN or Inf in a tensor makes its amax NaN/Inf, hence its scale NaN or 0 and every
-element of the quantized tensor NaN; the GEMM output then is NaN. turbo_moe propagates such inputs
+Tiny inputs: the quantization scale is capped at ``2**126`` (``MAX_QUANT_SCALE``), so that the
+dequantization scale ``2**-126`` stays a normal float32 and ``fp8_max / amax`` never overflows to
+inf (which zeroed every element) for an amax below ``fp8_max / FLT_MAX`` (~1.3e-36 for e4m3).
+Below ``fp8_max * 2**-126`` (~5e-36 for e4m3, ~7e-34 for e5m2) the largest element then lands
+under ``fp8_max``: such tensors keep fewer significant bits, down to FP8's subnormals, but every
+finite input quantizes to what FP8 can represent at that scale.
+
+Huge inputs: the GEMM epilogue multiplies the float32 accumulator by ``a``'s dequantization scale
+first, then by ``b``'s (``b`` is ``W`` or ``x``, always e4m3). The intermediate ``acc * a_scale``
+reaches up to ``max|a| * 448 * K`` (``K``: the contraction length), so it can overflow float32
+(3.4e38) once ``max|x|`` (forward) or ``max|dy|`` (backward) exceeds about ``7e35 / K``, even when
+a tiny ``w`` would bring the true output back into range (``x * 1e36`` with ``w * 1e-36`` gives
+inf). Keep activations and gradients below that: rescale them, not only the weight.
+
+NaN and Inf: a NaN or Inf in a tensor (or slice) makes its amax NaN/Inf, hence its scale NaN or 0
+and every element of the quantized tensor (or slice) NaN; the GEMM outputs it feeds then are NaN
+(tensorwise: all of them; rowwise: one row or column). turbo_moe propagates such inputs
 loudly rather than clipping them into finite garbage.
 
 Rowwise scales vary along the non-contracted dimension only: ``quantize_rowwise`` contracts the
@@ -31,11 +46,18 @@ __all__ = [
 ]
 
 
+# Cap on the quantization scale: its reciprocal, the dequantization scale, stays a normal float32
+# (see the module doc). kernels/triton/fp8_cast.py's _quant_scales applies the same cap.
+MAX_QUANT_SCALE = 2.0 ** 126
+
+
 def _quant_scale(amax: torch.Tensor, fp8_dtype: torch.dtype, margin: int) -> torch.Tensor:
     amax = amax.float()
     scale = fp8_max(fp8_dtype) / amax
     if margin:
         scale = scale * (2.0 ** -margin)
+    # A tiny amax (or a 1/amax that overflowed to inf) -> the cap; NaN stays NaN (clamp keeps it).
+    scale = scale.clamp(max=MAX_QUANT_SCALE)
     # amax == 0 -> scale 1 (the data are zeros); amax NaN/Inf propagate (see module doc).
     return torch.where(amax == 0, torch.ones_like(scale), scale)
 

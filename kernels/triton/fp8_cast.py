@@ -127,10 +127,12 @@ def fp8_tensorwise_cast(x, fp8_dtype, fp8_max: float, margin: int = 0, write_row
 def _quant_scales(amax, FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr):
     """(quantization scale, dequantization scale) from amax, bit-for-bit turbo_moe.quantize's
     float32 math: ``fp8_max / amax`` is torch's ``amax.reciprocal() * fp8_max`` (two IEEE-rounded
-    steps); amax == 0 -> 1; NaN/Inf amax propagate."""
+    steps); capped at 2**126 (turbo_moe.quantize.MAX_QUANT_SCALE: a tiny amax must not overflow
+    the scale to inf); amax == 0 -> 1; NaN/Inf amax propagate."""
     scale = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax) * FP8_MAX
     if MARGIN_FACTOR != 1.0:
         scale = scale * MARGIN_FACTOR
+    scale = tl.where(scale > 8.507059173023462e37, 8.507059173023462e37, scale)  # 2**126; NaN > x is false
     scale = tl.where(amax == 0, 1.0, scale)
     return scale, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
 
