@@ -155,7 +155,7 @@ class TritonBackend(GroupedGemmBackend):
         why = self._device_reason(problem.device)
         if why:
             return False, why
-        why = _validate(problem)
+        why = _validate(problem) or problem.out_reason()
         if why:
             return False, why
         return True, ""
@@ -166,7 +166,7 @@ class TritonBackend(GroupedGemmBackend):
         ok, why = self.can_handle(problem)
         if not ok:
             raise ValueError(f"triton backend cannot run {problem.describe()}: {why}")
-        out = _new_output(problem.out_shape, problem.out_dtype, problem.device)
+        out = problem.out if problem.out is not None else _new_output(problem.out_shape, problem.out_dtype, problem.device)
         if out.numel() == 0:
             return out
         if config is None:
@@ -228,7 +228,8 @@ class TritonBackend(GroupedGemmBackend):
             tail_k = min(32, config.block_k)
             a_tail_desc = TensorDescriptor(a, [N, M], [a.stride(0), 1], [config.block_m, tail_k])
             b_tail_desc = TensorDescriptor(b, [K, M], [b.stride(0), 1], [config.block_n, tail_k])
-            tma_store = config.tma_store and _tma_store_ok(out)
+            # Accumulating reads out back: the pointer epilogue does the load-add-store.
+            tma_store = config.tma_store and _tma_store_ok(out) and not problem.accumulate
             out_desc = (
                 TensorDescriptor(out, list(out.shape), list(out.stride()), [1, config.block_m, config.block_n])
                 if tma_store
@@ -242,7 +243,7 @@ class TritonBackend(GroupedGemmBackend):
                 out.stride(0), out.stride(1), out.stride(2),
                 A_ROWWISE=a_rowwise, B_ROWWISE=b_rowwise,
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-                BAND_CYCLIC=config.band_cyclic, TMA_STORE=tma_store, TAIL_K=tail_k,
+                BAND_CYCLIC=config.band_cyclic, TMA_STORE=tma_store, TAIL_K=tail_k, ACCUMULATE=problem.accumulate,
                 **extra,
             )
         elif problem.kind is GemmKind.M_GROUPED:
@@ -266,7 +267,7 @@ class TritonBackend(GroupedGemmBackend):
                 a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
                 A_ROWWISE=a_rowwise, B_ROWWISE=b_rowwise,
                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-                BAND_CYCLIC=config.band_cyclic,
+                BAND_CYCLIC=config.band_cyclic, ACCUMULATE=problem.accumulate,
                 **extra,
             )
 
@@ -277,7 +278,7 @@ class TritonBackend(GroupedGemmBackend):
         return (
             problem.kind, N, K, _pow2_class(M), _pow2_class(max(M // max(G, 1), 1)), G if G <= 8 else _pow2_class(G) + 100,
             problem.a.dtype, problem.b.dtype, problem.a_scale.dim(), problem.b_scale.dim(), problem.out_dtype,
-            str(problem.device), problem.num_cu,
+            str(problem.device), problem.num_cu, problem.accumulate,
         )
 
     def _choose_config(self, problem: GroupedGemmProblem, out: torch.Tensor) -> KernelConfig:
@@ -292,7 +293,9 @@ class TritonBackend(GroupedGemmBackend):
             return candidates[0]
         with self._lock:
             if key not in self._tuned:
-                self._tuned[key] = self._benchmark(problem, out, candidates)
+                # Timing launches the kernel many times: never into a buffer being accumulated into.
+                scratch = torch.zeros_like(out) if problem.accumulate else out
+                self._tuned[key] = self._benchmark(problem, scratch, candidates)
         return self._tuned[key]
 
     def _benchmark(self, problem: GroupedGemmProblem, out: torch.Tensor, candidates) -> KernelConfig:

@@ -73,6 +73,7 @@ from .linear import (  # noqa: E402
     TurboGroupedLinear,
     TurboRowParallelGroupedLinear,
 )
+from .main_grad import invalidate_fp8_weight_cache_on_step, invalidate_fp8_weight_caches  # noqa: E402
 from .options import TurboMoEOptions, resolve_fp8_config  # noqa: E402
 from .specs import get_turbo_moe_experts_spec, get_turbo_moe_module_spec, use_turbo_moe_experts  # noqa: E402
 from .experts import _turbo_submodules  # noqa: E402,F401  (kept importable from here for callers of 0.1)
@@ -87,4 +88,6 @@ __all__ = [
     "get_turbo_moe_experts_spec",
     "get_turbo_moe_module_spec",
     "use_turbo_moe_experts",
+    "invalidate_fp8_weight_cache_on_step",
+    "invalidate_fp8_weight_caches",
 ]

@@ -9,10 +9,18 @@ from typing import Callable, List, Optional
 import torch
 from megatron.core.utils import get_pg_rank, get_pg_size
 
+from .. import autograd as _autograd  # quantize_weight is looked up at call time (tests count it)
 from ..autograd import add_group_bias, grouped_gemm, grouped_gemm_fp8_with_offs, grouped_wgrad_fp8
 from ..checks import resolve_group_offs
 from .checkpoint import GroupedLinearCheckpointMixin
-from .main_grad import _AccumulateWgradIntoMainGrad, _StashGradOutputForWgrad, _add_into_main_grad, _main_grad_of
+from .main_grad import (
+    _AccumulateWgradIntoMainGrad,
+    _StashGradOutputForWgrad,
+    _main_grad_of,
+    _mark_grad_added_to_main_grad,
+    fp8_weight_cache_is_safe,
+    fp8_weight_generation,
+)
 from .options import TurboMoEOptions, resolve_fp8_config
 
 __all__ = ["TurboGroupedLinear", "TurboColumnParallelGroupedLinear", "TurboRowParallelGroupedLinear"]
@@ -109,6 +117,7 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
             or getattr(config, "overlap_dispatch_backward_with_experts_wgrad", False)
         )
         self._pending_wgrads: List[tuple] = []
+        self._fp8_weight_cache = None  # (key, Float8Weight) under options.cache_fp8_weight
         self._wgrad_accumulation_and_reduce_hooks: List[Callable[[], None]] = []
 
         if getattr(config, "use_cpu_initialization", False) or not torch.cuda.is_available():
@@ -190,8 +199,38 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
             return grouped_gemm(x, weight, group_offs=offs, out_dtype=out_dtype)
         return grouped_gemm_fp8_with_offs(
             x, weight, offs, config=self.fp8_config, num_cu=self.options.num_cu,
-            backend=self.options.backend, out_dtype=out_dtype,
+            backend=self.options.backend, out_dtype=out_dtype, w_fp8=self._cached_fp8_weight(),
         )
+
+    def invalidate_fp8_weight_cache(self) -> None:
+        """Drop the cached FP8 weight (see ``TurboMoEOptions.cache_fp8_weight``)."""
+        self._fp8_weight_cache = None
+
+    @torch.compiler.disable
+    def _cached_fp8_weight(self):
+        """The FP8 weight kept across micro-batches, or None (quantize in the GEMM call).
+
+        Keyed on the weight's version counter and storage *and* on the generation that
+        ``invalidate_fp8_weight_cache_on_step`` bumps after each optimizer step: Megatron's DDP
+        makes parameters views of its buffers through ``.data``, and its (distributed) optimizer
+        writes them through those buffers, which bumps no version counter of the Parameter.
+        """
+        if not self.options.cache_fp8_weight:
+            return None
+        w = self.weight
+        if w.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None  # the quantization must be part of the captured graph
+        if not fp8_weight_cache_is_safe(w):
+            raise RuntimeError(
+                "cache_fp8_weight=True on a Megatron DDP parameter needs "
+                "turbo_moe.megatron.invalidate_fp8_weight_cache_on_step(optimizer): Megatron's optimizer "
+                "updates the weights through DDP's buffers, which the cache could not see otherwise")
+        key = (w._version, w.data_ptr(), w.dtype, w.device, fp8_weight_generation(), self.fp8_config)
+        if self._fp8_weight_cache is None or self._fp8_weight_cache[0] != key:
+            self._fp8_weight_cache = None  # release the stale copies before making new ones
+            with torch.no_grad():
+                self._fp8_weight_cache = (key, _autograd.quantize_weight(w.detach(), self.fp8_config, transposed=True))
+        return self._fp8_weight_cache[1]
 
     def _fuses_main_grad(self) -> bool:
         weight = self.weight
@@ -217,12 +256,16 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
         else:
             offs = group_offs
         weight = self.weight
-        defer_wgrad = self.delay_wgrad_compute and torch.is_grad_enabled() and weight.requires_grad
-        if defer_wgrad:
-            # The GEMM's backward then computes dgrad only; backward_dw() computes wgrad later.
+        wants_wgrad = torch.is_grad_enabled() and weight.requires_grad
+        fuse_main_grad = wants_wgrad and self._fuses_main_grad()
+        if wants_wgrad and (self.delay_wgrad_compute or (fuse_main_grad and self.fp8_config is not None)):
+            # The GEMM's backward then computes dgrad only; the wgrad kernel runs from
+            # _StashGradOutputForWgrad's backward (fused main_grad: adding its fp32 result into
+            # main_grad in its epilogue) or later from backward_dw() (delayed wgrad).
             y = self._gemm(x, weight.detach(), offs)
             y = _StashGradOutputForWgrad.apply(y, x.detach(), offs, self, weight)
-        elif self._fuses_main_grad() and torch.is_grad_enabled() and weight.requires_grad:
+        elif fuse_main_grad:
+            # High precision: torch computes dW in the weight's dtype, then it is added to main_grad.
             y = self._gemm(x, _AccumulateWgradIntoMainGrad.apply(weight), offs)
         else:
             y = self._gemm(x, weight, offs)
@@ -257,6 +300,26 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
         return grouped_wgrad_fp8(dy, x, offs, config=cfg, num_cu=self.options.num_cu,
                                  backend=self.options.backend, out_dtype=out_dtype)
 
+    def _accumulate_wgrad(self, x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> Optional[torch.Tensor]:
+        """Compute dW; add it into ``main_grad`` when fused (returns the placeholder grad autograd
+        hands back, or None), else return it.
+
+        FP8 with an fp32 ``main_grad``: the wgrad kernel adds its fp32 result into ``main_grad`` in
+        its epilogue (``grouped_wgrad_fp8(main_grad=...)``): no rounding to the weight's dtype, no
+        separate add. Otherwise dW is computed in ``main_grad``'s dtype and added.
+        """
+        weight = self.weight
+        if not self._fuses_main_grad():
+            return self._wgrad(x, dy, offs, weight.dtype)
+        main_grad = _main_grad_of(weight)
+        cfg = self.fp8_config
+        if cfg is not None and main_grad.dtype == torch.float32:
+            grouped_wgrad_fp8(dy, x, offs, config=cfg, num_cu=self.options.num_cu,
+                              backend=self.options.backend, main_grad=main_grad)
+        else:
+            main_grad.add_(self._wgrad(x, dy, offs, main_grad.dtype))
+        return _mark_grad_added_to_main_grad(weight, weight.dtype)
+
     def backward_dw(self) -> None:
         """Compute the weight gradients deferred by ``delay_wgrad_compute`` (no-op otherwise)."""
         if not self.delay_wgrad_compute:
@@ -264,12 +327,11 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
         weight = self.weight
         pending, self._pending_wgrads = self._pending_wgrads, []
         for x, dy, offs in pending:
-            fuse = self._fuses_main_grad()
-            out_dtype = _main_grad_of(weight).dtype if fuse else weight.dtype
-            dw = self._wgrad(x, dy, offs, out_dtype)
-            if fuse:
-                _add_into_main_grad(weight, dw)
-            elif weight.grad is None:
+            if self._fuses_main_grad():
+                self._accumulate_wgrad(x, dy, offs)
+                continue
+            dw = self._wgrad(x, dy, offs, weight.dtype)
+            if weight.grad is None:
                 weight.grad = dw
             else:
                 weight.grad += dw

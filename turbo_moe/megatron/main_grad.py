@@ -1,11 +1,58 @@
 """Autograd helpers of the grouped linear: ``main_grad`` accumulation (Megatron's
-``gradient_accumulation_fusion``) and the gradient-output stash of delayed wgrad."""
+``gradient_accumulation_fusion``), the gradient-output stash that runs the wgrad kernel (at once
+or delayed), and the invalidation of the FP8 weight caches after optimizer steps."""
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
+
+# Bumped after every optimizer step by invalidate_fp8_weight_cache_on_step: part of the key of the
+# grouped linears' FP8 weight caches.
+_fp8_weight_generation = [0]
+_step_hook_installed = [False]
+
+
+def fp8_weight_generation() -> int:
+    return _fp8_weight_generation[0]
+
+
+def fp8_weight_cache_is_safe(weight: torch.Tensor) -> bool:
+    """False for a Megatron-DDP parameter (it has ``main_grad``) while no optimizer invalidates
+    the caches: its updates would go unseen by the version counter."""
+    ddp_managed = hasattr(weight, "main_grad") or callable(getattr(weight, "get_main_grad", None))
+    return _step_hook_installed[0] or not ddp_managed
+
+
+def invalidate_fp8_weight_caches() -> None:
+    """Mark every cached FP8 weight stale (call after changing weights behind autograd's back)."""
+    _fp8_weight_generation[0] += 1
+
+
+def invalidate_fp8_weight_cache_on_step(optimizer):
+    """Wrap ``optimizer.step`` (a Megatron or torch optimizer) so that each step invalidates the FP8
+    weight caches of ``TurboMoEOptions(cache_fp8_weight=True)`` layers; returns ``optimizer``.
+
+    Needed because Megatron's optimizers update parameters through DDP's flat buffers (the
+    parameters are ``.data`` views of them), which the Parameter's version counter does not see.
+    """
+    step = optimizer.step
+    if getattr(step, "_turbo_moe_invalidates_fp8_weights", False):
+        return optimizer
+
+    @functools.wraps(step)
+    def step_then_invalidate(*args, **kwargs):
+        try:
+            return step(*args, **kwargs)
+        finally:
+            invalidate_fp8_weight_caches()
+
+    step_then_invalidate._turbo_moe_invalidates_fp8_weights = True
+    optimizer.step = step_then_invalidate
+    _step_hook_installed[0] = True
+    return optimizer
 
 _dummy_wgrads: dict = {}
 
@@ -34,13 +81,19 @@ def _main_grad_of(weight: torch.nn.Parameter) -> Optional[torch.Tensor]:
     return main_grad
 
 
+def _mark_grad_added_to_main_grad(weight: torch.nn.Parameter, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """After the gradient went into ``main_grad``: what autograd should hand back as ``weight``'s
+    gradient (Megatron's placeholder protocol, ``grad_added_to_main_grad``), or None."""
+    if hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
+        return _dummy_wgrad(weight, dtype, getattr(weight, "zero_out_wgrad", False))
+    return None
+
+
 def _add_into_main_grad(weight: torch.nn.Parameter, wgrad: torch.Tensor) -> Optional[torch.Tensor]:
     """``main_grad += wgrad``; returns what autograd should hand back as ``weight``'s gradient."""
     _main_grad_of(weight).add_(wgrad)
-    if hasattr(weight, "grad_added_to_main_grad"):
-        weight.grad_added_to_main_grad = True
-        return _dummy_wgrad(weight, wgrad.dtype, getattr(weight, "zero_out_wgrad", False))
-    return None
+    return _mark_grad_added_to_main_grad(weight, wgrad.dtype)
 
 
 class _AccumulateWgradIntoMainGrad(torch.autograd.Function):
@@ -63,7 +116,8 @@ class _AccumulateWgradIntoMainGrad(torch.autograd.Function):
 
 
 class _StashGradOutputForWgrad(torch.autograd.Function):
-    """Identity on the GEMM output whose backward queues ``(x, dy)`` for ``backward_dw()``."""
+    """Identity on the GEMM output whose backward runs the layer's wgrad from ``(x, dy)``: queued
+    for ``backward_dw()`` under delayed wgrad, else at once (into ``main_grad``)."""
 
     @staticmethod
     def forward(ctx, y, x, group_offs, layer, weight):
@@ -76,7 +130,9 @@ class _StashGradOutputForWgrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, group_offs = ctx.saved_tensors
-        ctx.layer._pending_wgrads.append((x, dy.detach(), group_offs))
-        ctx.layer = None
-        return dy, None, None, None, None
+        layer, ctx.layer = ctx.layer, None
+        if layer.delay_wgrad_compute:
+            layer._pending_wgrads.append((x, dy.detach(), group_offs))
+            return dy, None, None, None, None
+        return dy, None, None, None, layer._accumulate_wgrad(x, dy.detach(), group_offs)
 

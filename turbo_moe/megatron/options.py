@@ -23,13 +23,17 @@ class TurboMoEOptions:
     ``"e4m3"``, ``"hybrid"`` or a ``Float8Config``. ``granularity``: ``"tensorwise"`` or
     ``"rowwise"`` when ``fp8`` is a format name (``None``: derived from ``config.fp8_recipe`` under
     ``"megatron"``, else tensorwise). ``backend``: ``"auto"``, ``"triton"``, ``"flydsl"``,
-    ``"torch"``. ``num_cu``: cap on the SMs/CUs the FP8 kernels occupy.
+    ``"torch"``. ``num_cu``: cap on the SMs/CUs the FP8 kernels occupy. ``cache_fp8_weight``:
+    quantize each weight once per optimizer step instead of once per micro-batch (the FP8 copy is
+    kept between micro-batches; needs ``invalidate_fp8_weight_cache_on_step(optimizer)``, see
+    docs/megatron.md).
     """
 
     fp8: Fp8Setting = "megatron"
     granularity: Optional[str] = None
     backend: str = "auto"
     num_cu: Optional[int] = None
+    cache_fp8_weight: bool = False
 
     def __post_init__(self) -> None:
         if not (self.fp8 is None or isinstance(self.fp8, (str, Float8Config))):
@@ -44,6 +48,8 @@ class TurboMoEOptions:
                 raise ValueError("granularity must be None when fp8 is a Float8Config (set it in the Float8Config)")
         if self.num_cu is not None and (isinstance(self.num_cu, bool) or not isinstance(self.num_cu, int) or self.num_cu < 1):
             raise ValueError(f"num_cu must be None or a positive int, got {self.num_cu!r}")
+        if not isinstance(self.cache_fp8_weight, bool):
+            raise TypeError(f"cache_fp8_weight must be a bool, got {self.cache_fp8_weight!r}")
         if not isinstance(self.backend, str):
             raise TypeError(f"backend must be a string, got {type(self.backend).__name__}")
 

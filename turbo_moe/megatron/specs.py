@@ -15,20 +15,23 @@ from .options import Fp8Setting, TurboMoEOptions
 __all__ = ["get_turbo_moe_experts_spec", "get_turbo_moe_module_spec", "use_turbo_moe_experts"]
 
 
-def _make_options(fp8, granularity, backend, num_cu) -> TurboMoEOptions:
-    return TurboMoEOptions(fp8=fp8, granularity=granularity, backend=backend, num_cu=num_cu)
+def _make_options(fp8, granularity, backend, num_cu, cache_fp8_weight) -> TurboMoEOptions:
+    return TurboMoEOptions(fp8=fp8, granularity=granularity, backend=backend, num_cu=num_cu,
+                           cache_fp8_weight=cache_fp8_weight)
 
 
 def get_turbo_moe_experts_spec(*, fp8: Fp8Setting = "megatron", granularity: Optional[str] = None,
-                               backend: str = "auto", num_cu: Optional[int] = None):
+                               backend: str = "auto", num_cu: Optional[int] = None,
+                               cache_fp8_weight: bool = False):
     """The experts builder (``MoESubmodules.experts``) for turbo_moe's grouped experts."""
-    options = _make_options(fp8, granularity, backend, num_cu)
+    options = _make_options(fp8, granularity, backend, num_cu, cache_fp8_weight)
     return functools.partial(TurboMoEGroupedMLP, submodules=_turbo_submodules(options), options=options)
 
 
 def get_turbo_moe_module_spec(*, use_te: bool = False, num_experts: Optional[int] = None,
                               fp8: Fp8Setting = "megatron", granularity: Optional[str] = None,
-                              backend: str = "auto", num_cu: Optional[int] = None):
+                              backend: str = "auto", num_cu: Optional[int] = None,
+                              cache_fp8_weight: bool = False):
     """``MoELayer`` builder as Megatron's ``get_moe_module_spec`` makes it, with turbo_moe experts.
 
     ``use_te`` picks TE or local modules for the router-side pieces Megatron builds (shared
@@ -37,18 +40,21 @@ def get_turbo_moe_module_spec(*, use_te: bool = False, num_experts: Optional[int
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
     base = get_moe_module_spec(use_te=use_te, num_experts=num_experts, moe_grouped_gemm=True)
-    return use_turbo_moe_experts(base, fp8=fp8, granularity=granularity, backend=backend, num_cu=num_cu)
+    return use_turbo_moe_experts(base, fp8=fp8, granularity=granularity, backend=backend, num_cu=num_cu,
+                                 cache_fp8_weight=cache_fp8_weight)
 
 
 def use_turbo_moe_experts(spec, *, fp8: Fp8Setting = "megatron", granularity: Optional[str] = None,
-                          backend: str = "auto", num_cu: Optional[int] = None):
+                          backend: str = "auto", num_cu: Optional[int] = None,
+                          cache_fp8_weight: bool = False):
     """Return a copy of ``spec`` whose MoE layers use turbo_moe's experts.
 
     ``spec``: a GPT layer spec (``ModuleSpec``), a decoder block spec (``TransformerBlockSubmodules``
     or a list of layer specs), or an ``MoELayer`` builder (``functools.partial``). Everything other
     than ``MoESubmodules.experts`` is kept. Raises ValueError if it contains no MoE layer.
     """
-    experts = get_turbo_moe_experts_spec(fp8=fp8, granularity=granularity, backend=backend, num_cu=num_cu)
+    experts = get_turbo_moe_experts_spec(fp8=fp8, granularity=granularity, backend=backend, num_cu=num_cu,
+                                         cache_fp8_weight=cache_fp8_weight)
     replaced = [0]
 
     def swap(obj, depth=0):
