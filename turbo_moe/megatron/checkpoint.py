@@ -11,7 +11,18 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 from megatron.core.utils import get_pg_rank, get_pg_size
 
+from .options import warn_once
+
 _INDEXED_EXTRA_STATE = re.compile(r"^_extra_state\d+$")
+
+
+def _warn_if_te_fp8_state(state) -> None:
+    """TE stores an empty tensor (or None) when it has no FP8 state; anything else is its FP8
+    metadata, which turbo_moe's current scaling does not use."""
+    if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+        return
+    warn_once("te_extra_state", "a Transformer Engine _extra_state with FP8 metadata (scales / amax history) "
+              "was dropped on load: turbo_moe's experts scale every tensor with its current amax")
 
 
 class GroupedLinearCheckpointMixin:
@@ -28,8 +39,9 @@ class GroupedLinearCheckpointMixin:
         return None
 
     def set_extra_state(self, state) -> None:
-        # Transformer Engine's FP8 metadata (amax history) has no meaning for current scaling.
-        return None
+        # Transformer Engine's FP8 metadata (scales, amax history) has no meaning for current
+        # scaling: dropped, with a warning the first time one that holds something is dropped.
+        _warn_if_te_fp8_state(state)
 
     @staticmethod
     def _present_per_expert_tensors(module, state_dict, prefix, local_metadata) -> None:
@@ -51,7 +63,7 @@ class GroupedLinearCheckpointMixin:
         """
         for key in [k for k in state_dict if k.startswith(prefix)]:
             if _INDEXED_EXTRA_STATE.match(key[len(prefix):]):
-                state_dict.pop(key)
+                _warn_if_te_fp8_state(state_dict.pop(key))
         # Nothing is kept in the extra state, so a checkpoint without it (a SequentialMLP layout
         # renamed by hand, say) loads strictly too.
         state_dict.setdefault(prefix + "_extra_state", None)

@@ -35,8 +35,6 @@ def _unsupported_options(config) -> List[str]:
     offload = set(getattr(config, "offload_modules", None) or ())
     if getattr(config, "fine_grained_activation_offloading", False) and offload & {"expert_fc1", "moe_act", "fused_group_mlp"}:
         bad.append("fine_grained_activation_offloading of expert_fc1/moe_act/fused_group_mlp")
-    if getattr(config, "recompute_granularity", None) == "selective" and "moe_act" in (getattr(config, "recompute_modules", None) or ()):
-        bad.append("recompute_modules=['moe_act'] (selective recompute of the expert activation)")
     if getattr(config, "moe_paged_stash", False):
         bad.append("moe_paged_stash")
     return bad
@@ -82,8 +80,20 @@ class TurboMoEGroupedMLP(TEGroupedMLP):
         fc1_output, fc1_bias = self.linear_fc1(x, group_offs=offs)
         if fc1_bias is not None:  # a fc1 built with skip_bias_add=True by a custom spec
             fc1_output = add_group_bias(fc1_output, fc1_bias, offs)
-        intermediate = self._activation(fc1_output, probs)
+        if self.activation_recompute:  # recompute_modules=['moe_act'], set by TEGroupedMLP.__init__
+            # Megatron's own mechanism: the activation runs without saving its intermediates, its
+            # output storage is freed once fc2 has consumed it, and fc2's output-gradient hook
+            # recomputes it (from fc1's output and the probs) before fc2's and its own backward.
+            from megatron.core import tensor_parallel
+
+            # fp8=None: no TE FP8 autocast state to restore (its default False means "TE FP8 on").
+            self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=None)
+            intermediate = self.activation_checkpoint.checkpoint(self._activation, fc1_output, probs)
+        else:
+            intermediate = self._activation(fc1_output, probs)
         output, fc2_bias = self.linear_fc2(intermediate, group_offs=offs)
+        if self.activation_recompute:
+            self.activation_checkpoint.discard_output_and_register_recompute(output)
         if fc2_bias is not None:
             # Megatron weights the fc2 bias by the routing probability, like the rest of the output.
             bias_rows = group_rows(fc2_bias, offs, num_tokens)

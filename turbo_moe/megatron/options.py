@@ -6,11 +6,12 @@ No megatron-core import here: this module reads Megatron's config by attribute o
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Optional, Union
 
 from ..config import Float8Config, ScalingGranularity
 
-__all__ = ["TurboMoEOptions", "resolve_fp8_config", "Fp8Setting"]
+__all__ = ["TurboMoEOptions", "resolve_fp8_config", "Fp8Setting", "FP8_RECIPES", "RecipeMapping"]
 
 Fp8Setting = Union[None, str, Float8Config]
 
@@ -54,23 +55,79 @@ class TurboMoEOptions:
             raise TypeError(f"backend must be a string, got {type(self.backend).__name__}")
 
 
-# Megatron's fp8_recipe -> the closest turbo_moe granularity. turbo_moe scales with the current
-# amax (no history), so Megatron's "delayed" recipe maps to current tensorwise scaling; MXFP8 and
-# blockwise (1x32 / 128x128 blocks) map to rowwise, the finest granularity turbo_moe has.
-_RECIPE_TO_GRANULARITY = {
-    "tensorwise": ScalingGranularity.TENSORWISE,
-    "delayed": ScalingGranularity.TENSORWISE,
-    "mxfp8": ScalingGranularity.ROWWISE,
-    "blockwise": ScalingGranularity.ROWWISE,
+# Megatron's config.fp8_recipe -> how turbo_moe's experts run it: the one table where recipes plug
+# in (the fine-grained-recipe work maps "blockwise" and "mxfp8" to its Float8Config granularities
+# here, replacing the refusals). A recipe that is not run as Megatron/TE define it is refused
+# with the reason, never substituted silently.
+@dataclasses.dataclass(frozen=True)
+class RecipeMapping:
+    granularity: Optional[ScalingGranularity] = None  # the Float8Config granularity it runs as
+    refusal: str = ""  # non-empty: why turbo_moe refuses this recipe
+
+    def __post_init__(self) -> None:
+        if (self.granularity is None) == (not self.refusal):
+            raise ValueError("a RecipeMapping has either a granularity or a refusal")
+
+
+_INSTEAD = ("set config.fp8_recipe='tensorwise' (current per-tensor scaling), or pass fp8='e4m3'/'hybrid' "
+            "with granularity='tensorwise'/'rowwise' to the turbo_moe spec helper")
+
+FP8_RECIPES = {
+    "tensorwise": RecipeMapping(ScalingGranularity.TENSORWISE),
+    "delayed": RecipeMapping(refusal=(
+        "delayed scaling takes each scale from an amax history (kept in TE's _extra_state); turbo_moe scales "
+        "every tensor with its current amax and keeps no history")),
+    "mxfp8": RecipeMapping(refusal=(
+        "MXFP8 (1x32 blocks with E8M0 scales) is not implemented by turbo_moe's kernels yet, and rowwise "
+        "scaling is a different recipe")),
+    "blockwise": RecipeMapping(refusal=(
+        "blockwise scaling (1x128 activation / 128x128 weight blocks) is not implemented by turbo_moe's "
+        "kernels yet, and rowwise scaling is a different recipe")),
+    "custom": RecipeMapping(refusal="a custom quantizer factory has no turbo_moe equivalent"),
 }
+
+_warned: set = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """A UserWarning the first time ``key`` is seen in this process (each substitution warns once)."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def _enum_value(value):
     return getattr(value, "value", value)
 
 
+def _check_megatron_quantization(config, fp8_on: bool) -> None:
+    """Megatron quantization settings that ``fp8="megatron"`` cannot honour: refused, or (where
+    turbo_moe computes something close) warned about once."""
+    if getattr(config, "fp4", None):
+        raise ValueError(f"config.fp4={_enum_value(config.fp4)!r}: turbo_moe's experts have no FP4 kernels; "
+                         "unset config.fp4 or pass fp8=... explicitly to the turbo_moe spec helper")
+    if getattr(config, "quant_recipe", None) is not None:
+        raise ValueError("config.quant_recipe (per-module quantization recipes) is not supported by turbo_moe's "
+                         "experts; pass fp8=... explicitly to the turbo_moe spec helper")
+    for name in ("fp8_quantizer_factory", "fp4_quantizer_factory"):
+        if getattr(config, name, None) is not None:
+            raise ValueError(f"config.{name} (a custom quantizer) has no turbo_moe equivalent")
+    if not fp8_on:
+        return
+    if getattr(config, "fp8_param", False):
+        warn_once("fp8_param", "config.fp8_param=True: turbo_moe's experts keep their weights in params_dtype "
+                  "and quantize them to FP8 for each GEMM (cache_fp8_weight=True: once per optimizer step)")
+    if not getattr(config, "fp8_wgrad", True):
+        warn_once("fp8_wgrad", "config.fp8_wgrad=False: turbo_moe's experts compute the weight gradient in FP8 "
+                  "too (pass fp8=None for high-precision experts)")
+
+
 def resolve_fp8_config(options: TurboMoEOptions, config) -> Optional[Float8Config]:
-    """The Float8Config turbo_moe's experts run with, or None for the high-precision path."""
+    """The Float8Config turbo_moe's experts run with, or None for the high-precision path.
+
+    ``fp8="megatron"`` follows ``config.fp8`` / ``config.fp8_recipe`` / ``config.fp8_margin`` through
+    :data:`FP8_RECIPES`; recipes and settings turbo_moe cannot honour raise ValueError naming them.
+    """
     fp8 = options.fp8
     if isinstance(fp8, Float8Config):
         return fp8
@@ -80,18 +137,20 @@ def resolve_fp8_config(options: TurboMoEOptions, config) -> Optional[Float8Confi
     granularity = options.granularity
     if fp8 == "megatron":
         fp8 = _enum_value(getattr(config, "fp8", None))
+        _check_megatron_quantization(config, bool(fp8))
         if not fp8:
             return None
         margin = int(getattr(config, "fp8_margin", 0) or 0)
-        if granularity is None:
+        if granularity is None:  # an explicit granularity overrides the recipe
             recipe = _enum_value(getattr(config, "fp8_recipe", None)) or "tensorwise"
-            if recipe not in _RECIPE_TO_GRANULARITY:
-                raise ValueError(
-                    f"config.fp8_recipe={recipe!r} has no turbo_moe equivalent; pass fp8='e4m3'/'hybrid' "
-                    f"with granularity='tensorwise'/'rowwise' to the turbo_moe spec helper instead"
-                )
-            granularity = _RECIPE_TO_GRANULARITY[recipe]
+            mapping = FP8_RECIPES.get(recipe)
+            if mapping is None:
+                raise ValueError(f"config.fp8_recipe={recipe!r} is not a recipe turbo_moe knows ({sorted(FP8_RECIPES)}); "
+                                 f"{_INSTEAD}")
+            if mapping.refusal:
+                raise ValueError(f"config.fp8_recipe={recipe!r} is not supported by turbo_moe's experts: "
+                                 f"{mapping.refusal}. Instead, {_INSTEAD}")
+            granularity = mapping.granularity
     return Float8Config.from_megatron(
         fp8, granularity=granularity or ScalingGranularity.TENSORWISE, margin=margin
     )
-
