@@ -1,7 +1,8 @@
 """Shared set-up for the Megatron tests: a one-process (gloo) Megatron world and model builders.
 
 Megatron-core assumes CUDA in a few places (``torch.cuda.current_device()`` for the router's
-weight, ``torch.cuda.synchronize()`` in distributed checkpointing); on a CPU-only machine
+weight, ``torch.cuda.synchronize()`` in distributed checkpointing, the CUDA RNG state in activation
+recompute); on a CPU-only machine
 :func:`megatron_world` points those at the CPU for the duration of the tests that use it.
 """
 
@@ -36,6 +37,12 @@ def megatron_world(device: str = "cpu"):
             mp.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))
             if not torch.cuda.is_available():
                 mp.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+                # Megatron's activation recompute (CheckpointWithoutOutput) saves and restores the
+                # CUDA RNG state beside the CPU one: there is none on a CPU-only machine.
+                import megatron.core.tensor_parallel.random as megatron_random
+
+                mp.setattr(megatron_random, "_get_cuda_rng_state", lambda *a, **k: None)
+                mp.setattr(megatron_random, "_set_cuda_rng_state", lambda *a, **k: None)
         else:
             torch.cuda.set_device(0)
         if not dist.is_initialized():

@@ -54,10 +54,10 @@ def _autocast_out_dtype(x: torch.Tensor, out_dtype: Optional[torch.dtype]) -> to
     return x.dtype
 
 
-def _run(kind, a, b, a_scale, b_scale, offs, out_dtype, num_cu, backend, role) -> torch.Tensor:
-    problem = GroupedGemmProblem(kind, a, b, a_scale, b_scale, offs, out_dtype, num_cu, role)
+def _run(kind, a, b, a_scale, b_scale, offs, out_dtype, num_cu, backend, role, out=None, accumulate=False) -> torch.Tensor:
+    problem = GroupedGemmProblem(kind, a, b, a_scale, b_scale, offs, out_dtype, num_cu, role, out, accumulate)
     if a.device.type == "meta":  # shape inference: no values, no kernel
-        return torch.empty(problem.out_shape, dtype=out_dtype, device=a.device)
+        return out if out is not None else torch.empty(problem.out_shape, dtype=out_dtype, device=a.device)
     return select_backend(problem, backend).run(problem)
 
 
@@ -273,23 +273,38 @@ def grouped_wgrad_fp8(
     num_cu: Optional[int] = None,
     backend: str = "auto",
     out_dtype: Optional[torch.dtype] = None,
+    main_grad: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The wgrad GEMM alone, ``dW[g] = dy[rows of g]^T @ x[rows of g]`` -> ``[G, N, K]``, quantized
     exactly as ``grouped_gemm_fp8``'s backward quantizes it (for delayed-wgrad schedules).
 
     ``group_offs``: int64 ``[G+1]`` offsets on the data's device, checked (and on a GPU clamped)
     as ``grouped_gemm_fp8`` checks its ``group_offs``.
-    ``out_dtype`` defaults to dy's dtype (pass float32 to accumulate into an fp32 main_grad).
+    ``out_dtype`` defaults to dy's dtype.
+    ``main_grad``: a float32 ``[G, N, K]`` buffer (Megatron's fp32 ``main_grad``): the kernel's
+    epilogue adds its fp32 result into it (never rounded narrower, no separate add; an expert with
+    no tokens leaves its slice unchanged) and it is returned.
     """
     check_wgrad_operands(dy, x)
     group_offs = check_group_offs(group_offs, None, x.shape[0], x.device)
     return _grouped_wgrad_fp8_resolved(dy, x, group_offs, config=config, num_cu=num_cu, backend=backend,
-                                       out_dtype=out_dtype)
+                                       out_dtype=out_dtype, main_grad=main_grad)
 
 
 @torch.compiler.disable
-def _grouped_wgrad_fp8_resolved(dy, x, group_offs, *, config=None, num_cu=None, backend="auto", out_dtype=None):
+def _grouped_wgrad_fp8_resolved(dy, x, group_offs, *, config=None, num_cu=None, backend="auto", out_dtype=None,
+                                main_grad=None):
     """``grouped_wgrad_fp8`` on operands and offsets already checked (see ``_grouped_gemm_fp8_resolved``)."""
+    if main_grad is not None:
+        expected = (group_offs.shape[0] - 1, dy.shape[1], x.shape[1])
+        if not isinstance(main_grad, torch.Tensor) or main_grad.dtype != torch.float32:
+            raise TypeError(f"main_grad must be a float32 tensor, got {getattr(main_grad, 'dtype', type(main_grad))}")
+        if tuple(main_grad.shape) != expected or main_grad.device != dy.device:
+            raise ValueError(f"main_grad must be [G, N, K] = {list(expected)} on {dy.device}, "
+                             f"got {list(main_grad.shape)} on {main_grad.device}")
+        if out_dtype not in (None, torch.float32):
+            raise ValueError(f"out_dtype={out_dtype} conflicts with main_grad (accumulation is in float32)")
+        out_dtype = torch.float32
     config = Float8Config() if config is None else config
     if not isinstance(config, Float8Config):
         raise TypeError(f"config must be a turbo_moe.Float8Config, got {type(config).__name__}")
@@ -299,8 +314,12 @@ def _grouped_wgrad_fp8_resolved(dy, x, group_offs, *, config=None, num_cu=None, 
     rowwise = config.granularity is ScalingGranularity.ROWWISE
     dy_t, dy_scale = _token_major_operand(dy, group_offs, config.grad_dtype, config.margin, rowwise)
     x_t, x_scale = _token_major_operand(x, group_offs, config.forward_dtype, config.margin, rowwise)
-    return _run(GemmKind.K_GROUPED, dy_t, x_t, dy_scale, x_scale, group_offs,
-                dy.dtype if out_dtype is None else out_dtype, num_cu, backend, "wgrad")
+    result = _run(GemmKind.K_GROUPED, dy_t, x_t, dy_scale, x_scale, group_offs,
+                  dy.dtype if out_dtype is None else out_dtype, num_cu, backend, "wgrad",
+                  out=main_grad, accumulate=main_grad is not None)
+    if main_grad is not None and result is not main_grad:
+        raise RuntimeError(f"backend={backend!r} returned a new tensor instead of accumulating into main_grad")
+    return result
 
 
 @torch.compiler.disable

@@ -11,7 +11,9 @@ Operands take arbitrary strides; the fast layout is contiguous along the contrac
 (Hopper's FP8 wgmma reads both operands K-major from shared memory), which the autograd layer
 hands in. FP8 pairs: e4m3 x e4m3 and e5m2 x e4m3 (either side), accumulated in fp32, dequantized
 in the epilogue by tensorwise (0-dim) or rowwise scales (shapes in ``turbo_moe/backends/base.py``),
-stored as the output pointer's dtype (bf16, fp16 or fp32).
+stored as the output pointer's dtype (bf16, fp16 or fp32). The K-grouped kernels can instead add
+their fp32 result into an fp32 output (``ACCUMULATE``: an fp32 main_grad over micro-batches; an
+empty group then leaves its output untouched).
 """
 
 from __future__ import annotations
@@ -86,6 +88,18 @@ def _dequantize_and_store(
 
 
 @triton.jit
+def _dequantize_and_add(
+    acc, out_ptrs, out_mask, group_has_tokens, a_scale_ptr, a_scale_offsets, b_scale_ptr, b_scale_offsets,
+    A_ROWWISE: tl.constexpr, B_ROWWISE: tl.constexpr,
+):
+    """out += dequantized acc, in fp32 (out is float32): never rounded narrower, no extra kernel.
+    An empty group stores its previous values back (adding +0.0 would turn -0.0 into +0.0)."""
+    acc = _dequantize(acc, a_scale_ptr, a_scale_offsets, b_scale_ptr, b_scale_offsets, A_ROWWISE, B_ROWWISE)
+    previous = tl.load(out_ptrs, mask=out_mask, other=0.0)
+    tl.store(out_ptrs, tl.where(group_has_tokens, previous + acc, previous), mask=out_mask)
+
+
+@triton.jit
 def m_grouped_gemm_kernel(
     a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, group_offs_ptr,
     N, K, G,
@@ -157,13 +171,14 @@ def k_grouped_gemm_kernel(
     stride_an, stride_am, stride_bk, stride_bm, stride_og, stride_on, stride_ok,
     A_ROWWISE: tl.constexpr, B_ROWWISE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    BAND_CYCLIC: tl.constexpr,
+    BAND_CYCLIC: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     """out[g] = a[:, offs[g]:offs[g+1]] @ b[:, offs[g]:offs[g+1]].T * scales, for every group g.
 
     a: [N, M], b: [K, M], out: [G, N, K]; the contraction runs over the tokens of group g
     (possibly none: then out[g] is written with exact zeros). Output tile (BLOCK_M x BLOCK_N) of
-    out[g]; the token loop steps BLOCK_K at a time.
+    out[g]; the token loop steps BLOCK_K at a time. With ACCUMULATE (float32 out): out[g] += the
+    fp32 result, and an empty group's out[g] is left as it was.
     """
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -221,10 +236,16 @@ def k_grouped_gemm_kernel(
         )
         out_mask = (offs_m < N)[:, None] & (offs_n < K)[None, :]
         group_row = group.to(tl.int64)
-        _dequantize_and_store(
-            acc, out_ptrs, out_mask, a_scale_ptr, group_row * N + load_rows_a, b_scale_ptr,
-            group_row * K + load_rows_b, A_ROWWISE, B_ROWWISE,
-        )
+        if ACCUMULATE:
+            _dequantize_and_add(
+                acc, out_ptrs, out_mask, hi > lo, a_scale_ptr, group_row * N + load_rows_a, b_scale_ptr,
+                group_row * K + load_rows_b, A_ROWWISE, B_ROWWISE,
+            )
+        else:
+            _dequantize_and_store(
+                acc, out_ptrs, out_mask, a_scale_ptr, group_row * N + load_rows_a, b_scale_ptr,
+                group_row * K + load_rows_b, A_ROWWISE, B_ROWWISE,
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -320,12 +341,14 @@ def k_grouped_gemm_tma_kernel(
     stride_og, stride_on, stride_ok,
     A_ROWWISE: tl.constexpr, B_ROWWISE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    BAND_CYCLIC: tl.constexpr, TMA_STORE: tl.constexpr, TAIL_K: tl.constexpr,
+    BAND_CYCLIC: tl.constexpr, TMA_STORE: tl.constexpr, TAIL_K: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     """Same problem and tile order as k_grouped_gemm_kernel. a_desc: a [N, M], b_desc: b [K, M]
     (token-major) with BLOCK_K-token boxes; a_tail_desc / b_tail_desc: the same operands with
     TAIL_K-token boxes; out_desc: out [G, N, K] with block [1, BLOCK_M, BLOCK_N] (used if
-    TMA_STORE, the copy engine clips rows past N and columns past K of each group)."""
+    TMA_STORE, the copy engine clips rows past N and columns past K of each group). ACCUMULATE
+    (float32 out, pointer store only): out[g] += the fp32 result; empty groups left untouched."""
+    tl.static_assert(not (TMA_STORE and ACCUMULATE), "ACCUMULATE reads out: it uses the pointer store")
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     num_m_blocks = S.cdiv(N, BLOCK_M)
@@ -386,6 +409,12 @@ def k_grouped_gemm_tma_kernel(
                 + offs_n[None, :].to(tl.int64) * stride_ok
             )
             out_mask = (offs_m < N)[:, None] & (offs_n < K)[None, :]
-            _dequantize_and_store(
-                acc, out_ptrs, out_mask, a_scale_ptr, scale_rows, b_scale_ptr, scale_cols, A_ROWWISE, B_ROWWISE,
-            )
+            if ACCUMULATE:
+                _dequantize_and_add(
+                    acc, out_ptrs, out_mask, hi > lo, a_scale_ptr, scale_rows, b_scale_ptr, scale_cols,
+                    A_ROWWISE, B_ROWWISE,
+                )
+            else:
+                _dequantize_and_store(
+                    acc, out_ptrs, out_mask, a_scale_ptr, scale_rows, b_scale_ptr, scale_cols, A_ROWWISE, B_ROWWISE,
+                )

@@ -19,6 +19,11 @@ nothing of autograd.
 
     A group with no tokens gets an exactly zero out[g].
 
+With ``out`` given, the result goes into that tensor (shape ``out_shape``, dtype ``out_dtype``);
+with ``accumulate`` (K_GROUPED, float32 ``out``), the fp32 result is added to ``out``'s values in
+the kernel epilogue -- never rounded to a narrower dtype first, no separate add kernel -- and a
+group with no tokens leaves ``out[g]`` unchanged (an fp32 ``main_grad`` over micro-batches).
+
 Operands may have any strides (the kernels take strides); the layouts above, contiguous along the
 contracted dimension, are the fast ones because Hopper's FP8 wgmma and gfx950's FP8 MFMA want both
 operands K-major. Scales are float32 on the operands' device:
@@ -65,6 +70,8 @@ class GroupedGemmProblem:
     num_cu: Optional[int] = None
     # What the call is for ("fwd", "dgrad", "wgrad"): for logs and per-op tuning only.
     role: str = ""
+    out: Optional[torch.Tensor] = None      # write the result into this tensor (shape out_shape)
+    accumulate: bool = False                # K_GROUPED only: out += result (out must be float32)
 
     def signature(self) -> tuple:
         """Everything a backend's ``can_handle`` and launch plan depend on, as a hashable key: the
@@ -79,6 +86,8 @@ class GroupedGemmProblem:
             b.dtype, b.device, b.shape, b.stride(), b.data_ptr() % 16,
             sa.dtype, sa.device, sa.shape, sb.dtype, sb.device, sb.shape,
             offs.dtype, offs.device, offs.shape,
+            self.accumulate, None if self.out is None else
+            (self.out.dtype, self.out.device, self.out.shape, self.out.stride(), self.out.data_ptr() % 16),
         )
 
     @property
@@ -106,6 +115,26 @@ class GroupedGemmProblem:
             return self.a.shape[0], self.b.shape[1], self.a.shape[1]
         return self.a.shape[1], self.a.shape[0], self.b.shape[0]
 
+    def out_reason(self) -> str:
+        """Empty if ``out`` / ``accumulate`` are consistent with the problem, else why not."""
+        out = self.out
+        if out is None:
+            return "accumulate=True needs an out tensor to add into" if self.accumulate else ""
+        if not isinstance(out, torch.Tensor):
+            return f"out must be a torch.Tensor, got {type(out).__name__}"
+        if tuple(out.shape) != self.out_shape:
+            return f"out must have shape {self.out_shape}, got {tuple(out.shape)}"
+        if out.dtype != self.out_dtype:
+            return f"out has dtype {out.dtype} but out_dtype is {self.out_dtype}"
+        if out.device != self.a.device:
+            return f"out is on {out.device} but a is on {self.a.device}"
+        if self.accumulate:
+            if self.kind is not GemmKind.K_GROUPED:
+                return "accumulate=True is for K_GROUPED (wgrad) problems only"
+            if out.dtype != torch.float32:
+                return f"accumulate=True needs a float32 out (an fp32 main_grad), got {out.dtype}"
+        return ""
+
     def describe(self) -> str:
         g = self.num_groups
         m, n, k = self.mnk
@@ -113,7 +142,8 @@ class GroupedGemmProblem:
         return (
             f"{self.role or self.kind.value} G={g} M={m} N={n} K={k} "
             f"{str(self.a.dtype).replace('torch.', '')}x{str(self.b.dtype).replace('torch.', '')} "
-            f"{scales} -> {str(self.out_dtype).replace('torch.', '')} on {self.device.type}"
+            f"{scales} -> {'+= ' if self.accumulate else ''}{str(self.out_dtype).replace('torch.', '')} "
+            f"on {self.device.type}"
         )
 
 
@@ -132,4 +162,6 @@ class GroupedGemmBackend(abc.ABC):
 
     @abc.abstractmethod
     def run(self, problem: GroupedGemmProblem) -> torch.Tensor:
-        """Compute the problem; returns a new ``out`` tensor of ``problem.out_shape``."""
+        """Compute the problem; returns ``problem.out`` when given (written, or added into under
+        ``accumulate``: an empty group then leaves ``out[g]`` unchanged), else a new tensor of
+        ``problem.out_shape``."""

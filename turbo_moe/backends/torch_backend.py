@@ -28,12 +28,30 @@ class TorchBackend(GroupedGemmBackend):
     def can_handle(self, problem: GroupedGemmProblem) -> tuple[bool, str]:
         if _is_capturing(problem.device):
             return False, "the torch reference reads group offsets on the host, which a CUDA graph capture forbids"
+        why = problem.out_reason()
+        if why:
+            return False, why
         return True, ""
 
     def run(self, problem: GroupedGemmProblem) -> torch.Tensor:
+        why = problem.out_reason()
+        if why:
+            raise ValueError(f"torch backend cannot run {problem.describe()}: {why}")
         # The FP8 semantics are fixed by the recipe; an enclosing autocast must not recast the math.
         with torch.autocast(device_type=problem.device.type, enabled=False):
-            return reference_grouped_gemm(problem).to(problem.out_dtype)
+            result = reference_grouped_gemm(problem)
+        out = problem.out
+        if out is None:
+            return result.to(problem.out_dtype)
+        if not problem.accumulate:
+            return out.copy_(result)
+        # fp32 + fp32, as the kernels' epilogues add; empty groups are skipped so that their
+        # out[g] keeps its bits (adding +0.0 would turn a -0.0 into +0.0).
+        offs = problem.group_offs.tolist()
+        for g in range(problem.num_groups):
+            if offs[g + 1] > offs[g]:
+                out[g].add_(result[g])
+        return out
 
 
 def reference_grouped_gemm(problem: GroupedGemmProblem, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -179,7 +179,7 @@ class TritonBackend(GroupedGemmBackend):
         why = self._device_reason(problem.device)
         if why:
             return False, why
-        why = _validate(problem)
+        why = _validate(problem) or problem.out_reason()
         if why:
             return False, why
         return True, ""
@@ -197,7 +197,7 @@ class TritonBackend(GroupedGemmBackend):
             ok, why = self.can_handle(problem)
             if not ok:
                 raise ValueError(f"triton backend cannot run {problem.describe()}: {why}")
-            out = _new_output(problem.out_shape, problem.out_dtype, problem.device)
+            out = _output(problem)
             if out.numel() == 0:
                 return out
             tuned_or_given = config is not None or self._is_tuned(problem)
@@ -205,7 +205,7 @@ class TritonBackend(GroupedGemmBackend):
             if key is not None and (tuned_or_given or not torch.cuda.is_current_stream_capturing()):
                 self._plans[key] = plan
         else:
-            out = _new_output(problem.out_shape, problem.out_dtype, problem.device)
+            out = _output(problem)
         plan.launch(problem, out)
         return out
 
@@ -239,7 +239,9 @@ class TritonBackend(GroupedGemmBackend):
             bound = ts.k_grouped_total_tiles(G, ts.cdiv(N, config.block_m), ts.cdiv(K, config.block_n))
         return _LaunchPlan(
             kind=problem.kind, config=config, grid=(ts.persistent_grid_size(bound, limit),), use_tma=use_tma,
-            tma_store=use_tma and config.tma_store and _tma_store_ok(out),
+            # Accumulating reads out back: the pointer epilogue does the load-add-store.
+            tma_store=use_tma and config.tma_store and _tma_store_ok(out) and not problem.accumulate,
+            accumulate=problem.accumulate,
             a_rowwise=problem.a_scale.dim() > 0, b_rowwise=problem.b_scale.dim() > 0,
             extra={} if _interpreting() else {"num_warps": config.num_warps, "num_stages": config.num_stages},
         )
@@ -251,7 +253,7 @@ class TritonBackend(GroupedGemmBackend):
         return (
             problem.kind, N, K, _pow2_class(M), _pow2_class(max(M // max(G, 1), 1)), G if G <= 8 else _pow2_class(G) + 100,
             problem.a.dtype, problem.b.dtype, problem.a_scale.dim(), problem.b_scale.dim(), problem.out_dtype,
-            str(problem.device), problem.num_cu,
+            str(problem.device), problem.num_cu, problem.accumulate,
         )
 
     def _is_tuned(self, problem: GroupedGemmProblem) -> bool:
@@ -269,7 +271,9 @@ class TritonBackend(GroupedGemmBackend):
             return candidates[0]
         with self._lock:
             if key not in self._tuned:
-                self._tuned[key] = self._benchmark(problem, out, candidates)
+                # Timing launches the kernel many times: never into a buffer being accumulated into.
+                scratch = torch.zeros_like(out) if problem.accumulate else out
+                self._tuned[key] = self._benchmark(problem, scratch, candidates)
         return self._tuned[key]
 
     def _benchmark(self, problem: GroupedGemmProblem, out: torch.Tensor, candidates) -> KernelConfig:
@@ -305,6 +309,7 @@ class _LaunchPlan:
     tma_store: bool
     a_rowwise: bool
     b_rowwise: bool
+    accumulate: bool
     extra: dict
 
     def launch(self, problem: GroupedGemmProblem, out: torch.Tensor) -> None:
@@ -342,7 +347,7 @@ class _LaunchPlan:
                 a_desc, b_desc, a_tail_desc, b_tail_desc, out_desc, out, a_scale, b_scale, offs, N, K, G,
                 out.stride(0), out.stride(1), out.stride(2),
                 A_ROWWISE=self.a_rowwise, B_ROWWISE=self.b_rowwise, BAND_CYCLIC=cfg.band_cyclic,
-                TMA_STORE=self.tma_store, TAIL_K=tail_k, **tiles, **self.extra,
+                TMA_STORE=self.tma_store, TAIL_K=tail_k, ACCUMULATE=self.accumulate, **tiles, **self.extra,
             )
         elif self.kind is GemmKind.M_GROUPED:
             k.m_grouped_gemm_kernel[self.grid](
@@ -356,8 +361,12 @@ class _LaunchPlan:
                 a, b, out, a_scale, b_scale, offs, N, K, G,
                 a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
                 A_ROWWISE=self.a_rowwise, B_ROWWISE=self.b_rowwise, BAND_CYCLIC=cfg.band_cyclic,
-                **tiles, **self.extra,
+                ACCUMULATE=self.accumulate, **tiles, **self.extra,
             )
+
+
+def _output(problem: GroupedGemmProblem) -> torch.Tensor:
+    return problem.out if problem.out is not None else _new_output(problem.out_shape, problem.out_dtype, problem.device)
 
 
 def _new_output(shape, dtype, device) -> torch.Tensor:

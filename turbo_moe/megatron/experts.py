@@ -1,0 +1,133 @@
+"""``TurboMoEGroupedMLP``: Megatron's ``TEGroupedMLP`` with turbo_moe's grouped linears and the
+routing kept on the device."""
+
+from __future__ import annotations
+
+import functools
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+
+from ..autograd import add_group_bias, group_rows
+from ..checks import resolve_group_offs
+from .linear import TurboColumnParallelGroupedLinear, TurboRowParallelGroupedLinear, _as_group_lens
+from .options import TurboMoEOptions
+
+__all__ = ["TurboMoEGroupedMLP"]
+
+
+def _turbo_submodules(options: TurboMoEOptions) -> GroupedMLPSubmodules:
+    return GroupedMLPSubmodules(
+        linear_fc1=functools.partial(TurboColumnParallelGroupedLinear, options=options),
+        linear_fc2=functools.partial(TurboRowParallelGroupedLinear, options=options),
+    )
+
+
+def _unsupported_options(config) -> List[str]:
+    """Megatron expert options this forward does not implement (each needs TE or is not wired)."""
+    bad = []
+    if getattr(config, "use_transformer_engine_op_fuser", False):
+        bad.append("use_transformer_engine_op_fuser (TE's fused grouped MLP)")
+    if getattr(config, "use_te_activation_func", False):
+        bad.append("use_te_activation_func (a TE activation module)")
+    offload = set(getattr(config, "offload_modules", None) or ())
+    if getattr(config, "fine_grained_activation_offloading", False) and offload & {"expert_fc1", "moe_act", "fused_group_mlp"}:
+        bad.append("fine_grained_activation_offloading of expert_fc1/moe_act/fused_group_mlp")
+    if getattr(config, "moe_paged_stash", False):
+        bad.append("moe_paged_stash")
+    return bad
+
+
+class TurboMoEGroupedMLP(TEGroupedMLP):
+    """Megatron's grouped experts on turbo_moe kernels, with ``tokens_per_expert`` kept on the device.
+
+    Same constructor, parameters, checkpoint layout (``sharded_state_dict`` is inherited from
+    ``TEGroupedMLP``) and ``backward_dw`` as ``TEGroupedMLP``. Differences: no ``.tolist()`` of
+    the routing (the offsets are computed on the device once and shared by fc1, fc2 and the bias),
+    and no FP8 padding of each expert's tokens (turbo_moe's kernels take any token count).
+    """
+
+    def __init__(self, num_local_experts: int, config, submodules: Optional[GroupedMLPSubmodules] = None,
+                 pg_collection=None, name: Optional[str] = None, options: Optional[TurboMoEOptions] = None):
+        bad = _unsupported_options(config)
+        if bad:
+            raise NotImplementedError("TurboMoEGroupedMLP does not support: " + "; ".join(bad))
+        if submodules is None:
+            submodules = _turbo_submodules(options or TurboMoEOptions())
+        if pg_collection is None:
+            from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+            pg_collection = get_default_pg_collection()
+        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection, name=name)
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor, output_buffer=None, grad_input_buffer=None):
+        """``(output, None)`` for tokens sorted by local expert; see ``TEGroupedMLP.forward``."""
+        if output_buffer is not None or grad_input_buffer is not None:
+            raise NotImplementedError("output_buffer/grad_input_buffer (NCCL-EP zero copy) are TE op-fuser features")
+        x = permuted_local_hidden_states
+        num_tokens = x.shape[0]
+        lens = _as_group_lens(tokens_per_expert, self.num_local_experts, x.device)
+        offs = resolve_group_offs(lens, None, self.num_local_experts, num_tokens, x.device)
+        probs = permuted_probs.unsqueeze(-1)
+        if self.config.moe_apply_probs_on_input:
+            if self.config.moe_router_topk != 1:
+                raise ValueError("moe_apply_probs_on_input only works with moe_router_topk=1")
+            x = (probs * x).to(permuted_local_hidden_states.dtype)
+            probs = torch.ones_like(probs)
+        fc1_output, fc1_bias = self.linear_fc1(x, group_offs=offs)
+        if fc1_bias is not None:  # a fc1 built with skip_bias_add=True by a custom spec
+            fc1_output = add_group_bias(fc1_output, fc1_bias, offs)
+        if self.activation_recompute:  # recompute_modules=['moe_act'], set by TEGroupedMLP.__init__
+            # Megatron's own mechanism: the activation runs without saving its intermediates, its
+            # output storage is freed once fc2 has consumed it, and fc2's output-gradient hook
+            # recomputes it (from fc1's output and the probs) before fc2's and its own backward.
+            from megatron.core import tensor_parallel
+
+            # fp8=None: no TE FP8 autocast state to restore (its default False means "TE FP8 on").
+            self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=None)
+            intermediate = self.activation_checkpoint.checkpoint(self._activation, fc1_output, probs)
+        else:
+            intermediate = self._activation(fc1_output, probs)
+        output, fc2_bias = self.linear_fc2(intermediate, group_offs=offs)
+        if self.activation_recompute:
+            self.activation_checkpoint.discard_output_and_register_recompute(output)
+        if fc2_bias is not None:
+            # Megatron weights the fc2 bias by the routing probability, like the rest of the output.
+            bias_rows = group_rows(fc2_bias, offs, num_tokens)
+            output = (output + bias_rows * probs).to(output.dtype)
+        return output, None
+
+    def _activation(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """TEGroupedMLP's activation (all of its non-TE branches), weighted by the routing probs."""
+        from megatron.core.activations import squared_relu
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu, weighted_bias_quick_geglu_impl
+        from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+        from megatron.core.fusions.fused_weighted_squared_relu import weighted_squared_relu_impl
+
+        cfg = self.config
+        glu_interleave = cfg.gated_linear_unit and cfg.moe_mlp_glu_interleave_size is not None
+        if cfg.bias_activation_fusion and not glu_interleave:
+            if self.activation_func == F.silu and cfg.gated_linear_unit:
+                return weighted_bias_swiglu_impl(h, None, probs, cfg.activation_func_fp8_input_store)
+            if self.activation_func == quick_gelu and cfg.gated_linear_unit:
+                return weighted_bias_quick_geglu_impl(h, None, probs, cfg.activation_func_fp8_input_store,
+                                                      cfg.glu_linear_offset, cfg.activation_func_clamp_value)
+            raise ValueError("bias_activation_fusion supports only swiglu and quick_geglu in grouped experts")
+        if self.activation_func == squared_relu and cfg.use_fused_weighted_squared_relu:
+            return weighted_squared_relu_impl(h, probs)
+        if cfg.gated_linear_unit:
+            if glu_interleave:
+                h = self._remove_glu_interleaving(h, cfg.moe_mlp_glu_interleave_size)
+            gate, linear = torch.chunk(h, 2, dim=-1)
+            clamp = cfg.activation_func_clamp_value
+            if clamp is not None:
+                gate = gate.clamp(min=None, max=clamp)
+                linear = linear.clamp(min=-clamp, max=clamp)
+            h = cfg.activation_func(gate) * (linear + cfg.glu_linear_offset)
+        else:
+            h = self.activation_func(h)
+        return (h * probs).to(h.dtype)
+

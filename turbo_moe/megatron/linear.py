@@ -1,0 +1,378 @@
+"""The grouped linear Megatron's ``GroupedMLPSubmodules`` builds for ``linear_fc1`` / ``linear_fc2``:
+one ``weight`` Parameter ``[E_local, out, in]``, TE's grouped-linear constructor and forward."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, List, Optional
+
+import torch
+from megatron.core.utils import get_pg_rank, get_pg_size
+
+from .. import autograd as _autograd  # quantize_weight is looked up at call time (tests count it)
+from ..autograd import _grouped_gemm_fp8_resolved, _grouped_wgrad_fp8_resolved, add_group_bias, grouped_gemm
+from ..checks import resolve_group_offs
+from .checkpoint import GroupedLinearCheckpointMixin
+from .main_grad import (
+    _AccumulateWgradIntoMainGrad,
+    _StashGradOutputForWgrad,
+    _main_grad_of,
+    _mark_grad_added_to_main_grad,
+    fp8_weight_cache_is_safe,
+    fp8_weight_generation,
+)
+from .options import TurboMoEOptions, resolve_fp8_config
+
+__all__ = ["TurboGroupedLinear", "TurboColumnParallelGroupedLinear", "TurboRowParallelGroupedLinear"]
+
+
+
+def _as_group_lens(m_splits, num_gemms: int, device: torch.device) -> torch.Tensor:
+    """int64 tokens-per-expert on ``device`` from a Megatron ``m_splits`` (list or tensor)."""
+    if isinstance(m_splits, torch.Tensor):
+        if m_splits.dtype.is_floating_point or m_splits.dtype == torch.bool:
+            raise TypeError(f"m_splits must be an integer tensor (tokens per expert), got {m_splits.dtype}")
+        if m_splits.dim() != 1 or m_splits.shape[0] != num_gemms:
+            raise ValueError(f"m_splits must have shape [{num_gemms}] (one count per local expert), got {tuple(m_splits.shape)}")
+        # A host tensor is copied to the device (no sync); a device tensor stays where it is.
+        return m_splits.to(device=device, dtype=torch.int64, non_blocking=True)
+    if isinstance(m_splits, (list, tuple)):
+        if len(m_splits) != num_gemms:
+            raise ValueError(f"m_splits has {len(m_splits)} entries but the layer has {num_gemms} local experts")
+        return torch.tensor([int(v) for v in m_splits], dtype=torch.int64, device=device)
+    raise TypeError(f"m_splits must be a list of ints or an integer tensor, got {type(m_splits).__name__}")
+
+
+class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
+    """Expert-parallel grouped linear ``y[rows of e] = x[rows of e] @ weight[e]^T (+ bias[e])``.
+
+    Constructor and forward follow Megatron's ``GroupedLinearFc1Builder`` protocol (the signature
+    of ``TEColumnParallelGroupedLinear``), plus ``parallel_mode`` and turbo_moe's ``options``.
+    ``input_size`` / ``output_size`` are the full (expert-tensor-parallel unsharded) sizes; the
+    layer keeps this rank's shard: ``output_size / ETP`` rows (column) or ``input_size / ETP``
+    columns (row).
+
+    Parameters: ``weight`` ``[num_gemms, out, in]`` and, with ``bias=True``, ``bias``
+    ``[num_gemms, out]`` (zero-initialised, as Megatron does).
+    """
+
+    def __init__(
+        self,
+        num_gemms: int,
+        input_size: int,
+        output_size: int,
+        *,
+        parallel_mode: Optional[str],
+        config,
+        init_method: Callable[[torch.Tensor], None],
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool = True,
+        tp_comm_buffer_name: Optional[str] = None,
+        pg_collection=None,
+        name: Optional[str] = None,
+        options: Optional[TurboMoEOptions] = None,
+    ) -> None:
+        super().__init__()
+        if not is_expert:
+            raise ValueError("TurboGroupedLinear is an expert layer; is_expert must be True")
+        if parallel_mode not in ("column", "row", None):
+            raise ValueError(f"parallel_mode must be 'column', 'row' or None, got {parallel_mode!r}")
+        for arg, value in (("num_gemms", num_gemms), ("input_size", input_size), ("output_size", output_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{arg} must be a positive int, got {value!r}")
+        if pg_collection is None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        self.config = config
+        self.options = options if options is not None else TurboMoEOptions()
+        if not isinstance(self.options, TurboMoEOptions):
+            raise TypeError(f"options must be a TurboMoEOptions, got {type(self.options).__name__}")
+        self.fp8_config = resolve_fp8_config(self.options, config)
+        self.num_gemms = num_gemms
+        self.parallel_mode = parallel_mode
+        self.name = name
+        self.tp_comm_buffer_name = tp_comm_buffer_name
+        self._pg_collection = pg_collection
+        self._tp_group = pg_collection.expt_tp
+        self.tp_size = get_pg_size(self._tp_group)
+        self.tp_rank = get_pg_rank(self._tp_group)
+        self.global_input_size, self.global_output_size = input_size, output_size
+        # Megatron's dispatcher does the expert-parallel and expert-tensor-parallel communication,
+        # so this layer only computes on its shard (as TE's grouped linear does for experts).
+        if parallel_mode == "column":
+            output_size = _divide(output_size, self.tp_size, "output_size")
+        elif parallel_mode == "row":
+            input_size = _divide(input_size, self.tp_size, "input_size")
+        self.in_features, self.out_features = input_size, output_size
+        self.use_bias = bool(bias)
+        self.skip_bias_add = bool(skip_bias_add)
+        # Set for fc1 under gated linear units by TurboColumnParallelGroupedLinear: the checkpoint
+        # stores the gate and the linear halves as separately sharded blocks (Megatron's layout).
+        self.glu_fc1 = False
+
+        self.delay_wgrad_compute = bool(
+            getattr(config, "delay_wgrad_compute", False)
+            or getattr(config, "overlap_dispatch_backward_with_experts_wgrad", False)
+        )
+        self._pending_wgrads: List[tuple] = []
+        self._fp8_weight_cache = None  # (key, Float8Weight) under options.cache_fp8_weight
+        self._wgrad_accumulation_and_reduce_hooks: List[Callable[[], None]] = []
+
+        if getattr(config, "use_cpu_initialization", False) or not torch.cuda.is_available():
+            device = torch.device("cpu")
+        else:
+            device = torch.cuda.current_device()  # where Megatron's own layers allocate
+        dtype = getattr(config, "params_dtype", torch.float32)
+        self.weight = torch.nn.Parameter(torch.empty(num_gemms, output_size, input_size, dtype=dtype, device=device))
+        if self.use_bias:
+            self.bias = torch.nn.Parameter(torch.zeros(num_gemms, output_size, dtype=dtype, device=device))
+        else:
+            self.register_parameter("bias", None)
+        if getattr(config, "perform_initialization", True):
+            self._init_weight(init_method)
+        self._set_parameter_attributes()
+
+        self._register_checkpoint_hooks()
+
+    # -- initialisation ---------------------------------------------------------------------
+
+    def _init_weight(self, init_method) -> None:
+        config = self.config
+        with torch.no_grad():
+            if getattr(config, "use_cpu_initialization", False):
+                # As Megatron's CPU path: draw each expert's full matrix, keep this rank's shard, so the
+                # values do not depend on the expert-tensor-parallel size.
+                axis = 0 if self.parallel_mode == "column" else 1
+                for e in range(self.num_gemms):
+                    master = torch.empty(self.global_output_size, self.global_input_size, dtype=torch.float32)
+                    init_method(master)
+                    shard = master.chunk(self.tp_size, dim=axis)[self.tp_rank] if self.parallel_mode else master
+                    self.weight[e].copy_(shard)
+                return
+            from megatron.core.tensor_parallel.random import (
+                get_cuda_rng_tracker,
+                get_expert_parallel_rng_tracker_name,
+            )
+
+            tracker = get_cuda_rng_tracker()
+            # Experts draw from the expert-parallel RNG stream (different on each EP rank).
+            ctx = tracker.fork(get_expert_parallel_rng_tracker_name()) if tracker.is_initialized() else contextlib.nullcontext()
+            with ctx:
+                for e in range(self.num_gemms):
+                    init_method(self.weight[e])
+
+    def _set_parameter_attributes(self) -> None:
+        config = self.config
+        ep_size = get_pg_size(self._pg_collection.ep)
+        tp_size_dense = getattr(config, "tensor_model_parallel_size", 1)
+        etp_size = getattr(config, "expert_tensor_parallel_size", None) or tp_size_dense
+        # Same rule as Megatron's TE grouped linear: expert parameters reduce over the expert-data-
+        # parallel group (allreduce=False) whenever experts have their own process groups.
+        use_expert_pgs = ep_size > 1 or getattr(config, "expert_model_parallel_size", 1) > 1 or etp_size != tp_size_dense
+        for name, param in (("weight", self.weight), ("bias", self.bias)):
+            if param is None:
+                continue
+            param.allreduce = not use_expert_pgs
+            sharded = self.parallel_mode == "column" or (self.parallel_mode == "row" and name == "weight")
+            param.tensor_model_parallel = sharded
+            if sharded:
+                # The expert index is dim 0 here (TE's per-expert weights partition dim 0 / 1).
+                param.partition_dim = (1 if self.parallel_mode == "column" else 2) if name == "weight" else 1
+                param.partition_stride = 1
+            if name == "weight" and self.delay_wgrad_compute:
+                # Megatron DDP then registers its grad hooks through
+                # register_wgrad_accumulation_and_reduce_hooks and backward_dw() fires them.
+                param.skip_backward_post_hook = True
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def group_offsets(self, x: torch.Tensor, m_splits) -> torch.Tensor:
+        """int64 ``[E+1]`` device offsets from Megatron's ``m_splits`` (list or tensor)."""
+        lens = _as_group_lens(m_splits, self.num_gemms, x.device)
+        return resolve_group_offs(lens, None, self.num_gemms, x.shape[0], x.device)
+
+    def _gemm(self, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+        if self.fp8_config is None:
+            return grouped_gemm(x, weight, group_offs=offs, out_dtype=out_dtype)
+        return _grouped_gemm_fp8_resolved(  # offs resolved (checked) once in forward
+            x, weight, offs, config=self.fp8_config, num_cu=self.options.num_cu,
+            backend=self.options.backend, out_dtype=out_dtype, w_fp8=self._cached_fp8_weight(),
+        )
+
+    def invalidate_fp8_weight_cache(self) -> None:
+        """Drop the cached FP8 weight (see ``TurboMoEOptions.cache_fp8_weight``)."""
+        self._fp8_weight_cache = None
+
+    @torch.compiler.disable
+    def _cached_fp8_weight(self):
+        """The FP8 weight kept across micro-batches, or None (quantize in the GEMM call).
+
+        Keyed on the weight's version counter and storage *and* on the generation that
+        ``invalidate_fp8_weight_cache_on_step`` bumps after each optimizer step: Megatron's DDP
+        makes parameters views of its buffers through ``.data``, and its (distributed) optimizer
+        writes them through those buffers, which bumps no version counter of the Parameter.
+        """
+        if not self.options.cache_fp8_weight:
+            return None
+        w = self.weight
+        if w.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None  # the quantization must be part of the captured graph
+        if not fp8_weight_cache_is_safe(w):
+            raise RuntimeError(
+                "cache_fp8_weight=True on a Megatron DDP parameter needs "
+                "turbo_moe.megatron.invalidate_fp8_weight_cache_on_step(optimizer): Megatron's optimizer "
+                "updates the weights through DDP's buffers, which the cache could not see otherwise")
+        key = (w._version, w.data_ptr(), w.dtype, w.device, fp8_weight_generation(), self.fp8_config)
+        if self._fp8_weight_cache is None or self._fp8_weight_cache[0] != key:
+            self._fp8_weight_cache = None  # release the stale copies before making new ones
+            with torch.no_grad():
+                self._fp8_weight_cache = (key, _autograd.quantize_weight(w.detach(), self.fp8_config, transposed=True))
+        return self._fp8_weight_cache[1]
+
+    def _fuses_main_grad(self) -> bool:
+        weight = self.weight
+        return bool(getattr(self.config, "gradient_accumulation_fusion", False)) and (
+            getattr(weight, "main_grad", None) is not None or callable(getattr(weight, "get_main_grad", None))
+        )
+
+    def forward(self, x: torch.Tensor, m_splits=None, *, group_offs: Optional[torch.Tensor] = None):
+        """``(y, bias)``: ``bias`` is the ``[E, out]`` bias when ``skip_bias_add`` (else added, None).
+
+        ``m_splits``: tokens per local expert, a list (Megatron's ``TEGroupedMLP`` passes
+        ``tokens_per_expert.tolist()``) or an integer tensor; or pass ``group_offs`` (int64
+        ``[E+1]`` on x's device) instead.
+        """
+        if x.dim() != 2:
+            raise ValueError(f"x must be 2-D [tokens, {self.in_features}], got shape {tuple(x.shape)}")
+        if x.shape[1] != self.in_features:
+            raise ValueError(f"x.shape[1]={x.shape[1]} but this layer's input size is {self.in_features}")
+        if group_offs is None:
+            if m_splits is None:
+                raise ValueError("pass m_splits (tokens per local expert) or group_offs")
+            offs = self.group_offsets(x, m_splits)
+        else:
+            offs = resolve_group_offs(None, group_offs, self.num_gemms, x.shape[0], x.device)
+        weight = self.weight
+        wants_wgrad = torch.is_grad_enabled() and weight.requires_grad
+        fuse_main_grad = wants_wgrad and self._fuses_main_grad()
+        if wants_wgrad and (self.delay_wgrad_compute or (fuse_main_grad and self.fp8_config is not None)):
+            # The GEMM's backward then computes dgrad only; the wgrad kernel runs from
+            # _StashGradOutputForWgrad's backward (fused main_grad: adding its fp32 result into
+            # main_grad in its epilogue) or later from backward_dw() (delayed wgrad).
+            y = self._gemm(x, weight.detach(), offs)
+            y = _StashGradOutputForWgrad.apply(y, x.detach(), offs, self, weight)
+        elif fuse_main_grad:
+            # High precision: torch computes dW in the weight's dtype, then it is added to main_grad.
+            y = self._gemm(x, _AccumulateWgradIntoMainGrad.apply(weight), offs)
+        else:
+            y = self._gemm(x, weight, offs)
+        if self.bias is None:
+            return y, None
+        if self.skip_bias_add:
+            return y, self.bias
+        return add_group_bias(y, self.bias, offs), None
+
+    # -- delayed wgrad ------------------------------------------------------------------------
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], None]) -> None:
+        """Megatron DDP's seam for parameters whose gradient ``backward_dw()`` produces."""
+        self._wgrad_accumulation_and_reduce_hooks.append(hook)
+
+    def _trigger_wgrad_accumulation_and_reduce_hooks(self) -> None:
+        for hook in self._wgrad_accumulation_and_reduce_hooks:
+            hook()
+
+    def _wgrad(self, x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """``dW[e] = dy[rows of e]^T @ x[rows of e]``, ``[E, out, in]``; empty experts get zeros."""
+        cfg = self.fp8_config
+        if cfg is None:
+            bounds = offs.tolist()  # the high-precision path loops over experts on the host
+            dw = torch.zeros(self.weight.shape, dtype=out_dtype, device=x.device)
+            for e in range(self.num_gemms):
+                lo, hi = bounds[e], bounds[e + 1]
+                if hi > lo:
+                    dw[e] = (dy[lo:hi].t() @ x[lo:hi]).to(out_dtype)
+            return dw
+        # Quantized exactly as the FP8 autograd function's backward quantizes its wgrad GEMM.
+        return _grouped_wgrad_fp8_resolved(dy, x, offs, config=cfg, num_cu=self.options.num_cu,
+                                           backend=self.options.backend, out_dtype=out_dtype)
+
+    def _accumulate_wgrad(self, x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> Optional[torch.Tensor]:
+        """Compute dW; add it into ``main_grad`` when fused (returns the placeholder grad autograd
+        hands back, or None), else return it.
+
+        FP8 with an fp32 ``main_grad``: the wgrad kernel adds its fp32 result into ``main_grad`` in
+        its epilogue (``grouped_wgrad_fp8(main_grad=...)``): no rounding to the weight's dtype, no
+        separate add. Otherwise dW is computed in ``main_grad``'s dtype and added.
+        """
+        weight = self.weight
+        if not self._fuses_main_grad():
+            return self._wgrad(x, dy, offs, weight.dtype)
+        main_grad = _main_grad_of(weight)
+        cfg = self.fp8_config
+        if cfg is not None and main_grad.dtype == torch.float32:
+            _grouped_wgrad_fp8_resolved(dy, x, offs, config=cfg, num_cu=self.options.num_cu,
+                                        backend=self.options.backend, main_grad=main_grad)
+        else:
+            main_grad.add_(self._wgrad(x, dy, offs, main_grad.dtype))
+        return _mark_grad_added_to_main_grad(weight, weight.dtype)
+
+    def backward_dw(self) -> None:
+        """Compute the weight gradients deferred by ``delay_wgrad_compute`` (no-op otherwise)."""
+        if not self.delay_wgrad_compute:
+            return
+        weight = self.weight
+        pending, self._pending_wgrads = self._pending_wgrads, []
+        for x, dy, offs in pending:
+            if self._fuses_main_grad():
+                self._accumulate_wgrad(x, dy, offs)
+                continue
+            dw = self._wgrad(x, dy, offs, weight.dtype)
+            if weight.grad is None:
+                weight.grad = dw
+            else:
+                weight.grad += dw
+        if pending:
+            self._trigger_wgrad_accumulation_and_reduce_hooks()
+
+
+    def extra_repr(self) -> str:
+        fp8 = "off" if self.fp8_config is None else (
+            f"{self.fp8_config.format.value}/{self.fp8_config.granularity.value}")
+        return (f"num_gemms={self.num_gemms}, in={self.in_features}, out={self.out_features}, "
+                f"bias={self.use_bias}, parallel_mode={self.parallel_mode}, ETP={self.tp_size}, fp8={fp8}, "
+                f"backend={self.options.backend!r}, delay_wgrad={self.delay_wgrad_compute}")
+
+
+class TurboColumnParallelGroupedLinear(TurboGroupedLinear):
+    """fc1 of the experts: output features sharded over expert tensor parallelism."""
+
+    def __init__(self, num_gemms: int, input_size: int, output_size: int, /, *, config, init_method,
+                 bias: bool, skip_bias_add: bool, is_expert: bool, tp_comm_buffer_name: Optional[str] = None,
+                 pg_collection=None, name: Optional[str] = None, options: Optional[TurboMoEOptions] = None):
+        super().__init__(num_gemms, input_size, output_size, parallel_mode="column", config=config,
+                         init_method=init_method, bias=bias, skip_bias_add=skip_bias_add, is_expert=is_expert,
+                         tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection, name=name,
+                         options=options)
+        self.glu_fc1 = bool(getattr(config, "gated_linear_unit", False))
+
+
+class TurboRowParallelGroupedLinear(TurboGroupedLinear):
+    """fc2 of the experts: input features sharded over expert tensor parallelism."""
+
+    def __init__(self, num_gemms: int, input_size: int, output_size: int, /, *, config, init_method,
+                 bias: bool, skip_bias_add: bool, is_expert: bool, tp_comm_buffer_name: Optional[str] = None,
+                 pg_collection=None, name: Optional[str] = None, options: Optional[TurboMoEOptions] = None):
+        super().__init__(num_gemms, input_size, output_size, parallel_mode="row", config=config,
+                         init_method=init_method, bias=bias, skip_bias_add=skip_bias_add, is_expert=is_expert,
+                         tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection, name=name,
+                         options=options)
+
+
+def _divide(value: int, parts: int, name: str) -> int:
+    if value % parts:
+        raise ValueError(f"{name}={value} is not divisible by the expert tensor parallel size {parts}")
+    return value // parts

@@ -1,0 +1,138 @@
+"""Autograd helpers of the grouped linear: ``main_grad`` accumulation (Megatron's
+``gradient_accumulation_fusion``), the gradient-output stash that runs the wgrad kernel (at once
+or delayed), and the invalidation of the FP8 weight caches after optimizer steps."""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+# Bumped after every optimizer step by invalidate_fp8_weight_cache_on_step: part of the key of the
+# grouped linears' FP8 weight caches.
+_fp8_weight_generation = [0]
+_step_hook_installed = [False]
+
+
+def fp8_weight_generation() -> int:
+    return _fp8_weight_generation[0]
+
+
+def fp8_weight_cache_is_safe(weight: torch.Tensor) -> bool:
+    """False for a Megatron-DDP parameter (it has ``main_grad``) while no optimizer invalidates
+    the caches: its updates would go unseen by the version counter."""
+    ddp_managed = hasattr(weight, "main_grad") or callable(getattr(weight, "get_main_grad", None))
+    return _step_hook_installed[0] or not ddp_managed
+
+
+def invalidate_fp8_weight_caches() -> None:
+    """Mark every cached FP8 weight stale (call after changing weights behind autograd's back)."""
+    _fp8_weight_generation[0] += 1
+
+
+def invalidate_fp8_weight_cache_on_step(optimizer):
+    """Wrap ``optimizer.step`` (a Megatron or torch optimizer) so that each step invalidates the FP8
+    weight caches of ``TurboMoEOptions(cache_fp8_weight=True)`` layers; returns ``optimizer``.
+
+    Needed because Megatron's optimizers update parameters through DDP's flat buffers (the
+    parameters are ``.data`` views of them), which the Parameter's version counter does not see.
+    """
+    step = optimizer.step
+    if getattr(step, "_turbo_moe_invalidates_fp8_weights", False):
+        return optimizer
+
+    @functools.wraps(step)
+    def step_then_invalidate(*args, **kwargs):
+        try:
+            return step(*args, **kwargs)
+        finally:
+            invalidate_fp8_weight_caches()
+
+    step_then_invalidate._turbo_moe_invalidates_fp8_weights = True
+    optimizer.step = step_then_invalidate
+    _step_hook_installed[0] = True
+    return optimizer
+
+_dummy_wgrads: dict = {}
+
+
+def _dummy_wgrad(weight: torch.Tensor, dtype: torch.dtype, zero: bool) -> torch.Tensor:
+    """A placeholder ``weight.grad`` once the real gradient went into ``main_grad``.
+
+    Megatron's DDP wants a non-None grad to run its hooks on the main thread, then drops it
+    (``grad_added_to_main_grad``). One buffer per shape is reused, as Transformer Engine does.
+    """
+    key = (tuple(weight.shape), dtype, weight.device)
+    buf = _dummy_wgrads.get(key)
+    if buf is None:
+        buf = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+        _dummy_wgrads[key] = buf
+    if zero:
+        buf.zero_()
+    return buf
+
+
+def _main_grad_of(weight: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None and callable(getattr(weight, "get_main_grad", None)):
+        main_grad = weight.get_main_grad()  # Megatron-FSDP allocates it lazily
+        weight.main_grad = main_grad
+    return main_grad
+
+
+def _mark_grad_added_to_main_grad(weight: torch.nn.Parameter, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """After the gradient went into ``main_grad``: what autograd should hand back as ``weight``'s
+    gradient (Megatron's placeholder protocol, ``grad_added_to_main_grad``), or None."""
+    if hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
+        return _dummy_wgrad(weight, dtype, getattr(weight, "zero_out_wgrad", False))
+    return None
+
+
+def _add_into_main_grad(weight: torch.nn.Parameter, wgrad: torch.Tensor) -> Optional[torch.Tensor]:
+    """``main_grad += wgrad``; returns what autograd should hand back as ``weight``'s gradient."""
+    _main_grad_of(weight).add_(wgrad)
+    return _mark_grad_added_to_main_grad(weight, wgrad.dtype)
+
+
+class _AccumulateWgradIntoMainGrad(torch.autograd.Function):
+    """Identity on the weight whose backward adds the weight gradient into ``weight.main_grad``.
+
+    Megatron's ``gradient_accumulation_fusion``: the gradient goes to the fp32 ``main_grad``
+    buffer of its DDP instead of ``weight.grad``.
+    """
+
+    @staticmethod
+    def forward(ctx, weight):
+        ctx.weight = weight
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, wgrad):
+        weight = ctx.weight
+        ctx.weight = None
+        return _add_into_main_grad(weight, wgrad)
+
+
+class _StashGradOutputForWgrad(torch.autograd.Function):
+    """Identity on the GEMM output whose backward runs the layer's wgrad from ``(x, dy)``: queued
+    for ``backward_dw()`` under delayed wgrad, else at once (into ``main_grad``)."""
+
+    @staticmethod
+    def forward(ctx, y, x, group_offs, layer, weight):
+        # ``weight`` is an input only so that the output requires grad (and this backward runs)
+        # even when x does not; its gradient comes from backward_dw(), never from here.
+        ctx.layer = layer
+        ctx.save_for_backward(x, group_offs)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, group_offs = ctx.saved_tensors
+        layer, ctx.layer = ctx.layer, None
+        if layer.delay_wgrad_compute:
+            layer._pending_wgrads.append((x, dy.detach(), group_offs))
+            return dy, None, None, None, None
+        return dy, None, None, None, layer._accumulate_wgrad(x, dy.detach(), group_offs)
+

@@ -1,0 +1,156 @@
+"""turbo_moe's own settings for Megatron experts and the mapping of Megatron's FP8 recipe onto them.
+
+No megatron-core import here: this module reads Megatron's config by attribute only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Optional, Union
+
+from ..config import Float8Config, ScalingGranularity
+
+__all__ = ["TurboMoEOptions", "resolve_fp8_config", "Fp8Setting", "FP8_RECIPES", "RecipeMapping"]
+
+Fp8Setting = Union[None, str, Float8Config]
+
+
+@dataclasses.dataclass(frozen=True)
+class TurboMoEOptions:
+    """turbo_moe's own settings for Megatron experts (Megatron's config carries everything else).
+
+    ``fp8``: ``"megatron"`` (follow ``config.fp8``; off when it is None), ``None`` (high precision),
+    ``"e4m3"``, ``"hybrid"`` or a ``Float8Config``. ``granularity``: ``"tensorwise"`` or
+    ``"rowwise"`` when ``fp8`` is a format name (``None``: derived from ``config.fp8_recipe`` under
+    ``"megatron"``, else tensorwise). ``backend``: ``"auto"``, ``"triton"``, ``"flydsl"``,
+    ``"torch"``. ``num_cu``: cap on the SMs/CUs the FP8 kernels occupy. ``cache_fp8_weight``:
+    quantize each weight once per optimizer step instead of once per micro-batch (the FP8 copy is
+    kept between micro-batches; needs ``invalidate_fp8_weight_cache_on_step(optimizer)``, see
+    docs/megatron.md).
+    """
+
+    fp8: Fp8Setting = "megatron"
+    granularity: Optional[str] = None
+    backend: str = "auto"
+    num_cu: Optional[int] = None
+    cache_fp8_weight: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.fp8 is None or isinstance(self.fp8, (str, Float8Config))):
+            raise TypeError(f"fp8 must be None, 'megatron', 'e4m3', 'hybrid' or a Float8Config, got {self.fp8!r}")
+        if isinstance(self.fp8, str) and self.fp8 not in ("megatron", "e4m3", "hybrid"):
+            raise ValueError(f"fp8={self.fp8!r} is not one of None, 'megatron', 'e4m3', 'hybrid' (or a Float8Config)")
+        if self.granularity is not None:
+            allowed = [g.value for g in ScalingGranularity]
+            if _enum_value(self.granularity) not in allowed:
+                raise ValueError(f"granularity={self.granularity!r} is not one of None, {allowed}")
+            if isinstance(self.fp8, Float8Config):
+                raise ValueError("granularity must be None when fp8 is a Float8Config (set it in the Float8Config)")
+        if self.num_cu is not None and (isinstance(self.num_cu, bool) or not isinstance(self.num_cu, int) or self.num_cu < 1):
+            raise ValueError(f"num_cu must be None or a positive int, got {self.num_cu!r}")
+        if not isinstance(self.cache_fp8_weight, bool):
+            raise TypeError(f"cache_fp8_weight must be a bool, got {self.cache_fp8_weight!r}")
+        if not isinstance(self.backend, str):
+            raise TypeError(f"backend must be a string, got {type(self.backend).__name__}")
+
+
+# Megatron's config.fp8_recipe -> how turbo_moe's experts run it: the one table where recipes plug
+# in (the fine-grained-recipe work maps "blockwise" and "mxfp8" to its Float8Config granularities
+# here, replacing the refusals). A recipe that is not run as Megatron/TE define it is refused
+# with the reason, never substituted silently.
+@dataclasses.dataclass(frozen=True)
+class RecipeMapping:
+    granularity: Optional[ScalingGranularity] = None  # the Float8Config granularity it runs as
+    refusal: str = ""  # non-empty: why turbo_moe refuses this recipe
+
+    def __post_init__(self) -> None:
+        if (self.granularity is None) == (not self.refusal):
+            raise ValueError("a RecipeMapping has either a granularity or a refusal")
+
+
+_INSTEAD = ("set config.fp8_recipe='tensorwise' (current per-tensor scaling), or pass fp8='e4m3'/'hybrid' "
+            "with granularity='tensorwise'/'rowwise' to the turbo_moe spec helper")
+
+FP8_RECIPES = {
+    "tensorwise": RecipeMapping(ScalingGranularity.TENSORWISE),
+    "delayed": RecipeMapping(refusal=(
+        "delayed scaling takes each scale from an amax history (kept in TE's _extra_state); turbo_moe scales "
+        "every tensor with its current amax and keeps no history")),
+    "mxfp8": RecipeMapping(refusal=(
+        "MXFP8 (1x32 blocks with E8M0 scales) is not implemented by turbo_moe's kernels yet, and rowwise "
+        "scaling is a different recipe")),
+    "blockwise": RecipeMapping(refusal=(
+        "blockwise scaling (1x128 activation / 128x128 weight blocks) is not implemented by turbo_moe's "
+        "kernels yet, and rowwise scaling is a different recipe")),
+    "custom": RecipeMapping(refusal="a custom quantizer factory has no turbo_moe equivalent"),
+}
+
+_warned: set = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """A UserWarning the first time ``key`` is seen in this process (each substitution warns once)."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def _enum_value(value):
+    return getattr(value, "value", value)
+
+
+def _check_megatron_quantization(config, fp8_on: bool) -> None:
+    """Megatron quantization settings that ``fp8="megatron"`` cannot honour: refused, or (where
+    turbo_moe computes something close) warned about once."""
+    if getattr(config, "fp4", None):
+        raise ValueError(f"config.fp4={_enum_value(config.fp4)!r}: turbo_moe's experts have no FP4 kernels; "
+                         "unset config.fp4 or pass fp8=... explicitly to the turbo_moe spec helper")
+    if getattr(config, "quant_recipe", None) is not None:
+        raise ValueError("config.quant_recipe (per-module quantization recipes) is not supported by turbo_moe's "
+                         "experts; pass fp8=... explicitly to the turbo_moe spec helper")
+    for name in ("fp8_quantizer_factory", "fp4_quantizer_factory"):
+        if getattr(config, name, None) is not None:
+            raise ValueError(f"config.{name} (a custom quantizer) has no turbo_moe equivalent")
+    if not fp8_on:
+        return
+    if getattr(config, "fp8_param", False):
+        warn_once("fp8_param", "config.fp8_param=True: turbo_moe's experts keep their weights in params_dtype "
+                  "and quantize them to FP8 for each GEMM (cache_fp8_weight=True: once per optimizer step)")
+    if not getattr(config, "fp8_wgrad", True):
+        warn_once("fp8_wgrad", "config.fp8_wgrad=False: turbo_moe's experts compute the weight gradient in FP8 "
+                  "too (pass fp8=None for high-precision experts)")
+
+
+def resolve_fp8_config(options: TurboMoEOptions, config) -> Optional[Float8Config]:
+    """The Float8Config turbo_moe's experts run with, or None for the high-precision path.
+
+    ``fp8="megatron"`` follows ``config.fp8`` / ``config.fp8_recipe`` / ``config.fp8_margin`` through
+    :data:`FP8_RECIPES`; recipes and settings turbo_moe cannot honour raise ValueError naming them.
+    """
+    fp8 = options.fp8
+    if isinstance(fp8, Float8Config):
+        return fp8
+    if fp8 is None:
+        return None
+    margin = 0
+    granularity = options.granularity
+    if fp8 == "megatron":
+        fp8 = _enum_value(getattr(config, "fp8", None))
+        _check_megatron_quantization(config, bool(fp8))
+        if not fp8:
+            return None
+        margin = int(getattr(config, "fp8_margin", 0) or 0)
+        if granularity is None:  # an explicit granularity overrides the recipe
+            recipe = _enum_value(getattr(config, "fp8_recipe", None)) or "tensorwise"
+            mapping = FP8_RECIPES.get(recipe)
+            if mapping is None:
+                raise ValueError(f"config.fp8_recipe={recipe!r} is not a recipe turbo_moe knows ({sorted(FP8_RECIPES)}); "
+                                 f"{_INSTEAD}")
+            if mapping.refusal:
+                raise ValueError(f"config.fp8_recipe={recipe!r} is not supported by turbo_moe's experts: "
+                                 f"{mapping.refusal}. Instead, {_INSTEAD}")
+            granularity = mapping.granularity
+    return Float8Config.from_megatron(
+        fp8, granularity=granularity or ScalingGranularity.TENSORWISE, margin=margin
+    )
