@@ -231,7 +231,7 @@ def test_megatron_fused_main_grad_bits_equal_fp32_accumulation(world, fp8, monke
                                  options=TurboMoEOptions(fp8=fp8, backend="torch"))
     randomize_(experts, seed=21)
     fp32_reference, bf16_path, calls = {}, {}, []
-    real_wgrad = linear_module.grouped_wgrad_fp8
+    real_wgrad = linear_module._grouped_wgrad_fp8_resolved
 
     def recording_wgrad(dy, x, offs, *, main_grad=None, **kw):
         assert main_grad is not None and main_grad.dtype == torch.float32  # the accumulating path
@@ -243,7 +243,7 @@ def test_megatron_fused_main_grad_bits_equal_fp32_accumulation(world, fp8, monke
         bf16_path[key] += real_wgrad(dy, x, offs, out_dtype=torch.bfloat16, **kw).float()
         return real_wgrad(dy, x, offs, main_grad=main_grad, **kw)
 
-    monkeypatch.setattr(linear_module, "grouped_wgrad_fp8", recording_wgrad)
+    monkeypatch.setattr(linear_module, "_grouped_wgrad_fp8_resolved", recording_wgrad)
     for p in experts.parameters():
         p.main_grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(22))
         p.grad_added_to_main_grad = False
