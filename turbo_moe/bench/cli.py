@@ -26,7 +26,7 @@ from .kernel_level import KERNEL_OPS, KERNEL_PEERS, Missing, kernel_impls, prepa
 from .report import e2e_hot_path_table, e2e_table, kernel_table, notes, plot, write_outputs
 from .shapes import CPU_EXPERTS, GPU_EXPERTS, GPU_MODELS, LAYERS, ROUTINGS, Case, build_cases, make_group_sizes, parse_experts
 from .timing import median_ms, synchronize
-from .train_step import add_train_arguments, finish_train_args, run_train_preset
+from .train_step import add_train_arguments, finish_train_args, list_train_preset, run_train_preset
 
 __all__ = ["main", "parse_args", "select_cases"]
 
@@ -339,6 +339,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
     if args.preset == "train":
+        if args.list:
+            return list_train_preset(args)
         meta = _environment(device)
         meta["args"] = {k: v for k, v in vars(args).items()}
         return run_train_preset(args, meta, _progress)

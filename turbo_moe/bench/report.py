@@ -160,7 +160,7 @@ def e2e_hot_path_table(records: Sequence[dict]) -> List[str]:
             _ms(graph) if graph is not None else ("n/a" if "graph:" in (r.get("hot_path_notes") or "") else ""),
             f"{r['ms'] / graph:.2f}" if graph and r.get("ms") else "",
             "" if host is None else f"{host:.0f}" + (" (syncs)" if r.get("host_sync") else ""),
-            "" if r.get("launches") is None else str(r["launches"]),
+            str(r["launches"]) if r.get("launches") is not None else ("n/a" if "launches:" in (r.get("hot_path_notes") or "") else ""),
             "" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}",
         ])
     return _align(rows)
@@ -257,9 +257,13 @@ def error_table(records: Sequence[dict]) -> List[str]:
 def notes(records: Sequence[dict]) -> List[str]:
     """Why an implementation was missing, failed, or gave a wrong answer (each reason once)."""
     seen: "OrderedDict[str, None]" = OrderedDict()
+    hot_path: "OrderedDict[str, OrderedDict]" = OrderedDict()  # reason -> impls
     for r in records:
-        if r.get("hot_path_notes"):
-            seen.setdefault(f"- {r['impl']} hot path n/a: {r['hot_path_notes']}", None)
+        for reason in filter(None, (r.get("hot_path_notes") or "").split("; ")):
+            hot_path.setdefault(reason, OrderedDict())[r["impl"]] = None
+    for reason, impls in hot_path.items():
+        seen.setdefault(f"- hot path n/a for {', '.join(impls)}: {reason}", None)
+    for r in records:
         if r["status"] in ("missing", "error", "skipped"):
             seen.setdefault(f"- {r['impl']} {r['status']}: {r.get('reason', '')}", None)
         elif r["status"] == "ok" and r.get("level") == "train" and r.get("reason"):

@@ -85,6 +85,9 @@ def host_issue_us(step: Step, device: torch.device, target_ms: float = 60.0, max
     cycles_per_ms = _sleep_cycles_per_ms()
     result = None
     for attempt in range(2):
+        # A second try issues fewer steps: more than ~1000 pending launches fill the CUDA launch
+        # queue, and the host then blocks until the (sleeping) GPU drains it.
+        n = n if attempt == 0 else max(2, n // 4)
         sleep_ms = 2.0 * n * one_ms + 20.0 + 100.0 * attempt
         torch.cuda._sleep(int(sleep_ms * cycles_per_ms))
         asleep = torch.cuda.Event()

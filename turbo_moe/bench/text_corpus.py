@@ -4,8 +4,9 @@ The corpus is the source of the Python standard library (``*.py`` under ``syscon
 ``stdlib`` path, test suites and vendored packages left out), read as bytes: a byte-level
 tokenizer with a vocabulary of 256. Files are taken in sorted path order, so the corpus is the
 same on every machine with the same Python version (its SHA-256 is reported so that runs can be
-compared). Every ``HOLDOUT_EVERY``-th file goes to the validation split: whole files are held out,
-so no validation sequence overlaps a training one.
+compared); they are read in a fixed pseudo-random order (the hash of each path) until
+``max_bytes``. Every ``HOLDOUT_EVERY``-th file of that order goes to the validation split: whole
+files are held out, so no validation sequence overlaps a training one.
 
 Batches are drawn from seeded generators, ahead of time, as start offsets into the corpus: every
 variant of a benchmark run trains on exactly the same sequences in the same order, and fetching
@@ -56,7 +57,7 @@ def stdlib_source_files(root: Optional[str] = None) -> List[str]:
 
 
 def load_corpus(max_bytes: int = 16 << 20, root: Optional[str] = None) -> TextCorpus:
-    """The first ``max_bytes`` of the stdlib's source as a train/validation byte split."""
+    """About ``max_bytes`` of the stdlib's source as a train/validation byte split."""
     if max_bytes < 4096:
         raise ValueError(f"max_bytes must be >= 4096, got {max_bytes}")
     root = root or sysconfig.get_paths()["stdlib"]
@@ -66,8 +67,11 @@ def load_corpus(max_bytes: int = 16 << 20, root: Optional[str] = None) -> TextCo
     total = 0
     used = 0
     digest = hashlib.sha256()
+    # A fixed pseudo-random order (by the hash of each relative path): a small corpus still mixes
+    # modules of every kind instead of the alphabetically first ones.
+    files.sort(key=lambda p: hashlib.sha256(os.path.relpath(p, root).encode()).hexdigest())
     for i, path in enumerate(files):
-        if total >= max_bytes:
+        if total >= max_bytes and val_parts:
             break
         with open(path, "rb") as f:
             text = f.read()

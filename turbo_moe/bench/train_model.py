@@ -109,7 +109,7 @@ def megatron_world(device: torch.device, seed: int = 1234) -> Iterator[None]:
     created = False
     try:
         if device.type == "cuda":
-            torch.cuda.set_device(device)
+            torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())
         else:
             torch.cuda.current_device = lambda: torch.device("cpu")
             if not torch.cuda.is_available():

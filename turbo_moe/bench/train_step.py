@@ -28,7 +28,7 @@ from .train_model import (
 )
 
 __all__ = ["EXPERTS_RANGE", "expert_ranges", "attributed_events", "expert_time_split", "train_variant",
-           "add_train_arguments", "finish_train_args", "run_train_preset"]
+           "add_train_arguments", "finish_train_args", "list_train_preset", "run_train_preset"]
 
 EXPERTS_RANGE = "turbo_moe.bench::experts"
 _EVALUATE = "autograd::engine::evaluate_function: "
@@ -330,6 +330,20 @@ def finish_train_args(args, parser) -> None:
         parser.error(str(exc))
 
 
+def _selected_configs(args) -> List[TrainConfig]:
+    from .train_model import CPU_CONFIGS, GPU_CONFIGS, apply_overrides
+
+    configs = apply_overrides(GPU_CONFIGS if args.device.startswith("cuda") else CPU_CONFIGS, args.train_override)
+    return [configs[name] for name in args.train_configs]
+
+
+def list_train_preset(args) -> int:
+    for cfg in _selected_configs(args):
+        steps = args.train_steps if cfg.loss_curve else args.warmup_steps + args.timed_steps
+        print(f"{cfg.name:18s} {steps} steps x {', '.join(args.variants)}: {cfg.describe(args.micro_batches)}")
+    return 0
+
+
 def run_train_preset(args, meta: dict, progress=print) -> int:
     """Every selected (config, variant); results rewritten after each. Returns the exit status."""
     import os
@@ -338,12 +352,11 @@ def run_train_preset(args, meta: dict, progress=print) -> int:
 
     from .report import notes, plot_loss_curves, train_table, write_outputs
     from .text_corpus import load_corpus
-    from .train_model import CPU_CONFIGS, GPU_CONFIGS, apply_overrides, megatron_world
+    from .train_model import megatron_world
 
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
-    configs = apply_overrides(GPU_CONFIGS if on_gpu else CPU_CONFIGS, args.train_override)
-    selected = [configs[name] for name in args.train_configs]
+    selected = _selected_configs(args)
     meta["configs"] = {c.name: c.describe(args.micro_batches) for c in selected}
     meta["timing"] = (
         "step: CUDA events around each optimizer step, steps issued back to back, median after the warm-up "
