@@ -265,11 +265,13 @@ def test_train_table_ratios_and_targets():
                 case="train expert-dominated", peak_mb=100.0, host_ms=1.0, gpu_ms=10.0, train_loss=2.0)
     records = [
         dict(base, impl="turbo-bf16", step_ms=10.0, expert_gpu_ms=6.0, expert_share=0.6, val_loss=2.0),
-        dict(base, impl="fp8-tensorwise", step_ms=8.0, expert_gpu_ms=3.0, expert_share=0.4, val_loss=2.01),
+        dict(base, impl="fp8-tensorwise", step_ms=8.0, expert_gpu_ms=3.0, expert_share=0.4, val_loss=2.01,
+             gpu_ms=7.25, launches=900, expert_launches=120),
         dict(base, impl="fp8-rowwise", step_ms=9.0, expert_gpu_ms=4.2, expert_share=0.45, val_loss=2.05),
     ]
     text = "\n".join(report.train_table(records))
     assert "0.80x" in text and "0.50x" in text and "+0.50%" in text and "+2.50%" in text
+    assert "900 (120)" in text and "| 0.750 " in text  # GPU idle = step - GPU busy, on a GPU only
     targets = report.train_targets(records)
     assert "- PASS expert-dominated: bf16 experts are 60% of the step's GPU time (config wants >= 50%)" in targets
     assert "- PASS expert-dominated fp8-tensorwise: expert GPU time 0.50x bf16 (<= 0.65x)" in targets

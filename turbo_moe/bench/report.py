@@ -180,12 +180,13 @@ def train_table(records: Sequence[dict]) -> List[str]:
     if not records:
         return []
     base = _train_baseline(records)
-    rows = [["config", "variant", "experts", "steps", "step ms", "step / bf16", "host ms", "GPU ms", "expert GPU ms",
-             "expert share", "expert / bf16", "peak MB", "train loss", "held-out loss", "held-out vs bf16"]]
+    rows = [["config", "variant", "experts", "steps", "step ms", "step / bf16", "host ms", "GPU ms", "GPU idle ms",
+             "expert GPU ms", "expert share", "expert / bf16", "launches (experts)", "peak MB", "train loss",
+             "held-out loss", "held-out vs bf16"]]
     for r in records:
         if r["status"] != "ok":
             rows.append([r["config"], r["impl"], r.get("experts") or "", "", {"skipped": "skip"}.get(r["status"], r["status"])]
-                        + [""] * 10)
+                        + [""] * 12)
             continue
         b = base.get(r["config"], {})
         val_delta = (f"{100 * (r['val_loss'] / b['val_loss'] - 1):+.2f}%"
@@ -194,8 +195,10 @@ def train_table(records: Sequence[dict]) -> List[str]:
         rows.append([
             r["config"], r["impl"], r.get("experts") or "", str(r["steps"]), _ms(r.get("step_ms")),
             _fmt_ratio(_time_ratio(r.get("step_ms"), b.get("step_ms"))), _ms(r.get("host_ms")), _ms(r.get("gpu_ms")),
+            _ms(max(r["step_ms"] - r["gpu_ms"], 0.0)) if r.get("step_ms") and r.get("gpu_ms") and r.get("launches") is not None else "",
             _ms(r.get("expert_gpu_ms")), "" if share is None else f"{100 * share:.0f}%",
             _fmt_ratio(_time_ratio(r.get("expert_gpu_ms"), b.get("expert_gpu_ms"))),
+            "" if r.get("launches") is None else f"{r['launches']} ({r.get('expert_launches')})",
             "" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}",
             "" if r.get("train_loss") is None else f"{r['train_loss']:.4f}",
             "" if r.get("val_loss") is None else f"{r['val_loss']:.4f}", val_delta,

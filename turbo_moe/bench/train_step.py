@@ -91,25 +91,30 @@ def attributed_events(events: Iterable, range_name: str = EXPERTS_RANGE) -> List
 
 
 def expert_time_split(events, on_gpu: bool, range_name: str = EXPERTS_RANGE) -> Dict[str, float]:
-    """``{"expert_ms", "total_ms", "unattributed_ms"}`` of one profiled step.
+    """``{"expert_ms", "total_ms", "unattributed_ms", "launches", "expert_launches"}`` of one profiled step.
 
     GPU: ``total_ms`` is the summed duration of every GPU activity (kernels, memsets, copies);
     ``expert_ms`` the kernels launched by :func:`attributed_events` (``self_device_time_total``);
     ``unattributed_ms`` the GPU time the profiler could not tie to any CPU op (e.g. a launch
     outside every recorded op): it is in the total but in no range, so a large value bounds the
-    error of the share. CPU (smoke mode): CPU op time stands in for GPU time.
+    error of the share. ``launches``: GPU activities in the step; ``expert_launches``: those of the
+    experts (None on a CPU). CPU (smoke mode): CPU op time stands in for GPU time.
     """
     events = list(events)
     mine = attributed_events(events, range_name)
     cpu = [e for e in events if e.device_type.name == "CPU" and not e.is_async]
+    launches = expert_launches = None
     if on_gpu:
-        total = sum(e.device_time_total for e in events if e.device_type.name == "CUDA")
+        device = [e for e in events if e.device_type.name == "CUDA"]
+        total = sum(e.device_time_total for e in device)
         linked = sum(e.self_device_time_total for e in cpu)
         expert = sum(e.self_device_time_total for e in mine)
+        launches, expert_launches = len(device), sum(len(e.kernels) for e in mine)
     else:
         total = linked = sum(e.self_cpu_time_total for e in cpu)
         expert = sum(e.self_cpu_time_total for e in mine)
-    return {"expert_ms": expert / 1e3, "total_ms": total / 1e3, "unattributed_ms": max(total - linked, 0.0) / 1e3}
+    return {"expert_ms": expert / 1e3, "total_ms": total / 1e3, "unattributed_ms": max(total - linked, 0.0) / 1e3,
+            "launches": launches, "expert_launches": expert_launches}
 
 
 # ------------------------------------------------------------------------------ training
@@ -160,6 +165,7 @@ def train_variant(cfg: TrainConfig, variant: str, corpus: TextCorpus, args, devi
                reason="", experts=None, steps=0, steps_planned=steps, micro_batches=args.micro_batches,
                tokens_per_step=cfg.tokens_per_step(args.micro_batches), ms=None, step_ms=None, host_ms=None,
                tflops=None, gpu_ms=None, expert_gpu_ms=None, expert_share=None, unattributed_ms=None,
+               launches=None, expert_launches=None,
                peak_mb=None, base_mb=None, train_loss=None, val_loss=None, loss_curve=[], val_curve=[])
     on_gpu = device.type == "cuda"
     model = opt = sampler = None
@@ -255,7 +261,8 @@ def _profile_step(model, opt, sampler, step: int, inputs: _Inputs, device: torch
     split = expert_time_split(prof.events(), on_gpu)
     return {"gpu_ms": split["total_ms"], "expert_gpu_ms": split["expert_ms"],
             "expert_share": split["expert_ms"] / split["total_ms"] if split["total_ms"] > 0 else None,
-            "unattributed_ms": split["unattributed_ms"]}
+            "unattributed_ms": split["unattributed_ms"], "launches": split["launches"],
+            "expert_launches": split["expert_launches"]}
 
 
 def _summary(rec: dict) -> str:
