@@ -106,7 +106,7 @@ def expert_time_split(events, on_gpu: bool, range_name: str = EXPERTS_RANGE) -> 
     launches = expert_launches = None
     if on_gpu:
         device = [e for e in events if e.device_type.name == "CUDA"]
-        total = sum(e.device_time_total for e in device)
+        total = sum(e.time_range.elapsed_us() for e in device)
         linked = sum(e.self_device_time_total for e in cpu)
         expert = sum(e.self_device_time_total for e in mine)
         launches, expert_launches = len(device), sum(len(e.kernels) for e in mine)
