@@ -21,11 +21,12 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import data
-from .end_to_end import E2E_PEERS, e2e_impls, prepare_e2e, reference_errors
+from .end_to_end import E2E_EXTRAS, E2E_PEERS, e2e_impls, hot_path_metrics, prepare_e2e, reference_errors
 from .kernel_level import KERNEL_OPS, KERNEL_PEERS, Missing, kernel_impls, prepare_case
-from .report import e2e_table, kernel_table, notes, plot, write_outputs
+from .report import e2e_hot_path_table, e2e_table, kernel_table, notes, plot, write_outputs
 from .shapes import CPU_EXPERTS, GPU_EXPERTS, GPU_MODELS, LAYERS, ROUTINGS, Case, build_cases, make_group_sizes, parse_experts
 from .timing import median_ms, synchronize
+from .train_step import add_train_arguments, finish_train_args, list_train_preset, run_train_preset
 
 __all__ = ["main", "parse_args", "select_cases"]
 
@@ -71,9 +72,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     p.add_argument("--device", default=None, help="cuda (default when a GPU is visible) or cpu (smoke mode, tiny shapes)")
     p.add_argument("--quick", action="store_true", help="a couple of representative shapes (same as --preset quick)")
-    p.add_argument("--preset", choices=["quick", "peers", "full"], default=None,
+    p.add_argument("--preset", choices=["quick", "peers", "full", "train"], default=None,
                    help="quick: a couple of shapes; peers: the shapes of PEERS_H100.md x balanced/skewed/dirichlet; "
-                        "full (default): every model x layer x experts x routing")
+                        "full (default): every model x layer x experts x routing; train: a Megatron-core MoE GPT "
+                        "trained with each expert implementation (see the --preset train options)")
     p.add_argument("--models", type=_csv, default=None, help="comma list of deepseek-v3,qwen3-235b,gpt-oss (tiny on cpu)")
     p.add_argument("--layers", type=_csv, default=None, help="comma list of fc1,fc2")
     p.add_argument(
@@ -93,7 +95,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--granularity", type=_csv, default=["tensorwise", "tensorwise+wcache", "rowwise"],
                    help="Float8Config granularities of the end-to-end turbo_moe layer; '+wcache' builds it with "
                         "cache_fp8_weight=True (the weight, unchanged between steps here, is quantized once)")
-    p.add_argument("--format", choices=["e4m3", "hybrid"], default="e4m3", help="Float8Config format end to end")
+    p.add_argument("--format", choices=["e4m3", "hybrid"], default=None,
+                   help="Float8Config format end to end (default e4m3) and in --preset train (default hybrid)")
+    p.add_argument("--e2e-extras", type=_csv, default=list(E2E_EXTRAS),
+                   help="end-to-end hot-path measurements: host (µs to issue a fwd+bwd), launches (GPU launches "
+                        "per fwd+bwd), graph (CUDA-graph replay), microbatch (per micro-batch of a 4-micro-batch "
+                        "step); 'none' for none")
     p.add_argument("--num-cu", type=int, default=None, help="cap turbo_moe's persistent grid at this many SMs/CUs")
     p.add_argument("--align", type=int, default=16, help="group sizes are multiples of this (CUTLASS FP8 wants 16)")
     p.add_argument("--seed", type=int, default=0)
@@ -104,6 +111,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-check", action="store_true", help="skip the float32 reference check of every output")
     p.add_argument("--out", default="bench_out", help="output folder for results.{md,json,csv,png}")
     p.add_argument("--list", action="store_true", help="print the selected cases and exit")
+    add_train_arguments(p)
     args = p.parse_args(argv)
 
     if args.quick:
@@ -115,8 +123,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible to torch (use --device cpu for the smoke mode)")
+    if args.format is None:
+        args.format = "hybrid" if args.preset == "train" else "e4m3"
+    if args.e2e_extras == ["none"]:
+        args.e2e_extras = []
     for name, allowed in (("levels", ("kernel", "e2e")), ("ops", KERNEL_OPS),
-                          ("granularity", ("rowwise", "tensorwise", "rowwise+wcache", "tensorwise+wcache"))):
+                          ("granularity", ("rowwise", "tensorwise", "rowwise+wcache", "tensorwise+wcache")),
+                          ("e2e_extras", E2E_EXTRAS)):
         bad = [v for v in getattr(args, name) if v not in allowed]
         if bad:
             p.error(f"--{name}: {', '.join(bad)} not in {', '.join(allowed)}")
@@ -134,6 +147,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.warmup_ms = 25.0 if on_gpu else 1.0
     if args.rep_ms is None:
         args.rep_ms = 100.0 if on_gpu else 20.0
+    if args.preset == "train":
+        finish_train_args(args, p)
     return args
 
 
@@ -267,7 +282,8 @@ def _run_e2e_case(case: Case, args, device: torch.device, records: list, label: 
     try:
         for name, step in e2e_impls(inputs, args.backends, args.granularity, args.format, peers, args.num_cu):
             rec = dict(case.as_dict(), level="e2e", op="fwd+bwd", impl=name, status="ok", ms=None, tflops=None,
-                       err_y=None, err_dx=None, err_dw=None, peak_mb=None, extra_mb=None, reason="")
+                       err_y=None, err_dx=None, err_dw=None, peak_mb=None, extra_mb=None, host_us=None,
+                       launches=None, graph_ms=None, mb4_ms=None, mb1_ms=None, reason="")
             records.append(rec)
             if isinstance(step, Missing):
                 rec.update(status="missing", reason=str(step))
@@ -293,6 +309,9 @@ def _run_e2e_case(case: Case, args, device: torch.device, records: list, label: 
                 del y, dx, dw
                 ms = median_ms(step, device, args.warmup_ms, args.rep_ms)
                 rec.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+                if args.e2e_extras:
+                    rec.update(hot_path_metrics(name, step, inputs, device, args.e2e_extras, ms,
+                                                args.warmup_ms, args.rep_ms))
                 if not args.no_check:
                     worst = max(rec["err_y"], rec["err_dx"], rec["err_dw"])
                     if not worst <= tol:
@@ -305,7 +324,10 @@ def _run_e2e_case(case: Case, args, device: torch.device, records: list, label: 
             mem = f" peak {rec['peak_mb']:.0f} MB" if rec["peak_mb"] is not None else ""
             errs = (f" err y/dx/dW {rec['err_y']:.1e}/{rec['err_dx']:.1e}/{rec['err_dw']:.1e}"
                     if rec["err_y"] is not None else "")
-            _progress(f"{label} e2e    {name:24s} {rec['status']:7s} {timing}{mem}{errs}")
+            hot = "".join(f" {label_} {rec[key]:{fmt}}" for key, label_, fmt in (
+                ("host_us", "host µs", ".0f"), ("launches", "launches", "d"), ("graph_ms", "graph ms", ".3f"),
+                ("mb4_ms", "ms/µb of 4", ".3f")) if rec.get(key) is not None)
+            _progress(f"{label} e2e    {name:24s} {rec['status']:7s} {timing}{mem}{errs}{hot}")
     finally:
         del inputs
         gc.collect()
@@ -316,6 +338,12 @@ def _run_e2e_case(case: Case, args, device: torch.device, records: list, label: 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
+    if args.preset == "train":
+        if args.list:
+            return list_train_preset(args)
+        meta = _environment(device)
+        meta["args"] = {k: v for k, v in vars(args).items()}
+        return run_train_preset(args, meta, _progress)
     cases = select_cases(args)
     if args.list:
         for case in cases:
@@ -375,7 +403,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             meta["plot"] = why_no_plot
             paths = write_outputs(args.out, meta, records)
     print()
-    for lines in (kernel_table(records), e2e_table(records)):
+    for lines in (kernel_table(records), e2e_table(records), e2e_hot_path_table(records)):
         if lines:
             print("\n".join(lines))
             print()

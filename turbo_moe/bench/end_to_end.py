@@ -27,7 +27,8 @@ from . import data
 from .kernel_level import Missing, peer_impls
 from .shapes import Case
 
-__all__ = ["E2E_PEERS", "E2EInputs", "prepare_e2e", "e2e_impls", "reference_errors"]
+__all__ = ["E2E_PEERS", "E2E_EXTRAS", "MICRO_BATCHES", "E2EInputs", "prepare_e2e", "e2e_impls", "reference_errors",
+           "hot_path_metrics"]
 
 E2E_PEERS = ("bf16", "torchao_fp8")
 
@@ -159,3 +160,61 @@ def _reference_errors(inputs: E2EInputs, y: torch.Tensor, dx: torch.Tensor, dw: 
         else:
             errs[key] = math.sqrt(num[key] / den[key])
     return errs
+
+
+# The hot-path measurements the benchmark adds to each end-to-end record (``--e2e-extras``).
+E2E_EXTRAS = ("host", "launches", "graph", "microbatch")
+MICRO_BATCHES = 4
+
+
+def hot_path_metrics(name: str, step: Step, inputs: E2EInputs, device: torch.device, extras: List[str],
+                     ms: Optional[float], warmup_ms: float, rep_ms: float) -> Dict[str, object]:
+    """Host µs to issue a step, GPU launches per step, CUDA-graph ms, and ms per micro-batch.
+
+    ``mb4_ms``: per micro-batch of a ``MICRO_BATCHES``-micro-batch optimizer step (the weight's
+    version bumped once per step, so ``+wcache`` layers quantize it once per step); ``mb1_ms``: one
+    micro-batch per optimizer step (measured for ``+wcache`` layers; for the others the work is the
+    same as every timed call, so it is ``ms``). What cannot be measured here gets its reason in
+    ``hot_path_notes``.
+    """
+    from . import step_metrics as sm
+
+    out: Dict[str, object] = {}
+    why: List[str] = []
+
+    def attempt(key, fn):
+        try:
+            fn()
+        except sm.NotAvailable as exc:
+            why.append(f"{key}: {exc}")
+        except Exception as exc:  # measured where possible; one failure does not lose the others
+            why.append(f"{key}: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+    if "host" in extras:
+        def host():
+            res = sm.host_issue_us(step, device)
+            out.update(host_us=res["us"], host_sync=res["synchronizes"])
+        attempt("host", host)
+    if "launches" in extras:
+        def launches():
+            counts = sm.gpu_activity_counts(step, device)
+            out.update(launches=counts["total"], launch_kernels=counts["kernel"],
+                       launch_memsets=counts["memset"], launch_memcpys=counts["memcpy"])
+        attempt("launches", launches)
+    if "graph" in extras:
+        def graph():
+            out["graph_ms"] = sm.cuda_graph_ms(step, device, warmup_ms, rep_ms)
+        attempt("graph", graph)
+    if "microbatch" in extras:
+        def microbatch():
+            out["mb4_ms"] = sm.microbatch_ms(step, inputs.w, MICRO_BATCHES, device, warmup_ms, rep_ms)
+            if "+wcache" in name:
+                out["mb1_ms"] = sm.microbatch_ms(step, inputs.w, 1, device, warmup_ms, rep_ms)
+            else:
+                out["mb1_ms"] = ms
+        attempt("microbatch", microbatch)
+    if why:
+        out["hot_path_notes"] = "; ".join(why)
+    return out

@@ -9,12 +9,16 @@ import os
 from collections import OrderedDict
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-__all__ = ["kernel_table", "e2e_table", "notes", "markdown_report", "write_outputs", "plot"]
+__all__ = ["kernel_table", "e2e_table", "e2e_hot_path_table", "train_table", "train_targets", "notes",
+           "markdown_report", "write_outputs", "plot", "plot_loss_curves"]
 
 CSV_FIELDS = [
     "level", "case", "model", "layer", "num_experts", "tokens_per_expert", "routing", "M", "N", "K",
     "group_sizes_min", "group_sizes_max", "empty_groups", "op", "impl", "status", "ms", "tflops",
-    "rel_err", "err_y", "err_dx", "err_dw", "peak_mb", "extra_mb", "reason",
+    "rel_err", "err_y", "err_dx", "err_dw", "peak_mb", "extra_mb",
+    "host_us", "launches", "graph_ms", "mb4_ms", "mb1_ms",  # end-to-end hot path
+    "config", "experts", "steps", "step_ms", "host_ms", "gpu_ms", "expert_gpu_ms", "expert_share",  # train
+    "train_loss", "val_loss", "reason",
 ]
 
 
@@ -133,6 +137,108 @@ def e2e_table(records: Sequence[dict]) -> List[str]:
     return _align(rows)
 
 
+def _ms(value: Optional[float]) -> str:
+    return "" if value is None else (f"{value:.3f}" if value < 10 else f"{value:.2f}")
+
+
+def e2e_hot_path_table(records: Sequence[dict]) -> List[str]:
+    """Per case and implementation: ms per call, per micro-batch of a 4-micro-batch step, per
+    1-micro-batch step, CUDA-graph replay, host µs to issue a step, GPU launches per step."""
+    records = [r for r in records if r["level"] == "e2e" and r["status"] in ("ok", "wrong")]
+    if not any(any(r.get(k) is not None for k in ("host_us", "launches", "graph_ms", "mb4_ms")) for r in records):
+        return []
+    bf16 = {r["case"]: r for r in records if r["impl"] == "bf16"}
+    rows = [["case", "impl", "ms", "ms/µb of 4", "ms/µb of 1", "µb of 4 vs bf16", "graph ms", "eager/graph",
+             "host µs", "launches", "peak MB"]]
+    for r in records:
+        peer = bf16.get(r["case"])
+        vs = (peer["mb4_ms"] / r["mb4_ms"]) if peer and peer.get("mb4_ms") and r.get("mb4_ms") else None
+        graph = r.get("graph_ms")
+        host = r.get("host_us")
+        rows.append([
+            r["case"], r["impl"], _ms(r["ms"]), _ms(r.get("mb4_ms")), _ms(r.get("mb1_ms")), _fmt_ratio(vs),
+            _ms(graph) if graph is not None else ("n/a" if "graph:" in (r.get("hot_path_notes") or "") else ""),
+            f"{r['ms'] / graph:.2f}" if graph and r.get("ms") else "",
+            "" if host is None else f"{host:.0f}" + (" (syncs)" if r.get("host_sync") else ""),
+            str(r["launches"]) if r.get("launches") is not None else ("n/a" if "launches:" in (r.get("hot_path_notes") or "") else ""),
+            "" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}",
+        ])
+    return _align(rows)
+
+
+def _train_baseline(records: Sequence[dict]) -> Dict[str, dict]:
+    return {r["config"]: r for r in records if r["impl"] == "turbo-bf16" and r["status"] == "ok"}
+
+
+def _time_ratio(value, base) -> Optional[float]:
+    return value / base if value is not None and base else None
+
+
+def train_table(records: Sequence[dict]) -> List[str]:
+    """The training-step preset: one row per (config, variant); ratios are time / turbo-bf16's time."""
+    records = [r for r in records if r["level"] == "train"]
+    if not records:
+        return []
+    base = _train_baseline(records)
+    rows = [["config", "variant", "experts", "steps", "step ms", "step / bf16", "host ms", "GPU ms", "GPU idle ms",
+             "expert GPU ms", "expert share", "expert / bf16", "launches (experts)", "peak MB", "train loss",
+             "held-out loss", "held-out vs bf16"]]
+    for r in records:
+        if r["status"] != "ok":
+            rows.append([r["config"], r["impl"], r.get("experts") or "", "", {"skipped": "skip"}.get(r["status"], r["status"])]
+                        + [""] * 12)
+            continue
+        b = base.get(r["config"], {})
+        val_delta = (f"{100 * (r['val_loss'] / b['val_loss'] - 1):+.2f}%"
+                     if r.get("val_loss") is not None and b.get("val_loss") else "")
+        share = r.get("expert_share")
+        rows.append([
+            r["config"], r["impl"], r.get("experts") or "", str(r["steps"]), _ms(r.get("step_ms")),
+            _fmt_ratio(_time_ratio(r.get("step_ms"), b.get("step_ms"))), _ms(r.get("host_ms")), _ms(r.get("gpu_ms")),
+            _ms(max(r["step_ms"] - r["gpu_ms"], 0.0)) if r.get("step_ms") and r.get("gpu_ms") and r.get("launches") is not None else "",
+            _ms(r.get("expert_gpu_ms")), "" if share is None else f"{100 * share:.0f}%",
+            _fmt_ratio(_time_ratio(r.get("expert_gpu_ms"), b.get("expert_gpu_ms"))),
+            "" if r.get("launches") is None else f"{r['launches']} ({r.get('expert_launches')})",
+            "" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}",
+            "" if r.get("train_loss") is None else f"{r['train_loss']:.4f}",
+            "" if r.get("val_loss") is None else f"{r['val_loss']:.4f}", val_delta,
+        ])
+    return _align(rows)
+
+
+# issue 10's targets for the FP8 variants, as (what, config or None for every config, key, bound)
+_STEP_BOUND = {"expert-dominated": 0.85, "moderate": 1.0}
+
+
+def train_targets(records: Sequence[dict]) -> List[str]:
+    """PASS/MISS lines for issue 10's training-step targets (FP8 variants against turbo-bf16)."""
+    records = [r for r in records if r["level"] == "train" and r["status"] == "ok"]
+    base = _train_baseline(records)
+    lines = []
+    for cfg, b in base.items():
+        share = b.get("expert_share")
+        if cfg == "expert-dominated" and share is not None:
+            lines.append(f"- {'PASS' if share >= 0.5 else 'MISS'} {cfg}: bf16 experts are {100 * share:.0f}% of the "
+                         f"step's GPU time (config wants >= 50%)")
+    for r in records:
+        b = base.get(r["config"])
+        if not b or not r["impl"].startswith("fp8-"):
+            continue
+        checks = []
+        expert = _time_ratio(r.get("expert_gpu_ms"), b.get("expert_gpu_ms"))
+        if expert is not None:
+            checks.append((expert <= 0.65, f"expert GPU time {expert:.2f}x bf16 (<= 0.65x)"))
+        step = _time_ratio(r.get("step_ms"), b.get("step_ms"))
+        if step is not None and r["config"] in _STEP_BOUND:
+            checks.append((step <= _STEP_BOUND[r["config"]], f"step {step:.2f}x bf16 (<= {_STEP_BOUND[r['config']]:.2f}x)"))
+        if r.get("val_loss") is not None and b.get("val_loss") and r["steps"] == b["steps"]:
+            delta = r["val_loss"] / b["val_loss"] - 1
+            checks.append((abs(delta) <= 0.01, f"held-out loss {100 * delta:+.2f}% vs bf16 (within 1%)"))
+        for ok, text in checks:
+            lines.append(f"- {'PASS' if ok else 'MISS'} {r['config']} {r['impl']}: {text}")
+    return lines
+
+
 def error_table(records: Sequence[dict]) -> List[str]:
     """Largest relative error against the float32 reference, per implementation and op."""
     worst: "OrderedDict[Tuple[str, str], float]" = OrderedDict()
@@ -154,9 +260,17 @@ def error_table(records: Sequence[dict]) -> List[str]:
 def notes(records: Sequence[dict]) -> List[str]:
     """Why an implementation was missing, failed, or gave a wrong answer (each reason once)."""
     seen: "OrderedDict[str, None]" = OrderedDict()
+    hot_path: "OrderedDict[str, OrderedDict]" = OrderedDict()  # reason -> impls
+    for r in records:
+        for reason in filter(None, (r.get("hot_path_notes") or "").split("; ")):
+            hot_path.setdefault(reason, OrderedDict())[r["impl"]] = None
+    for reason, impls in hot_path.items():
+        seen.setdefault(f"- hot path n/a for {', '.join(impls)}: {reason}", None)
     for r in records:
         if r["status"] in ("missing", "error", "skipped"):
             seen.setdefault(f"- {r['impl']} {r['status']}: {r.get('reason', '')}", None)
+        elif r["status"] == "ok" and r.get("level") == "train" and r.get("reason"):
+            seen.setdefault(f"- {r['case']} {r['impl']}: {r['reason']}", None)
         elif r["status"] == "wrong":
             seen.setdefault(f"- {r['impl']} WRONG on {r['case']} {r['op']}: {r.get('reason', '')}", None)
     return list(seen)
@@ -173,6 +287,20 @@ def markdown_report(meta: dict, records: Sequence[dict]) -> str:
     e = e2e_table(records)
     if e:
         lines += ["", "## End to end: forward + backward, quantization included, TFLOPS = 6·M·N·K / t", ""] + e
+    h = e2e_hot_path_table(records)
+    if h:
+        lines += ["", "## End to end: hot path (ms per fwd+bwd; µb = micro-batch, the weight changing once per "
+                  "optimizer step; host µs to issue one fwd+bwd; GPU launches per fwd+bwd)", ""] + h
+    t = train_table(records)
+    if t:
+        for key in ("corpus", "configs"):
+            if key in meta:
+                value = meta[key]
+                lines.append(f"- {key}: " + ("; ".join(f"{k}: {v}" for k, v in value.items()) if isinstance(value, dict) else value))
+        lines += ["", "## Training step (Megatron-core MoE GPT; ratios are time / turbo-bf16's time)", ""] + t
+        targets = train_targets(records)
+        if targets:
+            lines += ["", "### Issue 10 targets", ""] + targets
     err = error_table(records)
     if err:
         lines += ["", "## Accuracy (relative Frobenius error against float32 group-by-group references)", ""] + err
@@ -250,6 +378,45 @@ def plot(path: str, records: Sequence[dict], title: str = "turbo_moe") -> Option
         ax.set_title(f"{title}: {'kernel ' + op if level == 'kernel' else 'end to end (fwd+bwd)'}")
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7, ncol=min(len(impls), 5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return None
+
+
+def plot_loss_curves(path: str, records: Sequence[dict], title: str = "turbo_moe") -> Optional[str]:
+    """Training loss (10-step moving average) and held-out loss per variant, one panel per config.
+
+    Returns None on success, or why no plot was written.
+    """
+    recs = [r for r in records if r["level"] == "train" and r["status"] == "ok" and r.get("loss_curve")]
+    if not recs:
+        return "no loss curve to plot"
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:
+        return f"matplotlib unavailable: {type(exc).__name__}: {exc}"
+    configs = list(OrderedDict((r["config"], None) for r in recs))
+    fig, axes = plt.subplots(1, len(configs), figsize=(7.0 * len(configs), 4.5), squeeze=False)
+    for ax, cfg in zip(axes[0], configs):
+        for j, r in enumerate(x for x in recs if x["config"] == cfg):
+            curve = r["loss_curve"]
+            window = min(10, len(curve))
+            smooth = [sum(curve[max(0, i - window + 1):i + 1]) / len(curve[max(0, i - window + 1):i + 1])
+                      for i in range(len(curve))]
+            color = f"C{j}"
+            ax.plot(range(1, len(curve) + 1), smooth, color=color, lw=1.2, label=f"{r['impl']} (train)")
+            if r.get("val_curve"):
+                xs, ys = zip(*r["val_curve"])
+                ax.plot(xs, ys, "o--", color=color, ms=4, lw=0.8, label=f"{r['impl']} held-out {ys[-1]:.3f}")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("loss (nats per byte)")
+        ax.set_title(f"{title}: {cfg}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

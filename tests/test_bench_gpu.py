@@ -1,0 +1,115 @@
+"""The benchmark's GPU-only measurements on a CUDA device: kernel-launch counting, host issue time,
+CUDA-graph timing, the profiler's expert attribution, and a tiny run of ``--preset train``.
+Skipped without CUDA. These check the measuring tools, not turbo_moe's speed.
+"""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+from turbo_moe.bench import cli, step_metrics  # noqa: E402
+from turbo_moe.bench.train_step import expert_ranges, expert_time_split  # noqa: E402
+
+CUDA = torch.device("cuda")
+
+
+def test_count_kernel_launches_counts_each_launch():
+    x = torch.randn(256, 256, device=CUDA)
+    out = torch.empty_like(x)
+
+    def three_kernels():
+        torch.add(x, 1, out=out)
+        out.mul_(2)
+        out.zero_()  # a fill kernel (or a memset): one launch either way
+        return out
+
+    three_kernels()
+    assert step_metrics.count_kernel_launches(three_kernels) == 3
+    assert step_metrics.count_kernel_launches(lambda: None) == 0
+
+
+def test_count_kernel_launches_of_a_bf16_grouped_fwd_bwd():
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm missing")
+    x = torch.randn(512, 256, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(4, 128, 256, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(512, 128, device=CUDA, dtype=torch.bfloat16)
+    offs = torch.tensor([128, 256, 384, 512], device=CUDA, dtype=torch.int32)
+
+    def step():
+        y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        return (y, *torch.autograd.grad(y, (x, w), dy))
+
+    step()
+    counts = step_metrics.gpu_activity_counts(step)
+    assert 3 <= counts["total"] <= 12, counts  # fwd, dgrad, wgrad (+ small setup kernels)
+    assert counts["kernel"] >= 3
+
+
+def test_host_issue_time_sees_a_synchronizing_step():
+    x = torch.randn(1024, 1024, device=CUDA)
+    quiet = step_metrics.host_issue_us(lambda: x @ x, CUDA)
+    assert 0 < quiet["us"] < 2000 and not quiet["synchronizes"]
+    syncing = step_metrics.host_issue_us(lambda: (x @ x).sum().item(), CUDA)
+    assert syncing["synchronizes"]
+
+
+def test_cuda_graph_ms_replays_and_refuses_a_sync():
+    x = torch.randn(2048, 2048, device=CUDA, dtype=torch.bfloat16)
+    ms = step_metrics.cuda_graph_ms(lambda: x @ x, CUDA, warmup_ms=5, rep_ms=20)
+    assert ms > 0
+
+    def refuses_capture():  # what a host sync under capture amounts to, without poisoning the context
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return x @ x
+
+    with pytest.raises(step_metrics.NotAvailable, match="capture failed: RuntimeError: operation not permitted"):
+        step_metrics.cuda_graph_ms(refuses_capture, CUDA, warmup_ms=5, rep_ms=20)
+    assert step_metrics.cuda_graph_ms(lambda: x @ x, CUDA, warmup_ms=5, rep_ms=20) > 0  # still usable
+
+
+def test_expert_time_split_on_gpu():
+    import turbo_moe
+    from torch.profiler import ProfilerActivity, profile
+
+    layer = turbo_moe.GroupedLinearFP8(8, 512, 1024, device=CUDA, dtype=torch.bfloat16)
+    outside = torch.nn.Linear(1024, 1024, device=CUDA, dtype=torch.bfloat16)
+    x = torch.randn(4096, 512, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    lens = torch.full((8,), 512, device=CUDA, dtype=torch.int64)
+
+    def step():
+        outside(layer(x, lens)).float().square().mean().backward()
+
+    step()
+    with expert_ranges([layer]):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+    split = expert_time_split(prof.events(), on_gpu=True)
+    assert 0 < split["expert_ms"] < split["total_ms"], split
+    assert split["unattributed_ms"] < 0.1 * split["total_ms"], split
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
+def test_train_preset_tiny_on_gpu(tmp_path):
+    out = tmp_path / "train"
+    tiny = [f"{c}.{k}={v}" for c in ("moderate", "expert-dominated")
+            for k, v in (("layers", 1), ("hidden", 256), ("heads", 4), ("ffn", 256), ("seq", 128), ("mbs", 4))]
+    argv = ["--preset", "train", "--train-steps", "6", "--timed-steps", "3", "--warmup-steps", "2",
+            "--eval-interval", "3", "--eval-batches", "2", "--corpus-bytes", str(1 << 20), "--out", str(out)]
+    for item in tiny:
+        argv += ["--train-override", item]
+    assert cli.main(argv) == 0
+    with open(out / "results.json") as f:
+        records = json.load(f)["records"]
+    assert len(records) == 8
+    for r in records:
+        assert r["status"] == "ok", r
+        assert r["step_ms"] > 0 and r["peak_mb"] > 0 and 0 < r["expert_share"] < 1
+        assert r["unattributed_ms"] < 0.2 * r["gpu_ms"], r

@@ -1,0 +1,281 @@
+"""The training-step preset (``--preset train``) and the hot-path measurements, on the CPU.
+
+The preset's smoke mode trains tiny Megatron-core MoE GPTs (torch backend) for a few steps; the
+GPU numbers come from tests/test_bench_gpu.py and the preset run on the H100.
+"""
+
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+
+from turbo_moe.bench import cli, report, step_metrics
+from turbo_moe.bench.text_corpus import HOLDOUT_EVERY, BatchSampler, load_corpus, stdlib_source_files
+from turbo_moe.bench.train_step import EXPERTS_RANGE, attributed_events, expert_ranges, expert_time_split
+
+SMALL_CORPUS = 256 << 10
+
+
+# ---------------------------------------------------------------- text
+
+
+def test_corpus_is_deterministic_and_holds_out_whole_files():
+    a, b = load_corpus(SMALL_CORPUS), load_corpus(SMALL_CORPUS)
+    assert a.sha256 == b.sha256 and torch.equal(a.train, b.train) and torch.equal(a.val, b.val)
+    assert a.num_files >= HOLDOUT_EVERY and a.val.numel() > 0
+    assert a.train.numel() + a.val.numel() >= SMALL_CORPUS
+    # Whole files are held out: the validation split starts with one file, absent from training.
+    first_val = bytes(a.val[:300].tolist())
+    sources = [open(p, "rb").read() for p in stdlib_source_files()]
+    assert sum(src.startswith(first_val) for src in sources) >= 1
+    assert first_val not in bytes(a.train.tolist())
+    with pytest.raises(ValueError, match="max_bytes"):
+        load_corpus(100)
+
+
+def test_batches_are_deterministic_next_byte_pairs():
+    corpus = load_corpus(SMALL_CORPUS)
+    s1 = BatchSampler(corpus, seq=24, mbs=3, steps=5, micro_batches=4, eval_batches=2, device=torch.device("cpu"))
+    s2 = BatchSampler(corpus, seq=24, mbs=3, steps=5, micro_batches=4, eval_batches=2, device=torch.device("cpu"))
+    tokens, labels = s1.train(4, 3)
+    assert tokens.shape == labels.shape == (3, 24) and tokens.dtype == torch.int64
+    assert torch.equal(tokens[:, 1:], labels[:, :-1])  # labels are the next byte
+    assert torch.equal(tokens, s2.train(4, 3)[0]) and not torch.equal(tokens, s1.train(4, 2)[0])
+    assert int(tokens.max()) < 256
+    v, _ = s1.val(1)
+    text = bytes(corpus.val.tolist())
+    assert bytes(v[0].tolist()) in text
+    with pytest.raises(IndexError, match="step 5"):
+        s1.train(5, 0)
+    with pytest.raises(ValueError, match="mbs"):
+        BatchSampler(corpus, seq=24, mbs=0, steps=5, micro_batches=4, eval_batches=2, device=torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- profiler attribution
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * g * x
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x):
+        return _Square.apply(x @ self.w).relu()
+
+
+def test_expert_attribution_takes_the_range_and_its_backward_only():
+    from torch.profiler import ProfilerActivity, profile
+
+    experts = _Experts()
+    x = torch.randn(8, 16, requires_grad=True)
+    with expert_ranges([experts]):
+        assert experts.forward.__name__ == "forward" and "forward" in experts.__dict__
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            h = torch.tanh(x)  # before the experts
+            y = experts(h)
+            loss = y.sigmoid().sum()  # after them
+            loss.backward()
+    assert "forward" not in experts.__dict__  # the wrapper is gone
+    events = list(prof.events())
+    names = {e.name for e in attributed_events(events)}
+    assert EXPERTS_RANGE in names and "_Square" in names and "aten::relu" in names
+    for inside in ("_SquareBackward", "ReluBackward0", "MmBackward0"):
+        assert f"autograd::engine::evaluate_function: {inside}" in names, names
+    for outside in ("TanhBackward0", "SigmoidBackward0", "SumBackward0"):
+        assert f"autograd::engine::evaluate_function: {outside}" not in names
+    assert "aten::tanh" not in names and "aten::sigmoid" not in names
+    split = expert_time_split(events, on_gpu=False)
+    assert 0 < split["expert_ms"] < split["total_ms"]
+
+
+# ---------------------------------------------------------------- hot-path helpers on the CPU
+
+
+def test_microbatch_ms_bumps_the_weight_once_per_optimizer_step():
+    w = torch.nn.Parameter(torch.randn(4))
+    seen = []
+    step = lambda: seen.append(w._version)  # noqa: E731
+    ms = step_metrics.microbatch_ms(step, w, 4, torch.device("cpu"), warmup_ms=0, rep_ms=1)
+    assert ms >= 0 and len(seen) % 4 == 0 and len(seen) >= 8
+    groups = [seen[i:i + 4] for i in range(0, len(seen), 4)]
+    assert all(len(set(g)) == 1 for g in groups)  # unchanged within an optimizer step
+    assert len({g[0] for g in groups}) == len(groups)  # changed between steps
+    with pytest.raises(ValueError, match="micro_batches"):
+        step_metrics.microbatch_ms(step, w, 0, torch.device("cpu"))
+
+
+def test_gpu_only_measurements_say_why_on_cpu():
+    cpu = torch.device("cpu")
+    for fn in (lambda: step_metrics.count_kernel_launches(lambda: None, cpu),
+               lambda: step_metrics.cuda_graph_ms(lambda: None, cpu)):
+        with pytest.raises(step_metrics.NotAvailable, match="CUDA"):
+            fn()
+    res = step_metrics.host_issue_us(lambda: torch.randn(64, 64) @ torch.randn(64, 64), cpu)
+    assert res["us"] > 0 and not res["synchronizes"]
+    assert [step_metrics.classify_gpu_activity(n) for n in
+            ("Memcpy DtoD (Device -> Device)", "Memset (Device)", "_grouped_gemm_fwd_kernel")] == ["memcpy", "memset", "kernel"]
+
+
+def test_e2e_records_carry_the_hot_path_columns(tmp_path):
+    out = tmp_path / "e2e"
+    rc = cli.main(["--quick", "--device", "cpu", "--warmup-ms", "0", "--rep-ms", "1", "--levels", "e2e",
+                   "--models", "tiny", "--layers", "fc1", "--peers", "bf16", "--granularity", "tensorwise+wcache",
+                   "--out", str(out)])
+    assert rc == 0
+    with open(out / "results.json") as f:
+        records = json.load(f)["records"]
+    by = {r["impl"]: r for r in records}
+    turbo, bf16 = by["turbo:torch:tensorwise+wcache"], by["bf16"]
+    for r in (turbo, bf16):
+        assert r["host_us"] > 0 and r["mb4_ms"] > 0 and r["mb1_ms"] > 0
+        assert r["launches"] is None and r["graph_ms"] is None and "CUDA" in r["hot_path_notes"]
+    assert bf16["mb1_ms"] == bf16["ms"]  # no cache: one micro-batch is the timed call
+    md = (out / "results.md").read_text()
+    assert "## End to end: hot path" in md and "ms/µb of 4" in md and "hot path n/a for" in md
+    assert cli.parse_args(["--device", "cpu", "--e2e-extras", "none"]).e2e_extras == []
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--device", "cpu", "--e2e-extras", "host,cycles"])
+
+
+# ---------------------------------------------------------------- the train preset (smoke mode)
+
+needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
+
+
+@needs_megatron
+def test_canonical_init_is_shared_by_turbo_and_sequential_experts():
+    from turbo_moe.bench.train_model import CPU_CONFIGS, build_model, canonical_state, load_canonical_state, megatron_world
+
+    cfg = CPU_CONFIGS["expert-dominated"]
+    cpu = torch.device("cpu")
+    with megatron_world(cpu):
+        torch.manual_seed(0)
+        seq = build_model(cfg, "megatron", cpu)
+        torch.manual_seed(1)
+        turbo = build_model(cfg, "turbo-bf16", cpu)
+        state = canonical_state(seq)
+        assert state["decoder.layers.0.mlp.experts.linear_fc1.weight"].shape == (cfg.experts, 2 * cfg.ffn, cfg.hidden)
+        load_canonical_state(turbo, state)
+        tokens = torch.randint(0, 256, (2, cfg.seq), generator=torch.Generator().manual_seed(0))
+        pos = torch.arange(cfg.seq).unsqueeze(0).expand(2, -1)
+        mask = torch.triu(torch.ones(1, 1, cfg.seq, cfg.seq, dtype=torch.bool), diagonal=1)
+        with torch.no_grad():
+            a, b = seq(tokens, pos, mask), turbo(tokens, pos, mask)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        # And back: the turbo layout loads into SequentialMLP.
+        load_canonical_state(seq, canonical_state(turbo))
+        bad = dict(state)
+        bad.pop("decoder.layers.0.mlp.experts.linear_fc2.weight")
+        with pytest.raises(KeyError, match="linear_fc2"):
+            load_canonical_state(turbo, bad)
+
+
+def test_master_weight_adam_matches_float32_adam():
+    from turbo_moe.bench.train_model import MasterWeightAdam
+
+    start = torch.randn(32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    ref = torch.nn.Parameter(start.float())
+    low = torch.nn.Parameter(start.clone())
+    unused = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    opt_ref = torch.optim.Adam([ref], lr=1e-2, betas=(0.9, 0.95))
+    opt = MasterWeightAdam([low, unused], lr=1e-2, clip_grad=None)
+    for i in range(3):
+        # bf16-exact gradients: the float32 masters then follow float32 Adam bit for bit.
+        grad = torch.randn(32, generator=torch.Generator().manual_seed(10 + i)).to(torch.bfloat16)
+        ref.grad, low.grad = grad.float(), grad.clone()
+        opt_ref.step()
+        opt.step()
+        opt.zero_grad()
+        assert low.grad is None
+    assert torch.equal(opt.masters[0], ref.detach())
+    assert torch.equal(low.detach(), ref.detach().to(torch.bfloat16))
+    assert not torch.equal(low.detach(), start)
+    assert torch.equal(unused.detach(), torch.ones(3, dtype=torch.bfloat16))  # zero gradient: Adam leaves it
+
+
+@needs_megatron
+def test_train_preset_cpu_smoke(tmp_path):
+    out = tmp_path / "train"
+    rc = cli.main(["--preset", "train", "--device", "cpu", "--corpus-bytes", str(SMALL_CORPUS), "--out", str(out)])
+    assert rc == 0
+    with open(out / "results.json") as f:
+        result = json.load(f)
+    records = result["records"]
+    assert "stdlib source" in result["meta"]["corpus"] and result["meta"]["args"]["format"] == "hybrid"
+    assert [(r["config"], r["impl"]) for r in records] == [
+        (c, v) for c in ("expert-dominated", "moderate") for v in ("turbo-bf16", "fp8-tensorwise", "fp8-rowwise", "megatron")]
+    by = {(r["config"], r["impl"]): r for r in records}
+    for r in records:
+        assert r["status"] == "ok", r["reason"]
+        assert r["experts"] == ("SequentialMLP" if r["impl"] == "megatron" else "TurboMoEGroupedMLP")
+        assert r["steps"] == (4 if r["config"] == "moderate" else 3) == len(r["loss_curve"])
+        assert all(math.isfinite(x) for x in r["loss_curve"]) and r["step_ms"] > 0 and r["host_ms"] > 0
+        assert abs(r["loss_curve"][0] - math.log(256)) < 0.1  # a fresh byte-level model: ~uniform
+        assert r["val_curve"] and r["val_curve"][-1][0] == r["steps"] and math.isfinite(r["val_loss"])
+        assert 0 < r["expert_share"] < 1 and r["expert_gpu_ms"] > 0
+    for cfg in ("expert-dominated", "moderate"):
+        bf16, seq = by[(cfg, "turbo-bf16")], by[(cfg, "megatron")]
+        # Same weights, same data, same float32 math on the CPU: Megatron's experts and the bf16 path agree.
+        assert abs(seq["loss_curve"][0] - bf16["loss_curve"][0]) < 1e-4
+        for fp8 in ("fp8-tensorwise", "fp8-rowwise"):
+            curve = by[(cfg, fp8)]["loss_curve"]
+            assert curve != bf16["loss_curve"]  # FP8 really ran
+            assert all(abs(a / b - 1) < 0.01 for a, b in zip(curve, bf16["loss_curve"]))
+    moderate = by[("moderate", "turbo-bf16")]["loss_curve"]
+    assert moderate[-1] < moderate[0]  # it learns
+    md = (out / "results.md").read_text()
+    assert "## Training step" in md and "SequentialMLP" in md and "corpus" in md
+    pytest.importorskip("matplotlib")
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_megatron
+def test_train_preset_time_budget_and_bad_arguments(tmp_path, capsys):
+    out = tmp_path / "budget"
+    rc = cli.main(["--preset", "train", "--device", "cpu", "--corpus-bytes", str(SMALL_CORPUS), "--time-budget", "0",
+                   "--train-configs", "moderate", "--out", str(out)])
+    assert rc == 0
+    with open(out / "results.json") as f:
+        records = json.load(f)["records"]
+    assert [r["status"] for r in records] == ["skipped"] * 4
+    for argv in (["--variants", "fp16"], ["--train-configs", "huge"], ["--train-override", "moderate.width=3"],
+                 ["--micro-batches", "0"]):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--device", "cpu", "--preset", "train", *argv])
+    err = capsys.readouterr().err
+    assert "--variants" in err and "--train-configs" in err and "--train-override" in err and "--micro-batches" in err
+
+
+def test_train_table_ratios_and_targets():
+    base = dict(level="train", op="step", status="ok", reason="", experts="X", steps=10, config="expert-dominated",
+                case="train expert-dominated", peak_mb=100.0, host_ms=1.0, gpu_ms=10.0, train_loss=2.0)
+    records = [
+        dict(base, impl="turbo-bf16", step_ms=10.0, expert_gpu_ms=6.0, expert_share=0.6, val_loss=2.0),
+        dict(base, impl="fp8-tensorwise", step_ms=8.0, expert_gpu_ms=3.0, expert_share=0.4, val_loss=2.01,
+             gpu_ms=7.25, launches=900, expert_launches=120),
+        dict(base, impl="fp8-rowwise", step_ms=9.0, expert_gpu_ms=4.2, expert_share=0.45, val_loss=2.05),
+    ]
+    text = "\n".join(report.train_table(records))
+    assert "0.80x" in text and "0.50x" in text and "+0.50%" in text and "+2.50%" in text
+    assert "900 (120)" in text and "| 0.750 " in text  # GPU idle = step - GPU busy, on a GPU only
+    targets = report.train_targets(records)
+    assert "- PASS expert-dominated: bf16 experts are 60% of the step's GPU time (config wants >= 50%)" in targets
+    assert "- PASS expert-dominated fp8-tensorwise: expert GPU time 0.50x bf16 (<= 0.65x)" in targets
+    assert "- MISS expert-dominated fp8-rowwise: expert GPU time 0.70x bf16 (<= 0.65x)" in targets
+    assert "- PASS expert-dominated fp8-tensorwise: step 0.80x bf16 (<= 0.85x)" in targets
+    assert "- MISS expert-dominated fp8-rowwise: step 0.90x bf16 (<= 0.85x)" in targets
+    assert any(t.startswith("- MISS expert-dominated fp8-rowwise: held-out loss +2.50%") for t in targets)

@@ -1,0 +1,420 @@
+"""``python -m turbo_moe.bench --preset train``: train a Megatron-core MoE GPT on one device and
+compare its experts: FP8 tensorwise and rowwise (turbo_moe), bf16 (turbo_moe's ``fp8=None`` path,
+``torch._grouped_mm``) and Megatron's own (``SequentialMLP``, see train_model.py).
+
+Every variant starts from the same weights and sees the same byte-level text (Python's stdlib
+source, text_corpus.py) in the same order; an optimizer step is ``--micro-batches`` micro-batches
+of gradient accumulation and one mixed-precision Adam update. Per variant: the step time (CUDA
+events around each step, steps issued back to back, median after ``--warmup-steps``), host time
+per step (host clock around the same steps), peak memory, the training loss of every step, the
+held-out loss every ``--eval-interval`` steps, and one profiled step: the experts' share of the
+step's GPU time (:func:`expert_time_split`). Results: ``--out``/results.{md,json,csv} rewritten
+after every variant, and results.png, the loss curves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+from typing import Dict, Iterable, Iterator, List, Optional
+
+import torch
+
+from .text_corpus import BatchSampler, TextCorpus
+from .train_model import (
+    TrainConfig, MasterWeightAdam, build_model, canonical_state, experts_of, load_canonical_state,
+)
+
+__all__ = ["EXPERTS_RANGE", "expert_ranges", "attributed_events", "expert_time_split", "train_variant",
+           "add_train_arguments", "finish_train_args", "list_train_preset", "run_train_preset"]
+
+EXPERTS_RANGE = "turbo_moe.bench::experts"
+_EVALUATE = "autograd::engine::evaluate_function: "
+
+
+# ------------------------------------------------------------------------------ profiler attribution
+
+
+@contextlib.contextmanager
+def expert_ranges(modules: Iterable[torch.nn.Module], name: str = EXPERTS_RANGE) -> Iterator[None]:
+    """Run every module's forward inside ``torch.profiler.record_function(name)`` (while in the block)."""
+    wrapped = []
+    for module in modules:
+        inner = module.forward
+
+        def forward(*args, __inner=inner, **kwargs):
+            with torch.profiler.record_function(name):
+                return __inner(*args, **kwargs)
+
+        module.forward = forward
+        wrapped.append(module)
+    try:
+        yield
+    finally:
+        for module in wrapped:
+            del module.forward  # back to the class's forward
+
+
+def attributed_events(events: Iterable, range_name: str = EXPERTS_RANGE) -> List:
+    """The profiler's CPU events that belong to the ranges' forward and to its backward.
+
+    Forward: every op inside a ``range_name`` range. Backward: the autograd engine runs each
+    node under ``autograd::engine::evaluate_function: <Node>``, an event carrying the sequence
+    number of the forward op that created the node; the evaluations whose sequence number is one
+    of the forward ops' are the ranges' backward, with all that runs inside them. Not included:
+    ``AccumulateGrad`` into ``.grad`` (leaf nodes have no sequence number) and the optimizer.
+    """
+    events = [e for e in events if getattr(e, "device_type", None) is None or e.device_type.name == "CPU"]
+    chosen: Dict[int, object] = {}
+    seqs = set()
+
+    def take(evt, collect_seq: bool) -> None:
+        stack = [evt]
+        while stack:
+            e = stack.pop()
+            if id(e) in chosen:
+                continue
+            chosen[id(e)] = e
+            if collect_seq and e.sequence_nr >= 0:
+                seqs.add(e.sequence_nr)
+            stack.extend(e.cpu_children)
+
+    for evt in events:
+        if evt.name == range_name:
+            take(evt, collect_seq=True)
+    for evt in events:
+        if evt.name.startswith(_EVALUATE) and evt.sequence_nr in seqs:
+            take(evt, collect_seq=False)
+    return list(chosen.values())
+
+
+def expert_time_split(events, on_gpu: bool, range_name: str = EXPERTS_RANGE) -> Dict[str, float]:
+    """``{"expert_ms", "total_ms", "unattributed_ms", "launches", "expert_launches"}`` of one profiled step.
+
+    GPU: ``total_ms`` is the summed duration of every GPU activity (kernels, memsets, copies);
+    ``expert_ms`` the kernels launched by :func:`attributed_events` (``self_device_time_total``);
+    ``unattributed_ms`` the GPU time the profiler could not tie to any CPU op (e.g. a launch
+    outside every recorded op): it is in the total but in no range, so a large value bounds the
+    error of the share. ``launches``: GPU activities in the step; ``expert_launches``: those of the
+    experts (None on a CPU). CPU (smoke mode): CPU op time stands in for GPU time.
+    """
+    events = list(events)
+    mine = attributed_events(events, range_name)
+    cpu = [e for e in events if e.device_type.name == "CPU" and not e.is_async]
+    launches = expert_launches = None
+    if on_gpu:
+        device = [e for e in events if e.device_type.name == "CUDA"]
+        total = sum(e.time_range.elapsed_us() for e in device)
+        linked = sum(e.self_device_time_total for e in cpu)
+        expert = sum(e.self_device_time_total for e in mine)
+        launches, expert_launches = len(device), sum(len(e.kernels) for e in mine)
+    else:
+        total = linked = sum(e.self_cpu_time_total for e in cpu)
+        expert = sum(e.self_cpu_time_total for e in mine)
+    return {"expert_ms": expert / 1e3, "total_ms": total / 1e3, "unattributed_ms": max(total - linked, 0.0) / 1e3,
+            "launches": launches, "expert_launches": expert_launches}
+
+
+# ------------------------------------------------------------------------------ training
+
+
+class _Inputs:
+    def __init__(self, cfg: TrainConfig, device: torch.device):
+        self.positions = torch.arange(cfg.seq, device=device).unsqueeze(0).expand(cfg.mbs, -1)
+        self.mask = torch.triu(torch.ones(1, 1, cfg.seq, cfg.seq, dtype=torch.bool, device=device), diagonal=1)
+
+
+def _loss(model, tokens, labels, inputs: _Inputs) -> torch.Tensor:
+    return model(tokens, inputs.positions, inputs.mask, labels=labels).float().mean()
+
+
+def _optimizer_step(model, opt, sampler: BatchSampler, step: int, inputs: _Inputs, loss_out: torch.Tensor) -> None:
+    """One optimizer step: micro-batches of gradient accumulation, then Adam. No host sync here."""
+    opt.zero_grad()
+    micro = sampler.micro_batches
+    for j in range(micro):
+        tokens, labels = sampler.train(step, j)
+        loss = _loss(model, tokens, labels, inputs)
+        (loss / micro).backward()
+        loss_out.add_(loss.detach() / micro)
+    opt.step()
+
+
+@torch.no_grad()
+def _held_out_loss(model, sampler: BatchSampler, inputs: _Inputs) -> torch.Tensor:
+    total = torch.zeros((), device=inputs.mask.device)
+    for i in range(sampler.eval_batches):
+        tokens, labels = sampler.val(i)
+        total += _loss(model, tokens, labels, inputs)
+    return total / max(sampler.eval_batches, 1)
+
+
+def _lr_at(step: int, steps: int, lr: float) -> float:
+    warmup = max(1, steps // 10)  # linear warm-up over the first 10% of the steps, then constant
+    return lr * min(1.0, (step + 1) / warmup)
+
+
+def train_variant(cfg: TrainConfig, variant: str, corpus: TextCorpus, args, device: torch.device,
+                  init_states: Dict[str, dict], deadline: Optional[float], progress=print) -> dict:
+    """Train one variant on one config; returns its benchmark record (``level="train"``)."""
+    steps = args.train_steps if cfg.loss_curve else args.warmup_steps + args.timed_steps
+    steps = max(steps, 1)
+    rec = dict(level="train", case=f"train {cfg.name}", config=cfg.name, op="step", impl=variant, status="ok",
+               reason="", experts=None, steps=0, steps_planned=steps, micro_batches=args.micro_batches,
+               tokens_per_step=cfg.tokens_per_step(args.micro_batches), ms=None, step_ms=None, host_ms=None,
+               tflops=None, gpu_ms=None, expert_gpu_ms=None, expert_share=None, unattributed_ms=None,
+               launches=None, expert_launches=None,
+               peak_mb=None, base_mb=None, train_loss=None, val_loss=None, loss_curve=[], val_curve=[])
+    on_gpu = device.type == "cuda"
+    model = opt = sampler = None
+    try:
+        torch.manual_seed(args.seed)
+        model = build_model(cfg, variant, device, fp8_format=args.format, backend=args.backends[0])
+        rec["experts"] = type(experts_of(model)[0]).__name__
+        if cfg.name in init_states:
+            load_canonical_state(model, init_states[cfg.name])
+        else:
+            init_states[cfg.name] = canonical_state(model)
+        opt = MasterWeightAdam(model.parameters(), lr=args.lr)
+        sampler = BatchSampler(corpus, cfg.seq, cfg.mbs, steps, args.micro_batches, args.eval_batches, device,
+                               seed=args.seed)
+        inputs = _Inputs(cfg, device)
+        losses = torch.zeros(steps, device=device)
+        val_points = []
+        events, host_s = [], []
+        for step in range(steps):
+            if deadline is not None and time.monotonic() > deadline:
+                rec["reason"] = f"time budget: stopped after {step} of {steps} steps"
+                break
+            if step == args.warmup_steps and on_gpu:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                rec["base_mb"] = torch.cuda.memory_allocated(device) / 2**20
+            opt.set_lr(_lr_at(step, steps, args.lr))
+            t0 = time.perf_counter()
+            if on_gpu:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            _optimizer_step(model, opt, sampler, step, inputs, losses[step])
+            if on_gpu:
+                end.record()
+                events.append((start, end))
+            host_s.append(time.perf_counter() - t0)
+            rec["steps"] = step + 1
+            if (step + 1) % args.eval_interval == 0 or step + 1 == steps:
+                val_points.append((step + 1, _held_out_loss(model, sampler, inputs)))
+        done = rec["steps"]
+        if on_gpu:
+            torch.cuda.synchronize(device)
+            step_ms = [s.elapsed_time(e) for s, e in events]
+            if done > args.warmup_steps:
+                rec["peak_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+        else:
+            step_ms = [t * 1e3 for t in host_s]
+        timed = slice(args.warmup_steps, None) if done > args.warmup_steps else slice(None)
+        if step_ms:
+            rec["step_ms"] = rec["ms"] = statistics.median(step_ms[timed])
+            rec["host_ms"] = statistics.median(host_s[timed]) * 1e3
+            rec["tokens_per_s"] = rec["tokens_per_step"] / (rec["step_ms"] * 1e-3)
+        curve = losses[:done].tolist()
+        rec["loss_curve"] = curve
+        rec["val_curve"] = [[s, float(v)] for s, v in val_points]
+        if curve:
+            tail = curve[-min(10, len(curve)):]
+            rec["train_loss"] = sum(tail) / len(tail)
+        if val_points:
+            rec["val_loss"] = rec["val_curve"][-1][1]
+        if args.profile and done and (deadline is None or time.monotonic() < deadline):
+            rec.update(_profile_step(model, opt, sampler, done - 1, inputs, device))
+        if done < args.warmup_steps + 1:
+            rec["reason"] = (rec["reason"] + "; " if rec["reason"] else "") + "no step after the warm-up: times include it"
+        progress(_summary(rec))
+    except Exception as exc:
+        rec.update(status="error", reason=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+        progress(f"    {variant:15s} error: {rec['reason']}")
+        if on_gpu:
+            torch.cuda.synchronize(device)  # a dead CUDA context stops the run here
+    finally:
+        del model, opt, sampler
+        gc.collect()
+        if on_gpu:
+            torch.cuda.empty_cache()
+    return rec
+
+
+def _profile_step(model, opt, sampler, step: int, inputs: _Inputs, device: torch.device) -> dict:
+    """One more optimizer step under torch.profiler, the experts inside :data:`EXPERTS_RANGE`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.type == "cuda"
+    scratch = torch.zeros((), device=device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with expert_ranges(experts_of(model)):
+        if on_gpu:
+            torch.cuda.synchronize(device)
+        with profile(activities=activities) as prof:
+            _optimizer_step(model, opt, sampler, step, inputs, scratch)
+            if on_gpu:
+                torch.cuda.synchronize(device)
+    split = expert_time_split(prof.events(), on_gpu)
+    return {"gpu_ms": split["total_ms"], "expert_gpu_ms": split["expert_ms"],
+            "expert_share": split["expert_ms"] / split["total_ms"] if split["total_ms"] > 0 else None,
+            "unattributed_ms": split["unattributed_ms"], "launches": split["launches"],
+            "expert_launches": split["expert_launches"]}
+
+
+def _summary(rec: dict) -> str:
+    parts = [f"    {rec['impl']:15s} {rec['experts'] or '':22s} {rec['steps']:4d} steps"]
+    if rec["step_ms"] is not None:
+        parts.append(f"step {rec['step_ms']:8.2f} ms host {rec['host_ms']:8.2f} ms")
+    if rec["expert_share"] is not None:
+        parts.append(f"experts {rec['expert_gpu_ms']:.2f}/{rec['gpu_ms']:.2f} ms ({100 * rec['expert_share']:.0f}%)")
+    if rec["peak_mb"] is not None:
+        parts.append(f"peak {rec['peak_mb']:.0f} MB")
+    if rec["train_loss"] is not None:
+        parts.append(f"loss {rec['train_loss']:.4f}")
+    if rec["val_loss"] is not None:
+        parts.append(f"held-out {rec['val_loss']:.4f}")
+    return " | ".join(parts)
+
+
+# ------------------------------------------------------------------------------ the preset
+
+
+def add_train_arguments(parser) -> None:
+    from .train_model import TRAIN_VARIANTS
+
+    g = parser.add_argument_group("--preset train (a Megatron-core MoE GPT trained on one device)")
+    g.add_argument("--train-configs", type=_csv, default=["expert-dominated", "moderate"],
+                   help="comma list of expert-dominated,moderate (see docs/benchmarks.md)")
+    g.add_argument("--variants", type=_csv, default=list(TRAIN_VARIANTS), help=f"comma list of {','.join(TRAIN_VARIANTS)}")
+    g.add_argument("--train-steps", type=int, default=None,
+                   help="optimizer steps of the loss-curve configs (moderate); default 200 (cpu 4)")
+    g.add_argument("--timed-steps", type=int, default=None, help="timed steps of the other configs; default 30 (cpu 2)")
+    g.add_argument("--warmup-steps", type=int, default=None,
+                   help="first steps left out of the step time (compile, autotune); default 5 (cpu 1)")
+    g.add_argument("--micro-batches", type=int, default=4, help="micro-batches of gradient accumulation per step")
+    g.add_argument("--eval-interval", type=int, default=None, help="held-out loss every N steps; default 50 (cpu 2)")
+    g.add_argument("--eval-batches", type=int, default=None, help="held-out micro-batches per evaluation; default 8 (cpu 1)")
+    g.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (linear warm-up over 10%% of the steps)")
+    g.add_argument("--corpus-bytes", type=int, default=None, help="bytes of stdlib source read; default 16 MiB (cpu 1 MiB)")
+    g.add_argument("--train-override", action="append", default=[], metavar="CONFIG.FIELD=VALUE",
+                   help="change a config, e.g. expert-dominated.mbs=64 (repeatable)")
+    g.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled step (expert share)")
+
+
+def _csv(value: str) -> List[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def finish_train_args(args, parser) -> None:
+    from .train_model import CPU_CONFIGS, TRAIN_VARIANTS
+
+    on_gpu = args.device.startswith("cuda")
+    defaults = dict(train_steps=(200, 4), timed_steps=(30, 2), warmup_steps=(5, 1), eval_interval=(50, 2),
+                    eval_batches=(8, 1), corpus_bytes=(16 << 20, 1 << 20))
+    for key, (gpu, cpu) in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, gpu if on_gpu else cpu)
+    for key in ("train_steps", "timed_steps", "micro_batches", "eval_interval", "eval_batches"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')} must be >= 1")
+    if args.warmup_steps < 0:
+        parser.error("--warmup-steps must be >= 0")
+    for name, allowed in (("train_configs", CPU_CONFIGS), ("variants", TRAIN_VARIANTS)):
+        bad = [v for v in getattr(args, name) if v not in allowed]
+        if bad or not getattr(args, name):
+            parser.error(f"--{name.replace('_', '-')}: {', '.join(bad) or 'empty'} not in {', '.join(allowed)}")
+    if len(args.backends) != 1:
+        parser.error("--preset train takes one --backends value")
+    try:
+        from .train_model import apply_overrides
+
+        apply_overrides(CPU_CONFIGS, args.train_override)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def _selected_configs(args) -> List[TrainConfig]:
+    from .train_model import CPU_CONFIGS, GPU_CONFIGS, apply_overrides
+
+    configs = apply_overrides(GPU_CONFIGS if args.device.startswith("cuda") else CPU_CONFIGS, args.train_override)
+    return [configs[name] for name in args.train_configs]
+
+
+def list_train_preset(args) -> int:
+    for cfg in _selected_configs(args):
+        steps = args.train_steps if cfg.loss_curve else args.warmup_steps + args.timed_steps
+        print(f"{cfg.name:18s} {steps} steps x {', '.join(args.variants)}: {cfg.describe(args.micro_batches)}")
+    return 0
+
+
+def run_train_preset(args, meta: dict, progress=print) -> int:
+    """Every selected (config, variant); results rewritten after each. Returns the exit status."""
+    import os
+    import signal
+    import warnings
+
+    from .report import notes, plot_loss_curves, train_table, write_outputs
+    from .text_corpus import load_corpus
+    from .train_model import megatron_world
+
+    device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    selected = _selected_configs(args)
+    meta["configs"] = {c.name: c.describe(args.micro_batches) for c in selected}
+    meta["timing"] = (
+        "step: CUDA events around each optimizer step, steps issued back to back, median after the warm-up "
+        "steps; host: host clock around the same steps (no synchronization added); experts: one profiled step"
+        if on_gpu else "host clock per step (CPU smoke mode: the numbers mean nothing)")
+    records: List[dict] = []
+    started = time.monotonic()
+    deadline = None if args.time_budget is None else started + args.time_budget
+    fatal = None
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        corpus = load_corpus(args.corpus_bytes)
+        meta["corpus"] = corpus.describe()
+        progress(f"# {meta['device']} | {meta['corpus']}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with megatron_world(device, seed=args.seed):
+                for cfg in selected:
+                    progress(f"[{cfg.name}] {meta['configs'][cfg.name]}")
+                    init_states: Dict[str, dict] = {}
+                    for variant in args.variants:
+                        if deadline is not None and time.monotonic() > deadline:
+                            records.append(dict(level="train", case=f"train {cfg.name}", config=cfg.name, op="step",
+                                                impl=variant, status="skipped", reason="time budget spent"))
+                            continue
+                        records.append(train_variant(cfg, variant, corpus, args, device, init_states, deadline, progress))
+                        meta["elapsed_s"] = round(time.monotonic() - started, 1)
+                        write_outputs(args.out, meta, records)
+    except KeyboardInterrupt as exc:
+        fatal = f"interrupted ({exc or 'KeyboardInterrupt'}); results so far are kept"
+    except Exception as exc:  # megatron-core missing, a dead CUDA context: keep what was measured
+        fatal = f"{type(exc).__name__}: {exc}"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        meta["elapsed_s"] = round(time.monotonic() - started, 1)
+        if fatal:
+            meta["aborted"] = fatal
+        why_no_plot = plot_loss_curves(os.path.join(args.out, "results.png"), records, title=meta.get("device_name", ""))
+        if why_no_plot:
+            meta["plot"] = why_no_plot
+        paths = write_outputs(args.out, meta, records)
+    lines = train_table(records)
+    if lines:
+        progress("\n" + "\n".join(lines))
+    for line in notes(records):
+        progress(line)
+    if fatal:
+        print(f"ABORTED: {fatal}", flush=True)
+    progress(f"results: {', '.join(sorted(paths.values()))}" + ("" if meta.get("plot") else f", {os.path.join(args.out, 'results.png')}"))
+    return 1 if fatal or any(r["status"] == "error" for r in records) else 0
