@@ -531,6 +531,10 @@ def build_m_grouped(config: KernelConfig, lds_dma: bool = False):
                     if k_blocks % 2 == 1:
                         # The odd last block is in buffer 0 (prologue or the last pair's refill).
                         acc = _mfma_block(config, buf0, wave_row0, buf0 + TILE_BYTES, wave_col0, acc, 0)
+                        # The next persistent tile's prologue DMAs into buffer 0 at once: no wave
+                        # may start it before every wave has read this block (issue 14's race;
+                        # lds_schedule.dma_tile_events models this schedule, its tests check it).
+                        _fence_lds()
                 else:
                     a_ld = _OperandLoader(a_addr, a_extent, a_base, lda, rows_valid, k)
                     b_ld = _OperandLoader(b_addr, b_extent, b_base, ldb, n - col0, k)
