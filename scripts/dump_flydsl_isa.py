@@ -21,6 +21,11 @@ import time
 from pathlib import Path
 
 
+# The repository's turbo_moe, not whichever one is installed (running a file puts scripts/ first
+# on sys.path, so an installed or editable turbo_moe elsewhere would otherwise be compiled).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
 def main(argv=None) -> int:
     from turbo_moe.kernels.flydsl import compile_only as co
     from turbo_moe.kernels.flydsl import grouped_gemm_fp8 as kernels

@@ -61,9 +61,10 @@ def test_fp8_mfma_present_with_the_operand_formats(compiled, name):
     report, text = compiled[name]
     assert report.arch == "gfx950"
     mfmas = [l for l in _code_lines(text) if l.startswith("v_mfma")]
-    # 4x4 MFMA tiles per wave per K block; the register-staged loop is one block per step; the
-    # LDS-DMA loop is unrolled by two (static buffers) plus the odd last block.
-    assert len(mfmas) == (48 if co.VARIANTS[name][6] else 16), mfmas
+    # 4x4 MFMA tiles per wave per K block. Register-staged: the main loop (whole next block) and
+    # the last steps (exactly masked next block) are two copies of one step. LDS-DMA: unrolled by
+    # two (static buffers) plus the odd last block.
+    assert len(mfmas) == (48 if co.VARIANTS[name][6] else 32), mfmas
     assert all(l.startswith("v_mfma_f32_16x16x128_f8f6f4 ") for l in mfmas), mfmas
     a_fmt, b_fmt = co.VARIANTS[name][1:3]
     # cbsz / blgp encode operand a / b format: 0 = fp8 e4m3 (printed only when non-zero), 1 = bf8 e5m2.
@@ -250,3 +251,135 @@ def test_lld_shim_runs_an_lld(tmp_path):
     result = subprocess.run([os.path.join(root, "llvm", "bin", "ld.lld"), "--version"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "LLD" in result.stdout, result
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-kernel ISA budgets (issue 14): what a regression of the main loop would change.
+# ----------------------------------------------------------------------------------------------
+
+# MFMA share of the main loop's instructions, and the register budget of the occupancy claimed
+# (2 waves/SIMD: 512 / 2 unified VGPR + AGPR per lane).
+MIN_MFMA_SHARE = 1 / 6
+MAX_VGPR_PLUS_AGPR = 256
+
+
+def _loop_stats(body):
+    instrs = [l for l in body if not l.endswith(":")]
+    return {
+        "instrs": len(instrs),
+        "mfma": sum(l.startswith("v_mfma") for l in instrs),
+        "vmcnt0": sum(bool(re.match(r"s_waitcnt\s+vmcnt\(0\)", l)) for l in instrs),
+        "loads": sum(l.startswith("buffer_load") for l in instrs),
+    }
+
+
+@pytest.mark.parametrize("name", VARIANT_NAMES)
+def test_main_loop_budget(compiled, name):
+    report, text = compiled[name]
+    body = _main_loop(_code_lines(text))
+    stats = _loop_stats(body)
+    k_blocks = stats["mfma"] // 16  # 16 MFMAs per K block per wave
+    assert k_blocks >= 1, stats
+    # At most one full drain of the memory counter per K block (the old register loop had 8).
+    assert stats["vmcnt0"] <= k_blocks, stats
+    assert stats["mfma"] >= MIN_MFMA_SHARE * stats["instrs"], stats
+    # No per-byte masking and no byte loads in the main loop: whole blocks only (the tail is
+    # masked in its own loop).
+    assert not any(l.startswith("buffer_load_ubyte") for l in body), "byte loads in the main loop"
+    assert not any(re.match(r"v_(lshlrev_b32|not_b32|and_b32)\b", l) for l in body), "byte masks in the main loop"
+    # Every prefetch load has a whole K block of MFMAs between it and the first wait on vmcnt
+    # after it: the loads overlap the MFMAs instead of being waited for at once.
+    loads = [i for i, l in enumerate(body) if l.startswith("buffer_load")]
+    assert loads, "no prefetch in the main loop"
+    for i in loads:
+        wait = next((j for j in range(i + 1, len(body)) if re.match(r"s_waitcnt\s+.*vmcnt", body[j])), len(body))
+        between = sum(l.startswith("v_mfma") for l in body[i:wait])
+        assert between >= 16, (body[i], between)
+    assert report.scratch_bytes == 0 and report.vgpr_spills == 0, report.summary()
+    assert report.total_vgprs <= MAX_VGPR_PLUS_AGPR, report.summary()
+
+
+def _vgprs(operand):
+    """The VGPR numbers an operand names (v7, v[8:11]); empty for anything else."""
+    match = re.fullmatch(r"v(\d+)|v\[(\d+):(\d+)\]", operand.strip())
+    if not match:
+        return set()
+    if match.group(1):
+        return {int(match.group(1))}
+    return set(range(int(match.group(2)), int(match.group(3)) + 1))
+
+
+def _mfma_source_rewrites(lines, window):
+    """(mfma, writer) pairs where an instruction within ``window`` wait states after an MFMA
+    writes a VGPR that the MFMA reads as operand A or B (s_nop N counts N + 1)."""
+    found = []
+    for i, line in enumerate(lines):
+        if not line.startswith("v_mfma"):
+            continue
+        operands = [x.strip() for x in line.split(None, 1)[1].split(",")]
+        sources = _vgprs(operands[1]) | _vgprs(operands[2])
+        waited = 0
+        for later in lines[i + 1:]:
+            if waited >= window:
+                break
+            if later.endswith(":"):
+                continue
+            op, _, rest = later.partition(" ")
+            nop = re.fullmatch(r"s_nop\s+(\d+)", later)
+            waited += int(nop.group(1)) + 1 if nop else 1
+            dest = rest.split(",")[0] if rest else ""
+            if op.startswith(("v_", "ds_read", "buffer_load", "global_load")) and not op.startswith("v_mfma"):
+                if _vgprs(dest) & sources:
+                    found.append((line, later))
+    return found
+
+
+def _loops(lines):
+    labels = {l[:-1]: i for i, l in enumerate(lines) if l.endswith(":") and l.startswith(".LBB")}
+    for i, line in enumerate(lines):
+        match = re.match(r"s_cbranch_\w+\s+(\.LBB\w+)", line)
+        if match and labels.get(match.group(1), i + 1) < i:
+            yield lines[labels[match.group(1)]: i + 1]
+
+
+def check_mfma_sources_not_rewritten(text, window=kernels.MFMA_HAZARD_WAIT_STATES):
+    lines = _code_lines(text)
+    found = _mfma_source_rewrites(lines, window)
+    for body in _loops(lines):  # around each back edge too
+        found += _mfma_source_rewrites(body + body, window)
+    return found
+
+
+@pytest.mark.parametrize("name", VARIANT_NAMES)
+def test_no_mfma_source_register_rewritten_within_the_hazard_window(compiled, name):
+    # Issue 14: "v_mfma ... v[244:251]" followed at once by "ds_read_b128 v[244:247]". The
+    # fragments of a block are now all read before its first MFMA (distinct registers) and
+    # s_nop padding follows each MFMA cluster.
+    _, text = compiled[name]
+    found = check_mfma_sources_not_rewritten(text)
+    assert not found, found[:3]
+
+
+def test_hazard_check_catches_the_pattern_of_issue_14():
+    text = "\n".join([
+        "v_mfma_f32_16x16x128_f8f6f4 v[48:51], v[244:251], v[212:219], v[48:51]",
+        "ds_read_b128 v[244:247], v210 offset:2048",
+    ])
+    assert check_mfma_sources_not_rewritten(text)
+    padded = text.replace("\nds_read", "\ns_nop 7\ns_nop 7\nds_read")
+    assert not check_mfma_sources_not_rewritten(padded)
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANT_NAMES if co.VARIANTS[n][6]])
+def test_lds_dma_odd_tail_is_fenced_before_the_next_tile(compiled, name):
+    # Issue 14's cross-tile race: the odd last K block's reads of buffer 0 must be followed by a
+    # barrier before the next persistent tile's prologue DMAs into buffer 0 (3 barriers before:
+    # prologue + two in the loop; now also one after the tail). lds_schedule models the schedule.
+    _, text = compiled[name]
+    lines = _code_lines(text)
+    barriers = [i for i, l in enumerate(lines) if l.startswith("s_barrier")]
+    assert len(barriers) == 4, len(barriers)
+    last_read = max(i for i, l in enumerate(lines) if l.startswith("ds_read"))
+    assert any(b > last_read for b in barriers), "no barrier after the last LDS read"
+    after = lines[last_read + 1: min(b for b in barriers if b > last_read)]
+    assert not any(l.endswith(" lds") for l in after), "a DMA into LDS before the tail's barrier"

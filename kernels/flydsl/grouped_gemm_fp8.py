@@ -203,12 +203,22 @@ class _OperandLoader:
     ``tensor_addr``/``extent``: the operand's device address and byte span; ``tile_base``: byte
     offset of the tile's (row 0, k 0); ``ld``: bytes between rows; ``rows_valid``: rows of the tile
     inside the problem; ``k_len``: the contraction length.
+
+    Two loads: :meth:`load_full` for a block wholly inside ``k_len`` (the main loop: rows past the
+    problem are sent out of range, no byte is masked), :meth:`load_exact` for any block (the
+    prologue and the tail: bytes past ``k_len`` are zeroed exactly, see there).
     """
 
     def __init__(self, tensor_addr, extent, tile_base, ld, rows_valid, k_len):
         self.tensor_addr, self.extent, self.tile_base = tensor_addr, extent, tile_base
         self.k_len = k_len
         self.ld, self.rows_valid = ld, rows_valid
+        # One descriptor per tile for the whole blocks: block k0 is reached with the
+        # instruction's scalar offset (soffset = k0) instead of a re-based descriptor per block
+        # (~15 scalar instructions per operand and block in the loop). Valid lanes stay in range
+        # whether or not the hardware counts soffset in the range check (host plans check
+        # lane offset + contraction length < NREC_CAP); masked lanes are out of range either way.
+        self.tile_srd = _rebased_srd(tensor_addr, extent, tile_base)
 
     def _lane(self):
         """This thread's rows (one per pass) and chunk. Recomputed at each use: a few VALU ops are
@@ -217,8 +227,29 @@ class _OperandLoader:
         tid = fx.Int32(fx.thread_idx.x)
         return [host.loader_row(tid, p) for p in range(host.LOAD_PASSES)], host.loader_chunk(tid)
 
-    def load(self, k0):
-        """Registers holding block ``k0`` of this thread's 4 chunks, bytes outside the problem zeroed."""
+    def load_full(self, k0):
+        """Registers holding block ``k0`` (all 128 bytes inside ``k_len``) of this thread's 4
+        chunks; rows outside the problem read as zeros (out-of-range offset)."""
+        d = _flydsl()
+        fx = d.fx
+        rows, chunk = self._lane()
+        soffset = _raw(_readfirstlane_i32(k0))
+        out = []
+        for p in range(host.LOAD_PASSES):
+            # Lane offsets relative to the tile's base stay small (< 128 * ld).
+            voff = d.arith.select(rows[p] < self.rows_valid, rows[p] * self.ld + chunk * host.CHUNK_BYTES,
+                                  fx.Int32(host.OOB_OFFSET))
+            out.append(d.rocdl.raw_ptr_buffer_load(d.T.i32x4, self.tile_srd, _raw(voff), soffset))
+        return out
+
+    def load_exact(self, k0):
+        """As :meth:`load_full` for any block: bytes past ``k_len`` are zero, and no valid byte
+        depends on how the hardware range-checks a dword that straddles ``num_records``.
+
+        A chunk with ``v`` valid bytes takes its ``v // 4`` whole dwords from the 16-byte load and
+        its last ``v % 4`` bytes from single-byte loads (``host.exact_chunk_words``): a dword
+        holding the operand's last byte may straddle the end of the tensor (contraction length
+        % 4 != 0 at the tensor's last row), and a per-dword range check would drop it whole."""
         d = _flydsl()
         fx = d.fx
         srd = _rebased_srd(self.tensor_addr, self.extent, self.tile_base + fx.Int64(k0))
@@ -227,18 +258,20 @@ class _OperandLoader:
         out = []
         for p in range(host.LOAD_PASSES):
             valid = d.arith.select(rows[p] < self.rows_valid, chunk_bytes, fx.Int32(0))
-            # Lane offsets relative to the re-based base stay small (< 128 * ld).
-            voff = rows[p] * self.ld + chunk * host.CHUNK_BYTES
-            voff = d.arith.select(valid > 0, voff, fx.Int32(host.OOB_OFFSET))
+            lane_off = rows[p] * self.ld + chunk * host.CHUNK_BYTES
+            voff = d.arith.select(valid > 0, lane_off, fx.Int32(host.OOB_OFFSET))
             raw = d.rocdl.raw_ptr_buffer_load(d.T.i32x4, srd, _raw(voff), _raw(fx.Int32(0)))
+            whole, partial = valid // 4, valid % 4
+            tail = fx.Int32(0)
+            for b in range(3):
+                boff = d.arith.select(partial > b, lane_off + whole * 4 + b, fx.Int32(host.OOB_OFFSET))
+                byte = d.rocdl.raw_ptr_buffer_load(d.T.i8, srd, _raw(boff), _raw(fx.Int32(0)))
+                tail = tail | (fx.Int32(d.arith.extui(d.T.i32, byte)) << (8 * b))
             words = []
             for w in range(4):
-                nbytes = on_dsl(host.dword_valid_bytes)(valid, w)
-                # (1 << 8n) - 1 for n < 4, all ones for n == 4 (a 32-bit shift by 32 is undefined).
-                partial = (fx.Int32(1) << (nbytes * 8)) - 1
-                mask = d.arith.select(nbytes > 3, fx.Int32(-1), partial)
                 word = fx.Int32(d.vector.extract(raw, [], [w]))
-                words.append(_raw(word & mask))
+                word = d.arith.select(whole > w, word, d.arith.select(whole == w, tail, fx.Int32(0)))
+                words.append(_raw(fx.Int32(word)))
             out.append(d.vector.from_elements(d.T.i32x4, words))
         return out
 
@@ -253,12 +286,38 @@ class _OperandLoader:
 
 # Module-level calls, not methods: FlyDSL's loop rewriter carries any local whose method is called
 # in a dynamic loop body as loop state, and a loader object is not an IR value.
-def _operand_load(loader, k0):
-    return loader.load(k0)
+def _register_prologue(a_ld, b_ld, lds_base):
+    """Block 0 loaded exactly (it may be the tail), written to LDS buffer 0 and fenced."""
+    a_ld.store(lds_base, a_ld.load_exact(0))
+    b_ld.store(lds_base + host.LDS_TILE_BYTES, b_ld.load_exact(0))
+    _fence_lds()
 
 
-def _operand_store(loader, lds_tile_addr, regs):
-    loader.store(lds_tile_addr, regs)
+def _register_step(config, a_ld, b_ld, lds_base, kb, acc, wave_row0, wave_col0, full):
+    """Step ``kb`` of the register-staged main loop (one K block), shared by both kernels:
+
+    1. ``full`` (block kb+1 lies wholly inside K): issue its 8 unmasked 16-byte loads;
+    2. read the fragments of block kb from LDS buffer kb % 2 and run its 16 MFMAs;
+    3. not ``full`` (the last one or two steps): load block kb+1 exactly (byte-masked tail), after
+       the MFMAs so that its temporaries never meet the fragments;
+    4. write block kb+1 into the other buffer. In the ``full`` case the compiler's waits before
+       the ds_writes are graded (vmcnt(7) .. vmcnt(0)) and come after the MFMAs: the loads
+       overlap the whole MFMA cluster;
+    5. fence: every wave's reads of kb and writes of kb+1 done before anyone goes on.
+    """
+    two_tiles = 2 * host.LDS_TILE_BYTES
+    cur = lds_base + (kb % 2) * two_tiles
+    nxt = lds_base + ((kb + 1) % 2) * two_tiles
+    k_next = (kb + 1) * host.BLOCK_K
+    if full:
+        a_regs, b_regs = a_ld.load_full(k_next), b_ld.load_full(k_next)
+    acc = _mfma_block(config, cur, wave_row0, cur + host.LDS_TILE_BYTES, wave_col0, acc)
+    if not full:
+        a_regs, b_regs = a_ld.load_exact(k_next), b_ld.load_exact(k_next)
+    a_ld.store(nxt, a_regs)
+    b_ld.store(nxt + host.LDS_TILE_BYTES, b_regs)
+    _fence_lds()
+    return acc
 
 
 _LDS_SCOPE_DOMAIN = '#llvm.alias_scope_domain<id = "turbo_moe.flydsl.lds">'
@@ -299,9 +358,31 @@ def _read_fragment(lds_tile_addr, wave_row0, i, buffer=None):
     return d.vector.shuffle(halves[0], halves[1], list(range(8)))
 
 
+# Wait states between an MFMA and a later instruction that overwrites its source VGPRs or reads
+# its AGPR result: v_mfma_f32_16x16x128_f8f6f4 is at most 8 passes on gfx950, and the CDNA3/4
+# ISA's dependency tables ask for at most 11 independent instructions after an 8-pass XDL op
+# ("XDL write VGPR -> VALU/VMEM/LDS read" / "... SrcC overlapped"); 16 leaves margin, and covers
+# the gfx950 MFMA-source / ds_read overlap race Primus-Turbo reports.
+MFMA_HAZARD_WAIT_STATES = 16
+
+
+def _mfma_drain():
+    """``s_nop`` padding of :data:`MFMA_HAZARD_WAIT_STATES` after an MFMA cluster, pinned in place
+    with scheduling barriers (nothing may move across it)."""
+    d = _flydsl()
+    d.fx.rocdl.sched_barrier(0)
+    for _ in range(MFMA_HAZARD_WAIT_STATES // 8):
+        d.rocdl.s_nop(7)  # s_nop N = N + 1 wait states
+    d.fx.rocdl.sched_barrier(0)
+
+
 def _mfma_block(config, lds_a, wave_row0, lds_b, wave_col0, acc, buffer=None):
-    """acc += A_block x B_block^T for the wave's 64x64 sub-tile: B's 4 operands stay in registers,
-    A's are read one at a time (8 VGPRs live instead of 32)."""
+    """acc += A_block x B_block^T for the wave's 64x64 sub-tile.
+
+    MFMA-source safety by construction (issue 14: ``v_mfma ... v[244:251]`` was followed at once
+    by ``ds_read_b128 v[244:247]``): all 8 fragments (A and B, 8 VGPRs each) are read before the
+    first MFMA and stay live to the last, so no ds_read of this block can target a register an
+    MFMA of the block still reads, and :func:`_mfma_drain` pads before the next block's reads."""
     d = _flydsl()
     fmt_a = d.ir.Attribute.parse(f"#rocdl<matrix_format {host.FP8_FORMATS[config.a_format]}>")
     fmt_b = d.ir.Attribute.parse(f"#rocdl<matrix_format {host.FP8_FORMATS[config.b_format]}>")
@@ -309,14 +390,18 @@ def _mfma_block(config, lds_a, wave_row0, lds_b, wave_col0, acc, buffer=None):
     # or per-row dequantization scales are applied once in the epilogue instead.
     zero = _raw(d.fx.Int32(0))
     b_frags = [_read_fragment(lds_b, wave_col0, j, buffer) for j in range(4)]
+    a_frags = [_read_fragment(lds_a, wave_row0, i, buffer) for i in range(4)]
+    # Nothing crosses: the reads stay ahead of every MFMA (else the scheduler sinks A's reads
+    # between the MFMAs and re-uses a fragment's registers right after its last MFMA).
+    d.fx.rocdl.sched_barrier(0)
     out = list(acc)
     for i in range(4):
-        a_frag = _read_fragment(lds_a, wave_row0, i, buffer)
         for j in range(4):
             op = d.rocdl.mfma_scale_f32_16x16x128_f8f6f4(
-                d.T.f32x4, a_frag, b_frags[j], _raw(acc[i * 4 + j]), fmt_a, fmt_b, 0, zero, 0, zero
+                d.T.f32x4, a_frags[i], b_frags[j], _raw(acc[i * 4 + j]), fmt_a, fmt_b, 0, zero, 0, zero
             )
             out[i * 4 + j] = getattr(op, "result", op)
+    _mfma_drain()
     return out
 
 
@@ -355,12 +440,15 @@ class _DmaLoader:
     def __init__(self, tensor_addr, extent, tile_base, ld, rows_valid, k_len):
         self.tensor_addr, self.extent, self.tile_base = tensor_addr, extent, tile_base
         self.ld, self.rows_valid, self.k_len = ld, rows_valid, k_len
+        # One descriptor per tile, K block k0 through soffset (see _OperandLoader.__init__).
+        self.tile_srd = _rebased_srd(tensor_addr, extent, tile_base)
 
     def issue(self, lds_tile_addr, k0, buffer):
         d = _flydsl()
         alias, noalias = _lds_scope_attrs(buffer)
         fx = d.fx
-        srd = _rebased_srd(self.tensor_addr, self.extent, self.tile_base + fx.Int64(k0))
+        srd = self.tile_srd
+        soffset = _raw(_readfirstlane_i32(k0))
         tid = fx.Int32(fx.thread_idx.x)
         wave = _readfirstlane_i32(tid // host.WAVE_SIZE)
         slot = host.loader_chunk(tid)
@@ -373,7 +461,7 @@ class _DmaLoader:
             lds_addr = _readfirstlane_i32(lds_tile_addr + p * (host.NUM_THREADS * host.CHUNK_BYTES) + wave * 1024)
             lds_ptr = d.llvm.inttoptr(d.ir.Type.parse("!llvm.ptr<3>"), _raw(lds_addr))
             d.rocdl.raw_ptr_buffer_load_lds(
-                srd, lds_ptr, _raw(fx.Int32(host.CHUNK_BYTES)), _raw(voff), _raw(fx.Int32(0)), _raw(fx.Int32(0)),
+                srd, lds_ptr, _raw(fx.Int32(host.CHUNK_BYTES)), _raw(voff), soffset, _raw(fx.Int32(0)),
                 aux=d.ir.IntegerAttr.get(d.T.i32, 0), alias_scopes=alias, noalias_scopes=noalias,
             )
 
@@ -389,7 +477,10 @@ def _store_tile(config, acc, c_addr, c_extent, c_base, ldc, rows_valid, cols_val
     fx = d.fx
     out_bytes = host.OUT_BYTES[config.out_dtype]
     srd = _rebased_srd(c_addr, c_extent, c_base)
-    tid = fx.Int32(fx.thread_idx.x)
+    # The store offsets do not depend on the tile, so LLVM hoists them out of the persistent loop
+    # and keeps ~64 of them live across the K loop (spilling at 256 VGPRs). An opaque zero made
+    # here, after the K loop, keeps them in the epilogue.
+    tid = fx.Int32(fx.thread_idx.x) + _opaque_zero()
     wave = tid // host.WAVE_SIZE
     lane = tid % host.WAVE_SIZE
     wave_row0 = (wave // 2) * 64
@@ -413,6 +504,12 @@ def _store_tile(config, acc, c_addr, c_extent, c_base, ldc, rows_valid, cols_val
                 offset = row * ldc + cols[j] * out_bytes
                 offset = d.arith.select(ok, offset, fx.Int32(host.OOB_OFFSET))
                 d.rocdl.raw_ptr_buffer_store(converted, srd, _raw(offset), _raw(fx.Int32(0)))
+
+
+def _opaque_zero():
+    """A 0 the compiler cannot see through (so nothing derived from it is hoisted above here)."""
+    d = _flydsl()
+    return d.fx.Int32(d.llvm.inline_asm(d.T.i32, [], "s_mov_b32 $0, 0", "=s", has_side_effects=True))
 
 
 def _scale_readers(config, sa_addr, sa_numel, sa_row0, sb_addr, sb_numel, sb_col0):
@@ -538,20 +635,12 @@ def build_m_grouped(config: KernelConfig, lds_dma: bool = False):
                 else:
                     a_ld = _OperandLoader(a_addr, a_extent, a_base, lda, rows_valid, k)
                     b_ld = _OperandLoader(b_addr, b_extent, b_base, ldb, n - col0, k)
-                    a_regs = _operand_load(a_ld, fx.Int32(0))
-                    b_regs = _operand_load(b_ld, fx.Int32(0))
-                    _operand_store(a_ld, lds_base, a_regs)
-                    _operand_store(b_ld, lds_base + TILE_BYTES, b_regs)
-                    _fence_lds()
-                    for kb in range(fx.Int32(0), k_blocks, fx.Int32(1)):
-                        cur = lds_base + (kb % 2) * (2 * TILE_BYTES)
-                        nxt = lds_base + ((kb + 1) % 2) * (2 * TILE_BYTES)
-                        a_regs = _operand_load(a_ld, (kb + 1) * BK)
-                        b_regs = _operand_load(b_ld, (kb + 1) * BK)
-                        acc = _mfma_block(config, cur, wave_row0, cur + TILE_BYTES, wave_col0, acc)
-                        _operand_store(a_ld, nxt, a_regs)
-                        _operand_store(b_ld, nxt + TILE_BYTES, b_regs)
-                        _fence_lds()
+                    # Main loop while block kb+1 is whole (no byte masks), then the last steps.
+                    _register_prologue(a_ld, b_ld, lds_base)
+                    for kb in range(fx.Int32(0), k // BK - 1, fx.Int32(1)):
+                        acc = _register_step(config, a_ld, b_ld, lds_base, kb, acc, wave_row0, wave_col0, True)
+                    for kb in range(_dsl_max(k // BK - 1, fx.Int32(0)), k_blocks, fx.Int32(1)):
+                        acc = _register_step(config, a_ld, b_ld, lds_base, kb, acc, wave_row0, wave_col0, False)
                 row_scale, col_scale = _scale_readers(
                     config, sa_addr, sa_numel, fx.Int32(row0), sb_addr, sb_numel, group * n + col0
                 )
@@ -619,20 +708,12 @@ def build_k_grouped(config: KernelConfig, band_cyclic: bool = True):
             # An empty group runs no K block: the accumulators stay exactly zero.
             k_blocks = cdiv_fn(tokens, BK)
             acc = _zero_acc()
-            a_regs = _operand_load(a_ld, fx.Int32(0))
-            b_regs = _operand_load(b_ld, fx.Int32(0))
-            _operand_store(a_ld, lds_base, a_regs)
-            _operand_store(b_ld, lds_base + TILE_BYTES, b_regs)
-            _fence_lds()
-            for kb in range(fx.Int32(0), k_blocks, fx.Int32(1)):
-                cur = lds_base + (kb % 2) * (2 * TILE_BYTES)
-                nxt = lds_base + ((kb + 1) % 2) * (2 * TILE_BYTES)
-                a_regs = _operand_load(a_ld, (kb + 1) * BK)
-                b_regs = _operand_load(b_ld, (kb + 1) * BK)
-                acc = _mfma_block(config, cur, wave_row0, cur + TILE_BYTES, wave_col0, acc)
-                _operand_store(a_ld, nxt, a_regs)
-                _operand_store(b_ld, nxt + TILE_BYTES, b_regs)
-                _fence_lds()
+            # Main loop while block kb+1 is whole (no byte masks), then the last steps.
+            _register_prologue(a_ld, b_ld, lds_base)
+            for kb in range(fx.Int32(0), tokens // BK - 1, fx.Int32(1)):
+                acc = _register_step(config, a_ld, b_ld, lds_base, kb, acc, wave_row0, wave_col0, True)
+            for kb in range(_dsl_max(tokens // BK - 1, fx.Int32(0)), k_blocks, fx.Int32(1)):
+                acc = _register_step(config, a_ld, b_ld, lds_base, kb, acc, wave_row0, wave_col0, False)
             row_scale, col_scale = _scale_readers(config, sa_addr, sa_numel, group * n + row0, sb_addr, sb_numel, group * k + col0)
             _store_tile(
                 config, acc, c_addr, c_extent,

@@ -260,8 +260,10 @@ def plan_m_grouped(
     out_bytes = OUT_BYTES[out_dtype]
     lda, ldb, stride_bg = a_strides[0], b_strides[1], b_strides[0]
     ldc = n * out_bytes  # the backend allocates out contiguous
-    check_in_tile_span("a", lda, BLOCK_M, BLOCK_K)
-    check_in_tile_span("b", ldb, BLOCK_N, BLOCK_K)
+    # The main loops reach K block k0 of a tile as lane offset + k0 (the instruction's scalar
+    # offset): the span of a tile row is the whole contraction length.
+    check_in_tile_span("a", lda, BLOCK_M, max(k, BLOCK_K))
+    check_in_tile_span("b", ldb, BLOCK_N, max(k, BLOCK_K))
     check_in_tile_span("out", ldc, BLOCK_M, BLOCK_N * out_bytes)
     num_n_blocks = sched.cdiv(n, BLOCK_N)
     bound = sched.m_grouped_tile_upper_bound(m, g, BLOCK_M, num_n_blocks)
@@ -296,8 +298,8 @@ def plan_k_grouped(
     out_bytes = OUT_BYTES[out_dtype]
     lda, ldb = a_strides[0], b_strides[0]
     ldc = k * out_bytes
-    check_in_tile_span("a", lda, BLOCK_M, BLOCK_K)
-    check_in_tile_span("b", ldb, BLOCK_N, BLOCK_K)
+    check_in_tile_span("a", lda, BLOCK_M, max(m, BLOCK_K))  # a group's tokens are at most m
+    check_in_tile_span("b", ldb, BLOCK_N, max(m, BLOCK_K))
     check_in_tile_span("out", ldc, BLOCK_M, BLOCK_N * out_bytes)
     num_m_blocks, num_n_blocks = sched.cdiv(n, BLOCK_M), sched.cdiv(k, BLOCK_N)
     total = sched.k_grouped_total_tiles(num_groups, num_m_blocks, num_n_blocks)
