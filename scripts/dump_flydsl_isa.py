@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main(argv=None) -> int:
     from turbo_moe.kernels.flydsl import compile_only as co
-    from turbo_moe.kernels.flydsl import grouped_gemm_fp8 as kernels
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="folder to write the .s files and the report into")
@@ -50,8 +49,7 @@ def main(argv=None) -> int:
     lines = []
     with tempfile.TemporaryDirectory(prefix="flydsl_dump_") as dump:
         for name in args.variant or sorted(co.VARIANTS):
-            kind, a_fmt, b_fmt, out_dtype, a_row, b_row, lds_dma = co.VARIANTS[name]
-            config = kernels.KernelConfig(a_fmt, b_fmt, out_dtype, a_row, b_row)
+            kind, config, lds_dma = co.variant(name)
             start = time.time()
             isa = co.compile_for_arch(kind, config, args.arch, dump, rocm_path=rocm_path, lds_dma=lds_dma)
             seconds = time.time() - start

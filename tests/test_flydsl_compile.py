@@ -39,8 +39,8 @@ def compiled(rocm_path, tmp_path_factory):
     keys = ("COMPILE_ONLY", "ARCH", "ROCM_PATH", "FLYDSL_DUMP_DIR", "FLYDSL_DEBUG_DUMP_ASM")
     env_before = {key: os.environ.get(key) for key in keys}
     out = {}
-    for name, (kind, a_fmt, b_fmt, out_dtype, a_row, b_row, lds_dma) in co.VARIANTS.items():
-        config = kernels.KernelConfig(a_fmt, b_fmt, out_dtype, a_row, b_row)
+    for name in co.VARIANTS:
+        kind, config, lds_dma = co.variant(name)
         path = co.compile_for_arch(kind, config, "gfx950", str(dump), rocm_path=rocm_path, lds_dma=lds_dma)
         out[name] = (co.parse_isa(str(path)), path.read_text())
     out["_env"] = (env_before, {key: os.environ.get(key) for key in keys})
@@ -383,3 +383,25 @@ def test_lds_dma_odd_tail_is_fenced_before_the_next_tile(compiled, name):
     assert any(b > last_read for b in barriers), "no barrier after the last LDS read"
     after = lines[last_read + 1: min(b for b in barriers if b > last_read)]
     assert not any(l.endswith(" lds") for l in after), "a DMA into LDS before the tail's barrier"
+
+
+def test_accumulate_epilogue_adds_to_the_fp32_output(compiled):
+    # K-grouped accumulate (wgrad into an fp32 main_grad): each of the 64 outputs of a lane is
+    # read from out (through the same clamped descriptor as its store), added in fp32 and stored
+    # back as fp32; the plain f32 variant reads nothing from out.
+    report, text = compiled["k_grouped_e4m3_f32_accumulate"]
+    lines = _code_lines(text)
+    stores = [l for l in lines if l.startswith("buffer_store_dword ")]
+    out_srds = {re.search(r"s\[\d+:\d+\]", l).group(0) for l in stores}
+    out_loads = [l for l in lines if l.startswith("buffer_load_dword ") and re.search(r"s\[\d+:\d+\]", l).group(0) in out_srds]
+    assert len(stores) == 64 and len(out_loads) == 64, (len(stores), len(out_loads))
+    assert sum(l.startswith(("v_add_f32", "v_pk_add_f32")) for l in lines) >= 32
+    plain, plain_text = compiled["m_grouped_e4m3_f32_tensorwise"]
+    assert report.counts["buffer_load"] > plain.counts["buffer_load"]
+
+
+def test_accumulate_is_refused_where_it_does_not_apply():
+    with pytest.raises(ValueError, match="accumulate needs out_dtype 'f32'"):
+        kernels.KernelConfig(out_dtype="bf16", accumulate=True)
+    with pytest.raises(ValueError, match="K-grouped"):
+        kernels.build_m_grouped(kernels.KernelConfig(out_dtype="f32", accumulate=True))

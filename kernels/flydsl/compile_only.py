@@ -95,7 +95,7 @@ def _env(values: Dict[str, str]) -> Iterator[None]:
 
 
 # Every variant the backend can launch: (kind, a_format, b_format, out_dtype, a_rowwise, b_rowwise,
-# lds_dma). Hybrid FP8 feeds e5m2 gradients as operand a of dgrad (a = dy) and wgrad (a = dy^T).
+# lds_dma[, accumulate]). Hybrid FP8 feeds e5m2 gradients as operand a of dgrad (a = dy) and wgrad (a = dy^T).
 # lds_dma: the M-grouped main loop that fills LDS with buffer_load ... lds (K % 16 == 0, aligned).
 VARIANTS = {
     "m_grouped_e4m3_bf16_tensorwise": ("m_grouped", "e4m3", "e4m3", "bf16", False, False, False),
@@ -108,7 +108,17 @@ VARIANTS = {
     "k_grouped_e4m3_bf16_rowwise": ("k_grouped", "e4m3", "e4m3", "bf16", True, True, False),
     "k_grouped_e5m2xe4m3_bf16_tensorwise": ("k_grouped", "e5m2", "e4m3", "bf16", False, False, False),
     "k_grouped_e4m3_f16_tensorwise": ("k_grouped", "e4m3", "e4m3", "f16", False, False, False),
+    # wgrad into an fp32 main_grad: out += result in the epilogue.
+    "k_grouped_e4m3_f32_accumulate": ("k_grouped", "e4m3", "e4m3", "f32", False, False, False, True),
 }
+
+
+def variant(name: str):
+    """(kind, KernelConfig, lds_dma) of a variant of :data:`VARIANTS`."""
+    from . import grouped_gemm_fp8 as kernels
+
+    kind, a_fmt, b_fmt, out_dtype, a_row, b_row, lds_dma, *rest = VARIANTS[name]
+    return kind, kernels.KernelConfig(a_fmt, b_fmt, out_dtype, a_row, b_row, *rest), lds_dma
 
 
 def _placeholder_args(kind: str):

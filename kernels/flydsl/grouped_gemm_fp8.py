@@ -67,26 +67,33 @@ def _flydsl():
 
 
 class KernelConfig(tuple):
-    """(a_format, b_format, out_dtype, a_rowwise, b_rowwise): what a compiled variant depends on."""
+    """(a_format, b_format, out_dtype, a_rowwise, b_rowwise, accumulate): what a compiled variant
+    depends on. ``accumulate`` (K-grouped, f32 out): the epilogue adds the fp32 result to out's
+    existing values instead of overwriting them."""
 
-    def __new__(cls, a_format="e4m3", b_format="e4m3", out_dtype="bf16", a_rowwise=False, b_rowwise=False):
+    def __new__(cls, a_format="e4m3", b_format="e4m3", out_dtype="bf16", a_rowwise=False, b_rowwise=False,
+                accumulate=False):
         for name, value in (("a_format", a_format), ("b_format", b_format)):
             if value not in host.FP8_FORMATS:
                 raise ValueError(f"{name} must be one of {sorted(host.FP8_FORMATS)}, got {value!r}")
         if out_dtype not in host.OUT_DTYPES:
             raise ValueError(f"out_dtype must be one of {host.OUT_DTYPES}, got {out_dtype!r}")
-        return super().__new__(cls, (a_format, b_format, out_dtype, bool(a_rowwise), bool(b_rowwise)))
+        if accumulate and out_dtype != "f32":
+            raise ValueError(f"accumulate needs out_dtype 'f32' (an fp32 out), got {out_dtype!r}")
+        return super().__new__(cls, (a_format, b_format, out_dtype, bool(a_rowwise), bool(b_rowwise),
+                                     bool(accumulate)))
 
     a_format = property(lambda self: self[0])
     b_format = property(lambda self: self[1])
     out_dtype = property(lambda self: self[2])
     a_rowwise = property(lambda self: self[3])
     b_rowwise = property(lambda self: self[4])
+    accumulate = property(lambda self: self[5])
 
     @property
     def tag(self) -> str:
         scales = "".join("r" if r else "t" for r in (self.a_rowwise, self.b_rowwise))
-        return f"{self.a_format}x{self.b_format}_{self.out_dtype}_{scales}"
+        return f"{self.a_format}x{self.b_format}_{self.out_dtype}_{scales}{'_acc' if self.accumulate else ''}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -247,7 +254,7 @@ class _OperandLoader:
         depends on how the hardware range-checks a dword that straddles ``num_records``.
 
         A chunk with ``v`` valid bytes takes its ``v // 4`` whole dwords from the 16-byte load and
-        its last ``v % 4`` bytes from single-byte loads (``host.exact_chunk_words``): a dword
+        its last ``v % 4`` bytes from single-byte loads (``host.exact_chunk_split``): a dword
         holding the operand's last byte may straddle the end of the tensor (contraction length
         % 4 != 0 at the tensor's last row), and a per-dword range check would drop it whole."""
         d = _flydsl()
@@ -261,7 +268,7 @@ class _OperandLoader:
             lane_off = rows[p] * self.ld + chunk * host.CHUNK_BYTES
             voff = d.arith.select(valid > 0, lane_off, fx.Int32(host.OOB_OFFSET))
             raw = d.rocdl.raw_ptr_buffer_load(d.T.i32x4, srd, _raw(voff), _raw(fx.Int32(0)))
-            whole, partial = valid // 4, valid % 4
+            whole, partial = host.exact_chunk_split(valid)
             tail = fx.Int32(0)
             for b in range(3):
                 boff = d.arith.select(partial > b, lane_off + whole * 4 + b, fx.Int32(host.OOB_OFFSET))
@@ -499,10 +506,14 @@ def _store_tile(config, acc, c_addr, c_extent, c_base, ldc, rows_valid, cols_val
             for j in range(4):
                 value = fx.Float32(d.vector.extract(acc[i * 4 + j], [], [e]))
                 scaled = value * rs * col_scales[j]
-                converted = _raw(scaled) if config.out_dtype == "f32" else d.arith.truncf(out_ty, _raw(scaled))
                 ok = (row < rows_valid) & (cols[j] < cols_valid)
                 offset = row * ldc + cols[j] * out_bytes
                 offset = d.arith.select(ok, offset, fx.Int32(host.OOB_OFFSET))
+                if config.accumulate:
+                    # out += result in fp32 (a masked lane reads 0 and its store is dropped).
+                    old = d.rocdl.raw_ptr_buffer_load(d.T.f32, srd, _raw(offset), _raw(fx.Int32(0)))
+                    scaled = fx.Float32(old) + scaled
+                converted = _raw(scaled) if config.out_dtype == "f32" else d.arith.truncf(out_ty, _raw(scaled))
                 d.rocdl.raw_ptr_buffer_store(converted, srd, _raw(offset), _raw(fx.Int32(0)))
 
 
@@ -559,6 +570,8 @@ def build_m_grouped(config: KernelConfig, lds_dma: bool = False):
     d = _flydsl()
     flyc, fx = d.flyc, d.fx
     const_expr = d.fx.const_expr
+    if config.accumulate:
+        raise ValueError("accumulate is a K-grouped (wgrad) epilogue only")
     SharedStorage = _lds_storage()
     group_tiles_fn = on_dsl(sched.m_grouped_group_tiles)
     swizzle_fn = on_dsl(sched.swizzle_group_m)
@@ -674,6 +687,7 @@ def build_k_grouped(config: KernelConfig, band_cyclic: bool = True):
     """The launcher of the K-grouped (wgrad) kernel for ``config``."""
     d = _flydsl()
     flyc, fx = d.flyc, d.fx
+    const_expr = d.fx.const_expr
     SharedStorage = _lds_storage()
     order_fn = on_dsl(sched.k_grouped_band_cyclic if band_cyclic else sched.k_grouped_group_major)
     cdiv_fn = on_dsl(sched.cdiv)
@@ -715,10 +729,14 @@ def build_k_grouped(config: KernelConfig, band_cyclic: bool = True):
             for kb in range(_dsl_max(tokens // BK - 1, fx.Int32(0)), k_blocks, fx.Int32(1)):
                 acc = _register_step(config, a_ld, b_ld, lds_base, kb, acc, wave_row0, wave_col0, False)
             row_scale, col_scale = _scale_readers(config, sa_addr, sa_numel, group * n + row0, sb_addr, sb_numel, group * k + col0)
+            rows_out = n - row0
+            if const_expr(config.accumulate):
+                # An empty group leaves out[g] exactly as it was (no store at all, not "+ 0").
+                rows_out = on_dsl(host.k_grouped_rows_stored)(rows_out, tokens)
             _store_tile(
                 config, acc, c_addr, c_extent,
                 fx.Int64(group) * stride_cg + fx.Int64(row0) * fx.Int64(ldc) + fx.Int64(col0 * host.OUT_BYTES[config.out_dtype]),
-                ldc, n - row0, k - col0, row_scale, col_scale,
+                ldc, rows_out, k - col0, row_scale, col_scale,
             )
 
     @flyc.jit

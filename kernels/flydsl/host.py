@@ -110,6 +110,19 @@ def chunk_valid_bytes(k_len, k0, chunk):
     return max(min(k_len - k0 - chunk * CHUNK_BYTES, CHUNK_BYTES), 0)
 
 
+def exact_chunk_split(valid_bytes):
+    """(whole dwords, bytes of the partial dword) of a chunk with ``valid_bytes`` valid bytes: the
+    exact (tail) loader takes the whole dwords from its 16-byte load and the partial dword's bytes
+    from single-byte loads, so no valid byte sits in a dword that straddles ``num_records``."""
+    return valid_bytes // 4, valid_bytes % 4
+
+
+def k_grouped_rows_stored(rows, tokens):
+    """Rows of a K-grouped tile the accumulating epilogue stores: none for an empty group, so its
+    out[g] stays exactly as it was (``x + 0.0`` would turn a -0.0 into +0.0), else ``rows``."""
+    return rows * min(tokens, 1)
+
+
 def dword_valid_bytes(chunk_bytes, dword):
     """Valid bytes (0..4) of dword ``dword`` (0..3) of a chunk with ``chunk_bytes`` valid bytes."""
     return max(min(chunk_bytes - dword * 4, 4), 0)

@@ -65,6 +65,8 @@ class GroupedGemmProblem:
     num_cu: Optional[int] = None
     # What the call is for ("fwd", "dgrad", "wgrad"): for logs and per-op tuning only.
     role: str = ""
+    out: Optional[torch.Tensor] = None      # write the result into this tensor (shape out_shape)
+    accumulate: bool = False                # K_GROUPED only: out += result (out must be float32)
 
     @property
     def num_groups(self) -> int:
