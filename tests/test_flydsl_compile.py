@@ -61,10 +61,10 @@ def test_fp8_mfma_present_with_the_operand_formats(compiled, name):
     report, text = compiled[name]
     assert report.arch == "gfx950"
     mfmas = [l for l in _code_lines(text) if l.startswith("v_mfma")]
-    # 4x4 MFMA tiles per wave per K block. Register-staged: the main loop (whole next block) and
-    # the last steps (exactly masked next block) are two copies of one step. LDS-DMA: unrolled by
-    # two (static buffers) plus the odd last block.
-    assert len(mfmas) == (48 if co.VARIANTS[name][6] else 32), mfmas
+    # 4x4 MFMA tiles per wave per K block. Register-staged: the main loop (unrolled by two, whole
+    # blocks) and the last steps (exactly masked blocks) are three copies of one step. LDS-DMA:
+    # unrolled by two (static buffers) plus the odd last block.
+    assert len(mfmas) == 48, mfmas
     assert all(l.startswith("v_mfma_f32_16x16x128_f8f6f4 ") for l in mfmas), mfmas
     a_fmt, b_fmt = co.VARIANTS[name][1:3]
     # cbsz / blgp encode operand a / b format: 0 = fp8 e4m3 (printed only when non-zero), 1 = bf8 e5m2.
@@ -172,19 +172,24 @@ def _main_loop(lines):
 def test_lds_ping_pong_is_fenced_before_reuse(compiled, name):
     _, text = compiled[name]
     body = _main_loop(_code_lines(text))
-    writes = [i for i, l in enumerate(body) if l.startswith("ds_write_b128")]
-    reads = [i for i, l in enumerate(body) if l.startswith("ds_read_b128")]
     barriers = [i for i, l in enumerate(body) if l.startswith("s_barrier")]
-    assert len(writes) == 2 * host.LOAD_PASSES and len(reads) == 2 * 8, (len(writes), len(reads))
-    # After the last LDS write of the step: wait for every LDS op of this wave, then the barrier,
-    # then nothing else touches LDS before the backward branch (next step reads what was written).
-    assert barriers and barriers[-1] > max(writes), "no barrier after the LDS writes of the step"
-    between = body[max(writes) + 1: barriers[-1]]
-    assert any(re.match(r"s_waitcnt\s+.*lgkmcnt\(0\)", l) for l in between), between
+    # The main loop is unrolled by two: two steps, each ending in its fence.
+    assert len(barriers) == 2, barriers
     assert not any(l.startswith(("ds_read", "ds_write")) for l in body[barriers[-1]:])
-    # The step's LDS reads come before its writes to the other buffer: a step reads one buffer
-    # and fills the other, never the same one.
-    assert max(reads) < min(writes)
+    start = 0
+    for barrier in barriers:
+        step = body[start:barrier + 1]
+        writes = [i for i, l in enumerate(step) if l.startswith("ds_write_b128")]
+        reads = [i for i, l in enumerate(step) if l.startswith("ds_read_b128")]
+        assert len(writes) == 2 * host.LOAD_PASSES and len(reads) == 2 * 8, (len(writes), len(reads))
+        # After the last LDS write of the step: wait for every LDS op of this wave, then the
+        # barrier (the next step reads what was written).
+        between = step[max(writes) + 1: len(step) - 1]
+        assert any(re.match(r"s_waitcnt\s+.*lgkmcnt\(0\)", l) for l in between), between
+        # A step's LDS reads come before its writes to the other buffer: a step reads one
+        # buffer and fills the other, never the same one.
+        assert max(reads) < min(writes)
+        start = barrier + 1
 
 
 @pytest.mark.parametrize("name", [n for n in VARIANT_NAMES if co.VARIANTS[n][6]])

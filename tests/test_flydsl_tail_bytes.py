@@ -40,14 +40,34 @@ def _old_chunk(mem, nrec, offset, valid, strict):
     return data
 
 
+def _word(data):
+    return int.from_bytes(bytes(data.tolist()), "little")
+
+
 def _exact_chunk(mem, nrec, offset, valid, strict):
-    raw = torch.cat([_dword_load(mem, nrec, offset + 4 * w, strict) for w in range(4)])
+    """The kernel's exact loader (``_OperandLoader.load_exact``), from the same host functions."""
+    raw = [_word(_dword_load(mem, nrec, offset + 4 * w, strict)) for w in range(4)]
     whole, partial = host.exact_chunk_split(valid)
-    tail = torch.stack([_byte_load(mem, nrec, offset + 4 * whole + b) if b < partial else torch.tensor(0, dtype=torch.uint8)
-                        for b in range(4)])
-    words = [raw[4 * w: 4 * w + 4] if w < whole else tail if w == whole else torch.zeros(4, dtype=torch.uint8)
-             for w in range(4)]
-    return torch.cat(words)
+    tail = 0
+    for b in range(3):
+        at = host.exact_byte_offset(offset, whole, partial, b, host.OOB_OFFSET)
+        tail |= int(_byte_load(mem, nrec, at)) << (8 * b)
+    words = [host.exact_dword(raw[w], tail, w, whole) & 0xFFFFFFFF for w in range(4)]
+    return torch.tensor(list(b"".join(w.to_bytes(4, "little") for w in words)), dtype=torch.uint8)
+
+
+def test_lane_arithmetic_masks_match_their_definitions():
+    for a in range(-5, 20):
+        for b in range(-5, 20):
+            assert host.lt_mask(a, b) == (-1 if a < b else 0)
+    for whole in range(5):
+        for w in range(4):
+            got = host.exact_dword(0x11223344, 0x00AABBCC, w, whole)
+            assert got == (0x11223344 if w < whole else 0x00AABBCC if w == whole else 0)
+        for partial in range(4):
+            for b in range(3):
+                got = host.exact_byte_offset(100, whole, partial, b, host.OOB_OFFSET)
+                assert got == (100 + 4 * whole + b if b < partial else host.OOB_OFFSET)
 
 
 @pytest.mark.parametrize("k_len", [1, 2, 3, 5, 13, 14, 15, 16, 17, 130, 131, 255])

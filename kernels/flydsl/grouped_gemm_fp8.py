@@ -226,6 +226,15 @@ class _OperandLoader:
         # whether or not the hardware counts soffset in the range check (host plans check
         # lane offset + contraction length < NREC_CAP); masked lanes are out of range either way.
         self.tile_srd = _rebased_srd(tensor_addr, extent, tile_base)
+        # The main loop's lane offsets, rows past the problem already sent out of range: computed
+        # once per tile (4 VGPRs per operand) instead of keeping 4 row-compare masks per operand
+        # live in SGPRs across the loop.
+        d = _flydsl()
+        rows, chunk = self._lane()
+        self.full_voffs = [
+            d.arith.select(rows[p] < rows_valid, rows[p] * ld + chunk * host.CHUNK_BYTES, d.fx.Int32(host.OOB_OFFSET))
+            for p in range(host.LOAD_PASSES)
+        ]
 
     def _lane(self):
         """This thread's rows (one per pass) and chunk. Recomputed at each use: a few VALU ops are
@@ -238,16 +247,9 @@ class _OperandLoader:
         """Registers holding block ``k0`` (all 128 bytes inside ``k_len``) of this thread's 4
         chunks; rows outside the problem read as zeros (out-of-range offset)."""
         d = _flydsl()
-        fx = d.fx
-        rows, chunk = self._lane()
         soffset = _raw(_readfirstlane_i32(k0))
-        out = []
-        for p in range(host.LOAD_PASSES):
-            # Lane offsets relative to the tile's base stay small (< 128 * ld).
-            voff = d.arith.select(rows[p] < self.rows_valid, rows[p] * self.ld + chunk * host.CHUNK_BYTES,
-                                  fx.Int32(host.OOB_OFFSET))
-            out.append(d.rocdl.raw_ptr_buffer_load(d.T.i32x4, self.tile_srd, _raw(voff), soffset))
-        return out
+        # Lane offsets relative to the tile's base stay small (< 128 * ld).
+        return [d.rocdl.raw_ptr_buffer_load(d.T.i32x4, self.tile_srd, _raw(voff), soffset) for voff in self.full_voffs]
 
     def load_exact(self, k0):
         """As :meth:`load_full` for any block: bytes past ``k_len`` are zero, and no valid byte
@@ -259,7 +261,9 @@ class _OperandLoader:
         % 4 != 0 at the tensor's last row), and a per-dword range check would drop it whole."""
         d = _flydsl()
         fx = d.fx
-        srd = _rebased_srd(self.tensor_addr, self.extent, self.tile_base + fx.Int64(k0))
+        # The tile's descriptor and soffset = k0, as load_full: every valid byte is inside the
+        # tensor and every masked one out of range, whatever the range check does with soffset.
+        srd, soffset = self.tile_srd, _raw(_readfirstlane_i32(k0))
         rows, chunk = self._lane()
         chunk_bytes = on_dsl(host.chunk_valid_bytes)(self.k_len, k0, chunk)
         out = []
@@ -267,17 +271,16 @@ class _OperandLoader:
             valid = d.arith.select(rows[p] < self.rows_valid, chunk_bytes, fx.Int32(0))
             lane_off = rows[p] * self.ld + chunk * host.CHUNK_BYTES
             voff = d.arith.select(valid > 0, lane_off, fx.Int32(host.OOB_OFFSET))
-            raw = d.rocdl.raw_ptr_buffer_load(d.T.i32x4, srd, _raw(voff), _raw(fx.Int32(0)))
+            raw = d.rocdl.raw_ptr_buffer_load(d.T.i32x4, srd, _raw(voff), soffset)
             whole, partial = host.exact_chunk_split(valid)
             tail = fx.Int32(0)
             for b in range(3):
-                boff = d.arith.select(partial > b, lane_off + whole * 4 + b, fx.Int32(host.OOB_OFFSET))
-                byte = d.rocdl.raw_ptr_buffer_load(d.T.i8, srd, _raw(boff), _raw(fx.Int32(0)))
+                boff = host.exact_byte_offset(lane_off, whole, partial, b, fx.Int32(host.OOB_OFFSET))
+                byte = d.rocdl.raw_ptr_buffer_load(d.T.i8, srd, _raw(boff), soffset)
                 tail = tail | (fx.Int32(d.arith.extui(d.T.i32, byte)) << (8 * b))
             words = []
             for w in range(4):
-                word = fx.Int32(d.vector.extract(raw, [], [w]))
-                word = d.arith.select(whole > w, word, d.arith.select(whole == w, tail, fx.Int32(0)))
+                word = host.exact_dword(fx.Int32(d.vector.extract(raw, [], [w])), tail, w, whole)
                 words.append(_raw(fx.Int32(word)))
             out.append(d.vector.from_elements(d.T.i32x4, words))
         return out
@@ -294,37 +297,60 @@ class _OperandLoader:
 # Module-level calls, not methods: FlyDSL's loop rewriter carries any local whose method is called
 # in a dynamic loop body as loop state, and a loader object is not an IR value.
 def _register_prologue(a_ld, b_ld, lds_base):
-    """Block 0 loaded exactly (it may be the tail), written to LDS buffer 0 and fenced."""
+    """Block 0 loaded exactly (either block may be the tail), written to LDS buffer 0 and fenced;
+    block 1 loaded exactly into registers and returned (the main loop keeps two blocks in flight:
+    one in registers, one in LDS)."""
     a_ld.store(lds_base, a_ld.load_exact(0))
     b_ld.store(lds_base + host.LDS_TILE_BYTES, b_ld.load_exact(0))
+    # Block 1's loads after block 0's stores: two blocks of exact loads (byte loads, selects) live
+    # at once would cost registers for nothing (this runs once per tile).
+    _flydsl().fx.rocdl.sched_barrier(0)
+    a_next, b_next = a_ld.load_exact(host.BLOCK_K), b_ld.load_exact(host.BLOCK_K)
     _fence_lds()
+    return a_next, b_next
 
 
-def _register_step(config, a_ld, b_ld, lds_base, kb, acc, wave_row0, wave_col0, full):
-    """Step ``kb`` of the register-staged main loop (one K block), shared by both kernels:
+def _register_step(config, a_ld, b_ld, cur, nxt, k_ahead, a_next, b_next, acc, wave_row0, wave_col0, full):
+    """One K block of the register-staged main loop, shared by both kernels. On entry LDS buffer
+    ``cur`` holds block kb and ``a_next``/``b_next`` hold block kb+1 (loaded one step ago):
 
-    1. ``full`` (block kb+1 lies wholly inside K): issue its 8 unmasked 16-byte loads;
-    2. read the fragments of block kb from LDS buffer kb % 2 and run its 16 MFMAs;
-    3. not ``full`` (the last one or two steps): load block kb+1 exactly (byte-masked tail), after
+    1. ``full`` (block kb+2 lies wholly inside K): issue its 8 unmasked 16-byte loads;
+    2. read the fragments of block kb from ``cur`` and run its 16 MFMAs;
+    3. not ``full`` (the last steps of a tile): load block kb+2 exactly (byte-masked tail), after
        the MFMAs so that its temporaries never meet the fragments;
-    4. write block kb+1 into the other buffer. In the ``full`` case the compiler's waits before
-       the ds_writes are graded (vmcnt(7) .. vmcnt(0)) and come after the MFMAs: the loads
-       overlap the whole MFMA cluster;
+    4. write block kb+1 into ``nxt``. Its loads were issued a whole step ago and the 8 loads of
+       kb+2 stay in flight: the compiler's waits before these ds_writes are graded
+       (vmcnt(15) .. vmcnt(8)), never a drain;
     5. fence: every wave's reads of kb and writes of kb+1 done before anyone goes on.
-    """
-    two_tiles = 2 * host.LDS_TILE_BYTES
-    cur = lds_base + (kb % 2) * two_tiles
-    nxt = lds_base + ((kb + 1) % 2) * two_tiles
-    k_next = (kb + 1) * host.BLOCK_K
+    Returns (acc, block kb+2's registers)."""
     if full:
-        a_regs, b_regs = a_ld.load_full(k_next), b_ld.load_full(k_next)
+        a_new, b_new = a_ld.load_full(k_ahead), b_ld.load_full(k_ahead)
     acc = _mfma_block(config, cur, wave_row0, cur + host.LDS_TILE_BYTES, wave_col0, acc)
     if not full:
-        a_regs, b_regs = a_ld.load_exact(k_next), b_ld.load_exact(k_next)
-    a_ld.store(nxt, a_regs)
-    b_ld.store(nxt + host.LDS_TILE_BYTES, b_regs)
+        a_new, b_new = a_ld.load_exact(k_ahead), b_ld.load_exact(k_ahead)
+    a_ld.store(nxt, a_next)
+    b_ld.store(nxt + host.LDS_TILE_BYTES, b_next)
     _fence_lds()
-    return acc
+    return acc, a_new, b_new
+
+
+def _register_pair(config, a_ld, b_ld, lds_base, kb, a_next, b_next, acc, wave_row0, wave_col0):
+    """Steps kb (even: reads buffer 0) and kb+1 (reads buffer 1) of the main loop with whole
+    blocks. Unrolled by two so that the registers of block kb+3, loaded while block kb+2's are
+    still live, land where block kb+1's were (freed by step kb's ds_writes): the loop carries
+    them in place, with no copy and no wait at the back edge."""
+    buf0, buf1 = lds_base, lds_base + 2 * host.LDS_TILE_BYTES
+    acc, a_mid, b_mid = _register_step(config, a_ld, b_ld, buf0, buf1, (kb + 2) * host.BLOCK_K,
+                                       a_next, b_next, acc, wave_row0, wave_col0, True)
+    return _register_step(config, a_ld, b_ld, buf1, buf0, (kb + 3) * host.BLOCK_K,
+                          a_mid, b_mid, acc, wave_row0, wave_col0, True)
+
+
+def _register_last_step(config, a_ld, b_ld, lds_base, kb, a_next, b_next, acc, wave_row0, wave_col0):
+    """Step kb of the last steps of a tile (block kb+2 may be the tail or past K: exact loads)."""
+    two_tiles = 2 * host.LDS_TILE_BYTES
+    return _register_step(config, a_ld, b_ld, lds_base + (kb % 2) * two_tiles, lds_base + ((kb + 1) % 2) * two_tiles,
+                          (kb + 2) * host.BLOCK_K, a_next, b_next, acc, wave_row0, wave_col0, False)
 
 
 _LDS_SCOPE_DOMAIN = '#llvm.alias_scope_domain<id = "turbo_moe.flydsl.lds">'
@@ -378,6 +404,7 @@ def _mfma_drain():
     with scheduling barriers (nothing may move across it)."""
     d = _flydsl()
     d.fx.rocdl.sched_barrier(0)
+    d.rocdl.s_setprio(0)
     for _ in range(MFMA_HAZARD_WAIT_STATES // 8):
         d.rocdl.s_nop(7)  # s_nop N = N + 1 wait states
     d.fx.rocdl.sched_barrier(0)
@@ -401,6 +428,9 @@ def _mfma_block(config, lds_a, wave_row0, lds_b, wave_col0, acc, buffer=None):
     # Nothing crosses: the reads stay ahead of every MFMA (else the scheduler sinks A's reads
     # between the MFMAs and re-uses a fragment's registers right after its last MFMA).
     d.fx.rocdl.sched_barrier(0)
+    # Raised priority while this wave issues its MFMA cluster (the other wave on the SIMD is then
+    # in its load / LDS phase); back to 0 in the drain.
+    d.rocdl.s_setprio(1)
     out = list(acc)
     for i in range(4):
         for j in range(4):
@@ -648,12 +678,16 @@ def build_m_grouped(config: KernelConfig, lds_dma: bool = False):
                 else:
                     a_ld = _OperandLoader(a_addr, a_extent, a_base, lda, rows_valid, k)
                     b_ld = _OperandLoader(b_addr, b_extent, b_base, ldb, n - col0, k)
-                    # Main loop while block kb+1 is whole (no byte masks), then the last steps.
-                    _register_prologue(a_ld, b_ld, lds_base)
-                    for kb in range(fx.Int32(0), k // BK - 1, fx.Int32(1)):
-                        acc = _register_step(config, a_ld, b_ld, lds_base, kb, acc, wave_row0, wave_col0, True)
-                    for kb in range(_dsl_max(k // BK - 1, fx.Int32(0)), k_blocks, fx.Int32(1)):
-                        acc = _register_step(config, a_ld, b_ld, lds_base, kb, acc, wave_row0, wave_col0, False)
+                    # Pairs of steps while block kb+3 is whole (no byte masks), then the last
+                    # steps with exact loads; blocks kb+1 (registers) and kb+2 (loads) in flight.
+                    a_next, b_next = _register_prologue(a_ld, b_ld, lds_base)
+                    pairs = _dsl_max(k // BK - 2, fx.Int32(0)) // 2
+                    for kp in range(fx.Int32(0), pairs, fx.Int32(1)):
+                        acc, a_next, b_next = _register_pair(
+                            config, a_ld, b_ld, lds_base, kp * 2, a_next, b_next, acc, wave_row0, wave_col0)
+                    for kb in range(pairs * 2, k_blocks, fx.Int32(1)):
+                        acc, a_next, b_next = _register_last_step(
+                            config, a_ld, b_ld, lds_base, kb, a_next, b_next, acc, wave_row0, wave_col0)
                 row_scale, col_scale = _scale_readers(
                     config, sa_addr, sa_numel, fx.Int32(row0), sb_addr, sb_numel, group * n + col0
                 )
@@ -722,12 +756,14 @@ def build_k_grouped(config: KernelConfig, band_cyclic: bool = True):
             # An empty group runs no K block: the accumulators stay exactly zero.
             k_blocks = cdiv_fn(tokens, BK)
             acc = _zero_acc()
-            # Main loop while block kb+1 is whole (no byte masks), then the last steps.
-            _register_prologue(a_ld, b_ld, lds_base)
-            for kb in range(fx.Int32(0), tokens // BK - 1, fx.Int32(1)):
-                acc = _register_step(config, a_ld, b_ld, lds_base, kb, acc, wave_row0, wave_col0, True)
-            for kb in range(_dsl_max(tokens // BK - 1, fx.Int32(0)), k_blocks, fx.Int32(1)):
-                acc = _register_step(config, a_ld, b_ld, lds_base, kb, acc, wave_row0, wave_col0, False)
+            a_next, b_next = _register_prologue(a_ld, b_ld, lds_base)
+            pairs = _dsl_max(tokens // BK - 2, fx.Int32(0)) // 2
+            for kp in range(fx.Int32(0), pairs, fx.Int32(1)):
+                acc, a_next, b_next = _register_pair(
+                    config, a_ld, b_ld, lds_base, kp * 2, a_next, b_next, acc, wave_row0, wave_col0)
+            for kb in range(pairs * 2, k_blocks, fx.Int32(1)):
+                acc, a_next, b_next = _register_last_step(
+                    config, a_ld, b_ld, lds_base, kb, a_next, b_next, acc, wave_row0, wave_col0)
             row_scale, col_scale = _scale_readers(config, sa_addr, sa_numel, group * n + row0, sb_addr, sb_numel, group * k + col0)
             rows_out = n - row0
             if const_expr(config.accumulate):

@@ -117,6 +117,28 @@ def exact_chunk_split(valid_bytes):
     return valid_bytes // 4, valid_bytes % 4
 
 
+def lt_mask(a, b):
+    """-1 (all bits) if a < b else 0, for |a - b| < 2^31: lane arithmetic instead of a compare, so
+    the exact loader's 11 per-pass decisions cost VALU ops, not SGPR-pair lane masks (which
+    spilled SGPRs in the tail loop)."""
+    return (a - b) >> 31
+
+
+def exact_dword(raw_word, tail_word, dword, whole):
+    """Dword ``dword`` of an exactly loaded chunk: the 16-byte load's word for the ``whole``
+    complete dwords, the byte-assembled ``tail_word`` for the partial one, 0 past it."""
+    below = lt_mask(dword, whole)
+    at = lt_mask(dword, whole + 1) & ~below
+    return (raw_word & below) | (tail_word & at)
+
+
+def exact_byte_offset(lane_offset, whole, partial, byte, oob):
+    """Offset of byte ``byte`` (0..2) of the partial dword, or ``oob`` where it is not a valid
+    byte (the single-byte load then reads 0)."""
+    keep = lt_mask(byte, partial)
+    return ((lane_offset + whole * 4 + byte) & keep) | (oob & ~keep)
+
+
 def k_grouped_rows_stored(rows, tokens):
     """Rows of a K-grouped tile the accumulating epilogue stores: none for an empty group, so its
     out[g] stays exactly as it was (``x + 0.0`` would turn a -0.0 into +0.0), else ``rows``."""

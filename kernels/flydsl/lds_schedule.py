@@ -89,7 +89,8 @@ def dma_tile_events(k_blocks: int, tile: int = 0, tail_fence: bool = True) -> Li
 
 
 def register_staged_tile_events(k_blocks: int, tile: int = 0) -> List[Event]:
-    """The LDS events of one tile of the register-staged loop (``_register_staged_k_loop``)."""
+    """The LDS events of one tile of the register-staged loop (``_register_prologue`` and
+    ``_register_step``: register prefetches touch no LDS until their step's ds_write)."""
     ev = [Event("ds_write", 0, tile, 0)]
     ev += _fence(tile)
     for kb in range(k_blocks):
