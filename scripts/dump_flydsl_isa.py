@@ -56,9 +56,11 @@ def main(argv=None) -> int:
             shutil.copy(isa, out / f"{name}.s")
             report = co.parse_isa(str(isa))
             report.path = str(out / f"{name}.s")
+            loop = co.main_loop_per_k_block(str(out / f"{name}.s"))
             reports[name] = {**dataclasses.asdict(report), "compile_seconds": round(seconds, 2),
-                             "waves_per_simd": report.occupancy_waves_per_simd()}
-            lines.append(f"{name} ({seconds:.1f} s): {report.summary()}")
+                             "waves_per_simd": report.occupancy_waves_per_simd(), "main_loop_per_k_block": loop}
+            per_block = ", ".join(f"{k}={v:g}" for k, v in loop.items())
+            lines.append(f"{name} ({seconds:.1f} s): {report.summary()} | main loop per K block: {per_block}")
             print(lines[-1])
     (out / "report.txt").write_text("\n".join(lines) + "\n")
     (out / "report.json").write_text(json.dumps(reports, indent=2) + "\n")

@@ -48,12 +48,7 @@ def compiled(rocm_path, tmp_path_factory):
 
 
 VARIANT_NAMES = sorted(co.VARIANTS)
-
-
-def _code_lines(text):
-    """Instructions and branch labels (.LBB*:), without directives and comments."""
-    lines = (l.split(";")[0].strip() for l in text.splitlines())
-    return [l for l in lines if l and (not l.startswith(".") or (l.startswith(".LBB") and l.endswith(":")))]
+_code_lines, _main_loop, _loops, _loop_stats = co.code_lines, co.main_loop, co.loops, co.loop_stats
 
 
 @pytest.mark.parametrize("name", VARIANT_NAMES)
@@ -156,18 +151,6 @@ def test_record_counts_are_clamped_below_the_masked_offset(compiled, name):
     assert re.search(r"v_bfrev_b32\w*\s+v\d+,\s*-2\b|0x7fffffff", text)
 
 
-def _main_loop(lines):
-    """The lines of the K loop: the basic block range ending in the backward branch around the MFMAs."""
-    labels = {l[:-1]: i for i, l in enumerate(lines) if l.endswith(":") and l.startswith(".LBB")}
-    for i, line in enumerate(lines):
-        match = re.match(r"s_cbranch_\w+\s+(\.LBB\w+)", line)
-        if match and labels.get(match.group(1), i + 1) < i:
-            body = lines[labels[match.group(1)]: i + 1]
-            if any(l.startswith("v_mfma") for l in body):
-                return body
-    raise AssertionError("no loop containing MFMAs found")
-
-
 @pytest.mark.parametrize("name", [n for n in VARIANT_NAMES if not co.VARIANTS[n][6]])
 def test_lds_ping_pong_is_fenced_before_reuse(compiled, name):
     _, text = compiled[name]
@@ -268,16 +251,6 @@ MIN_MFMA_SHARE = 1 / 6
 MAX_VGPR_PLUS_AGPR = 256
 
 
-def _loop_stats(body):
-    instrs = [l for l in body if not l.endswith(":")]
-    return {
-        "instrs": len(instrs),
-        "mfma": sum(l.startswith("v_mfma") for l in instrs),
-        "vmcnt0": sum(bool(re.match(r"s_waitcnt\s+vmcnt\(0\)", l)) for l in instrs),
-        "loads": sum(l.startswith("buffer_load") for l in instrs),
-    }
-
-
 @pytest.mark.parametrize("name", VARIANT_NAMES)
 def test_main_loop_budget(compiled, name):
     report, text = compiled[name]
@@ -337,14 +310,6 @@ def _mfma_source_rewrites(lines, window):
                 if _vgprs(dest) & sources:
                     found.append((line, later))
     return found
-
-
-def _loops(lines):
-    labels = {l[:-1]: i for i, l in enumerate(lines) if l.endswith(":") and l.startswith(".LBB")}
-    for i, line in enumerate(lines):
-        match = re.match(r"s_cbranch_\w+\s+(\.LBB\w+)", line)
-        if match and labels.get(match.group(1), i + 1) < i:
-            yield lines[labels[match.group(1)]: i + 1]
 
 
 def check_mfma_sources_not_rewritten(text, window=kernels.MFMA_HAZARD_WAIT_STATES):

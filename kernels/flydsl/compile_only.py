@@ -272,3 +272,51 @@ def parse_isa(path: str) -> IsaReport:
 
 def isa_lines(path: str) -> List[str]:
     return [l.strip() for l in Path(path).read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------------------------
+# Loops of an ISA listing (the tests' budgets and the script's table read the same numbers).
+# ----------------------------------------------------------------------------------------------
+
+
+def code_lines(text: str) -> List[str]:
+    """Instructions and branch labels (.LBB*:), without directives and comments."""
+    lines = (l.split(";")[0].strip() for l in text.splitlines())
+    return [l for l in lines if l and (not l.startswith(".") or (l.startswith(".LBB") and l.endswith(":")))]
+
+
+def loops(lines: List[str]) -> Iterator[List[str]]:
+    """The bodies of the loops (label .. backward branch), in text order."""
+    labels = {l[:-1]: i for i, l in enumerate(lines) if l.endswith(":") and l.startswith(".LBB")}
+    for i, line in enumerate(lines):
+        match = re.match(r"s_cbranch_\w+\s+(\.LBB\w+)", line)
+        if match and labels.get(match.group(1), i + 1) < i:
+            yield lines[labels[match.group(1)]: i + 1]
+
+
+def main_loop(lines: List[str]) -> List[str]:
+    """The K main loop: the first loop (text order) that contains MFMAs."""
+    for body in loops(lines):
+        if any(l.startswith("v_mfma") for l in body):
+            return body
+    raise AssertionError("no loop containing MFMAs found")
+
+
+def loop_stats(body: List[str]) -> Dict[str, int]:
+    instrs = [l for l in body if not l.endswith(":")]
+    return {
+        "instrs": len(instrs),
+        "mfma": sum(l.startswith("v_mfma") for l in instrs),
+        "vmcnt0": sum(bool(re.match(r"s_waitcnt\s+vmcnt\(0\)", l)) for l in instrs),
+        "loads": sum(l.startswith("buffer_load") for l in instrs),
+        "ds_reads": sum(l.startswith("ds_read") for l in instrs),
+        "waits": sum(l.startswith("s_waitcnt") for l in instrs),
+    }
+
+
+def main_loop_per_k_block(path: str) -> Dict[str, float]:
+    """Main-loop counts per K block (16 MFMAs per wave per 128-deep block of a 64x64 wave tile)."""
+    stats = loop_stats(main_loop(code_lines(Path(path).read_text())))
+    blocks = max(1, stats["mfma"] // 16)
+    return {key: value / blocks for key, value in stats.items()}
+
