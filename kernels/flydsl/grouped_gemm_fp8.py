@@ -14,29 +14,43 @@ Structure (both kernels)
   ``v_mfma_f32_16x16x128_f8f6f4`` tiles (K = 128 per instruction; the operand formats go in the
   cbsz/blgp fields, so e5m2 x e4m3 "hybrid" is the same kernel with another format field).
 * Main loop, per 128-deep K block, two variants (LDS ping-pong in both):
-  - register-staged (K-grouped; M-grouped with unaligned or K % 16 != 0 operands): each thread
-    loads 4 x 16 bytes of A and of B (``buffer_load_dwordx4``) for block k+1 into registers, runs
-    the MFMAs of block k from one LDS buffer, then writes block k+1 into the other buffer
-    (XOR-swizzled rows) and waits ``lgkmcnt(0)`` + ``s_barrier``;
+  - register-staged (K-grouped; M-grouped with unaligned or K % 16 != 0 operands): two blocks in
+    flight. Step kb issues the 8 unmasked ``buffer_load_dwordx4`` of block kb+2, reads all 8
+    fragments of block kb from LDS, runs its 16 MFMAs, then writes block kb+1 (loaded a step
+    ago) into the other buffer with graded ``vmcnt(15..8)`` waits and fences (``lgkmcnt(0)`` +
+    ``s_barrier``). Unrolled by two so that the prefetch registers are carried in place. Only
+    the last steps of a tile (blocks past the last whole one) use the exact, byte-masked loads;
+    the main loop has no byte mask (``_register_step``, shared by both kernels);
   - LDS-DMA (M-grouped, ``lds_dma=True``): ``buffer_load_dwordx4 ... lds`` writes block k+1
     straight into the other buffer while the MFMAs of block k run, then
     ``vmcnt(0) lgkmcnt(0)`` + ``s_barrier`` (DMA writes are counted by vmcnt). Unrolled by two,
-    with per-buffer alias scopes so LLVM does not wait for the prefetch before reading.
+    with per-buffer alias scopes so LLVM does not wait for the prefetch before reading; an odd
+    last block is followed by a barrier (the next persistent tile's prologue refills its
+    buffer: issue 14's race, modelled in ``lds_schedule.py``).
   The fence is what makes the ping-pong safe: the buffer written in step k+1 is the one read in
   step k, and no wave passes the barrier before every wave has finished step k's reads and writes.
-* Addressing: every operand is reached through a buffer descriptor re-based per tile and per K
-  block to the 64-bit address of the block's first byte (scalar 64-bit add), with ``num_records``
-  = bytes left in the tensor clamped below the masked-lane offset (``host.NREC_CAP`` <
-  ``host.OOB_OFFSET``). Lane offsets stay below 2^31 whatever the tensor size (> 2^31 elements,
-  > 4 GB). Bases are pinned with ``readfirstlane`` so descriptors stay in SGPRs (no waterfall).
+  Every MFMA cluster is bracketed by ``s_setprio 1/0`` and followed by 16 wait states of
+  ``s_nop`` (``MFMA_HAZARD_WAIT_STATES``), pinned by scheduling barriers, so no later ds_read
+  rewrites an MFMA's source registers within the hazard window (checked on the ISA).
+* Addressing: every operand is reached through a buffer descriptor re-based per tile to the
+  64-bit address of the tile's first byte (scalar 64-bit add); K block k0 is the instruction's
+  scalar offset (soffset = k0). ``num_records`` = bytes left in the tensor clamped below the
+  masked-lane offset (``host.NREC_CAP`` < ``host.OOB_OFFSET``); the plan checks that lane offset
+  + contraction length stays below ``NREC_CAP``, so valid lanes are in range whether or not the
+  hardware counts soffset in the range check. Lane offsets stay below 2^31 whatever the tensor
+  size (> 2^31 elements, > 4 GB). Bases are pinned with ``readfirstlane`` so descriptors stay in
+  SGPRs (no waterfall).
 * Ragged edges: rows past a group's end / past N and K bytes past the contraction length are
-  zeroed before they reach LDS (register path: byte masks, so a K-grouped group of 37 tokens
-  works; DMA path: whole 16-byte chunks sent out of range), so garbage never enters an
-  accumulator; stores of rows/columns outside the tile's valid range
-  go to ``OOB_OFFSET`` and are dropped by the range check.
+  zeroed before they reach LDS (register path: the exact loads of the last steps, whose partial
+  dword comes from single-byte loads so that no valid byte depends on how a dword straddling
+  ``num_records`` is range-checked; DMA path: whole 16-byte chunks sent out of range), so
+  garbage never enters an accumulator; stores of rows/columns outside the tile's valid range go
+  to ``OOB_OFFSET`` and are dropped by the range check.
 * Epilogue: ``acc * a_scale * b_scale`` (tensorwise: two scalars; rowwise: per output row / column)
-  converted to the output dtype (bf16 / f16 round-to-nearest-even, or f32) and stored.
-* K-grouped: a group with no tokens runs zero K blocks and stores exact zeros.
+  converted to the output dtype (bf16 / f16 round-to-nearest-even, or f32) and stored; with
+  ``KernelConfig.accumulate`` (K-grouped, f32) the fp32 result is added to out's values.
+* K-grouped: a group with no tokens runs zero K blocks and stores exact zeros (accumulate: it
+  stores nothing, out[g] is left as it was).
 """
 
 # No "from __future__ import annotations": FlyDSL reads kernel and struct annotations as types.
@@ -391,11 +405,13 @@ def _read_fragment(lds_tile_addr, wave_row0, i, buffer=None):
     return d.vector.shuffle(halves[0], halves[1], list(range(8)))
 
 
-# Wait states between an MFMA and a later instruction that overwrites its source VGPRs or reads
-# its AGPR result: v_mfma_f32_16x16x128_f8f6f4 is at most 8 passes on gfx950, and the CDNA3/4
-# ISA's dependency tables ask for at most 11 independent instructions after an 8-pass XDL op
-# ("XDL write VGPR -> VALU/VMEM/LDS read" / "... SrcC overlapped"); 16 leaves margin, and covers
-# the gfx950 MFMA-source / ds_read overlap race Primus-Turbo reports.
+# Wait states between an MFMA and a later instruction that overwrites its A/B source VGPRs.
+# v_mfma_f32_16x16x128_f8f6f4 is an 8-pass op on gfx950 (32 cycles: 2 * 16 * 16 * 128 FLOP at the
+# 2048 FP8 FLOP/cycle of a SIMD). LLVM pads no wait states for a VALU/LDS write of an MFMA's A/B
+# sources (it did not in the issue-14 ISA), while Primus-Turbo reports a gfx950 race in exactly
+# that pattern. In the related cases (an XDL op's result or SrcC overwritten or read) the CDNA3
+# dependency tables ask for a few more independent instructions than the op has passes; 16 for an
+# 8-pass op is a conservative choice, not a number verified on hardware.
 MFMA_HAZARD_WAIT_STATES = 16
 
 
