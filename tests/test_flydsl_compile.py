@@ -62,10 +62,12 @@ def test_fp8_mfma_present_with_the_operand_formats(compiled, name):
     assert len(mfmas) == 48, mfmas
     assert all(l.startswith("v_mfma_f32_16x16x128_f8f6f4 ") for l in mfmas), mfmas
     a_fmt, b_fmt = co.VARIANTS[name][1:3]
-    # cbsz / blgp encode operand a / b format: 0 = fp8 e4m3 (printed only when non-zero), 1 = bf8 e5m2.
+    # cbsz / blgp encode the format of the MFMA's A / B slot: 0 = fp8 e4m3 (printed only when
+    # non-zero), 1 = bf8 e5m2. The kernels put the GEMM's b operand in the A slot (C^T = B A^T,
+    # for vector stores), so cbsz is b's format and blgp a's.
     for line in mfmas:
-        assert ("cbsz:1" in line) == (a_fmt == "e5m2"), line
-        assert ("blgp:1" in line) == (b_fmt == "e5m2"), line
+        assert ("cbsz:1" in line) == (b_fmt == "e5m2"), line
+        assert ("blgp:1" in line) == (a_fmt == "e5m2"), line
 
 
 @pytest.mark.parametrize("name", VARIANT_NAMES)
@@ -146,7 +148,7 @@ def test_record_counts_are_clamped_below_the_masked_offset(compiled, name):
         )
         assert definition.startswith("s_cselect_b32") and cap in definition, (line, definition)
         checked += 1
-    assert checked >= 16 + 64  # operand loads of prologue + loop, and the 64 output stores
+    assert checked >= 16 + 16  # operand loads of prologue + loop, and the 16 or 64 output stores
     # The masked-lane offset 0x7FFFFFFF is materialized (v_bfrev_b32 of -2, or the literal).
     assert re.search(r"v_bfrev_b32\w*\s+v\d+,\s*-2\b|0x7fffffff", text)
 
@@ -355,19 +357,40 @@ def test_lds_dma_odd_tail_is_fenced_before_the_next_tile(compiled, name):
     assert not any(l.endswith(" lds") for l in after), "a DMA into LDS before the tail's barrier"
 
 
-def test_accumulate_epilogue_adds_to_the_fp32_output(compiled):
-    # K-grouped accumulate (wgrad into an fp32 main_grad): each of the 64 outputs of a lane is
-    # read from out (through the same clamped descriptor as its store), added in fp32 and stored
-    # back as fp32; the plain f32 variant reads nothing from out.
-    report, text = compiled["k_grouped_e4m3_f32_accumulate"]
+@pytest.mark.parametrize("name, width", [("k_grouped_e4m3_f32_accumulate", "x4"),
+                                         ("k_grouped_e4m3_f32_accumulate_scalar_store", "")])
+def test_accumulate_epilogue_adds_to_the_fp32_output(compiled, name, width):
+    # K-grouped accumulate (wgrad into an fp32 main_grad): the lane's outputs are read from out
+    # (through the same clamped descriptor as their store), added in fp32 and stored back as fp32
+    # (16 x 16-byte accesses per lane with vec_store, else 64 x 4 bytes); the plain f32 variant
+    # reads nothing from out.
+    report, text = compiled[name]
     lines = _code_lines(text)
-    stores = [l for l in lines if l.startswith("buffer_store_dword ")]
-    out_srds = {re.search(r"s\[\d+:\d+\]", l).group(0) for l in stores}
-    out_loads = [l for l in lines if l.startswith("buffer_load_dword ") and re.search(r"s\[\d+:\d+\]", l).group(0) in out_srds]
-    assert len(stores) == 64 and len(out_loads) == 64, (len(stores), len(out_loads))
+    count = 16 if width else 64
+    stores = [l for l in lines if l.startswith(f"buffer_store_dword{width} ")]
+    assert len(stores) == count and report.counts["buffer_store"] == count, len(stores)
+    # The same kernel without accumulate has exactly `count` fewer loads of that width: the reads
+    # of out.
+    _, plain_text = compiled["k_grouped_e4m3_bf16_tensorwise"]
+
+    def loads(lines_):
+        return sum(l.startswith(f"buffer_load_dword{width} ") for l in lines_)
+
+    assert loads(lines) - loads(_code_lines(plain_text)) == count
     assert sum(l.startswith(("v_add_f32", "v_pk_add_f32")) for l in lines) >= 32
-    plain, plain_text = compiled["m_grouped_e4m3_f32_tensorwise"]
-    assert report.counts["buffer_load"] > plain.counts["buffer_load"]
+
+
+@pytest.mark.parametrize("name", VARIANT_NAMES)
+def test_output_stores_are_vectorized_when_the_columns_allow(compiled, name):
+    # vec_store (output column count % 4 == 0): one 8-byte (bf16/f16) or 16-byte (f32) store per
+    # MFMA tile and lane, 16 in all, instead of 64 scalar stores.
+    report, text = compiled[name]
+    vec, out_dtype = co.variant(name)[1].vec_store, co.VARIANTS[name][3]
+    stores = [l.split()[0] for l in _code_lines(text) if l.startswith("buffer_store")]
+    if vec:
+        assert stores == ["buffer_store_dwordx4" if out_dtype == "f32" else "buffer_store_dwordx2"] * 16, stores
+    else:
+        assert len(stores) == 64 and all(op in ("buffer_store_short", "buffer_store_dword") for op in stores)
 
 
 def test_accumulate_is_refused_where_it_does_not_apply():

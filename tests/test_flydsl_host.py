@@ -525,3 +525,29 @@ def _problem_with_out(accumulate):
     problem.out, problem.accumulate = torch.zeros(10, 48), accumulate
     return problem
 
+
+
+def test_accumulator_lane_map_covers_the_tile_and_matches_the_swapped_mfma():
+    # The kernels issue MFMA(A slot = B's fragment j, B slot = A's fragment i). The 16x16 result
+    # layout of v_mfma_f32_16x16x128: lane l, element e holds D[4*(l//16)+e][l%16] with
+    # D = (A slot) (B slot)^T. So D = B_j A_i^T = (A_i B_j^T)^T, and lane l element e is
+    # C[i*16 + l%16][j*16 + 4*(l//16) + e]: what host.acc_row / acc_col say.
+    torch.manual_seed(5)
+    a_tile, b_tile = torch.randn(BM, 32, dtype=torch.float64), torch.randn(BN, 32, dtype=torch.float64)
+    c = a_tile @ b_tile.T
+    seen = torch.zeros(BM, BN, dtype=torch.int64)
+    for wave in range(host.NUM_THREADS // host.WAVE_SIZE):
+        wave_row0, wave_col0 = (wave // 2) * 64, (wave % 2) * 64
+        for i in range(4):
+            for j in range(4):
+                frag_a = a_tile[wave_row0 + i * 16: wave_row0 + i * 16 + 16]
+                frag_b = b_tile[wave_col0 + j * 16: wave_col0 + j * 16 + 16]
+                d = frag_b @ frag_a.T  # the MFMA's result with the swapped slots
+                for lane in range(host.WAVE_SIZE):
+                    row = host.acc_row(wave_row0, i, lane)
+                    cols = [host.acc_col(wave_col0, j, lane, e) for e in range(4)]
+                    assert cols == list(range(cols[0], cols[0] + 4)) and cols[0] % 4 == 0
+                    for e in range(4):
+                        assert abs(d[4 * (lane // 16) + e, lane % 16] - c[row, cols[e]]) < 1e-12
+                        seen[row, cols[e]] += 1
+    assert torch.equal(seen, torch.ones_like(seen))

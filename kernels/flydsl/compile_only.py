@@ -95,21 +95,24 @@ def _env(values: Dict[str, str]) -> Iterator[None]:
 
 
 # Every variant the backend can launch: (kind, a_format, b_format, out_dtype, a_rowwise, b_rowwise,
-# lds_dma[, accumulate]). Hybrid FP8 feeds e5m2 gradients as operand a of dgrad (a = dy) and wgrad (a = dy^T).
+# lds_dma, accumulate, vec_store). Hybrid FP8 feeds e5m2 gradients as operand a of dgrad (a = dy) and wgrad (a = dy^T).
 # lds_dma: the M-grouped main loop that fills LDS with buffer_load ... lds (K % 16 == 0, aligned).
 VARIANTS = {
-    "m_grouped_e4m3_bf16_tensorwise": ("m_grouped", "e4m3", "e4m3", "bf16", False, False, False),
-    "m_grouped_e4m3_bf16_rowwise": ("m_grouped", "e4m3", "e4m3", "bf16", True, True, False),
-    "m_grouped_e5m2xe4m3_bf16_tensorwise": ("m_grouped", "e5m2", "e4m3", "bf16", False, False, False),
-    "m_grouped_e4m3_f32_tensorwise": ("m_grouped", "e4m3", "e4m3", "f32", False, False, False),
-    "m_grouped_dma_e4m3_bf16_tensorwise": ("m_grouped", "e4m3", "e4m3", "bf16", False, False, True),
-    "m_grouped_dma_e5m2xe4m3_bf16_rowwise": ("m_grouped", "e5m2", "e4m3", "bf16", True, True, True),
-    "k_grouped_e4m3_bf16_tensorwise": ("k_grouped", "e4m3", "e4m3", "bf16", False, False, False),
-    "k_grouped_e4m3_bf16_rowwise": ("k_grouped", "e4m3", "e4m3", "bf16", True, True, False),
-    "k_grouped_e5m2xe4m3_bf16_tensorwise": ("k_grouped", "e5m2", "e4m3", "bf16", False, False, False),
-    "k_grouped_e4m3_f16_tensorwise": ("k_grouped", "e4m3", "e4m3", "f16", False, False, False),
+    "m_grouped_e4m3_bf16_tensorwise": ("m_grouped", "e4m3", "e4m3", "bf16", False, False, False, False, True),
+    "m_grouped_e4m3_bf16_rowwise": ("m_grouped", "e4m3", "e4m3", "bf16", True, True, False, False, True),
+    "m_grouped_e5m2xe4m3_bf16_tensorwise": ("m_grouped", "e5m2", "e4m3", "bf16", False, False, False, False, True),
+    "m_grouped_e4m3_f32_tensorwise": ("m_grouped", "e4m3", "e4m3", "f32", False, False, False, False, True),
+    # Output column count % 4 != 0: one store per element.
+    "m_grouped_e4m3_bf16_tensorwise_scalar_store": ("m_grouped", "e4m3", "e4m3", "bf16", False, False, False, False, False),
+    "m_grouped_dma_e4m3_bf16_tensorwise": ("m_grouped", "e4m3", "e4m3", "bf16", False, False, True, False, True),
+    "m_grouped_dma_e5m2xe4m3_bf16_rowwise": ("m_grouped", "e5m2", "e4m3", "bf16", True, True, True, False, True),
+    "k_grouped_e4m3_bf16_tensorwise": ("k_grouped", "e4m3", "e4m3", "bf16", False, False, False, False, True),
+    "k_grouped_e4m3_bf16_rowwise": ("k_grouped", "e4m3", "e4m3", "bf16", True, True, False, False, True),
+    "k_grouped_e5m2xe4m3_bf16_tensorwise": ("k_grouped", "e5m2", "e4m3", "bf16", False, False, False, False, True),
+    "k_grouped_e4m3_f16_tensorwise": ("k_grouped", "e4m3", "e4m3", "f16", False, False, False, False, True),
     # wgrad into an fp32 main_grad: out += result in the epilogue.
-    "k_grouped_e4m3_f32_accumulate": ("k_grouped", "e4m3", "e4m3", "f32", False, False, False, True),
+    "k_grouped_e4m3_f32_accumulate": ("k_grouped", "e4m3", "e4m3", "f32", False, False, False, True, True),
+    "k_grouped_e4m3_f32_accumulate_scalar_store": ("k_grouped", "e4m3", "e4m3", "f32", False, False, False, True, False),
 }
 
 

@@ -81,12 +81,12 @@ def _flydsl():
 
 
 class KernelConfig(tuple):
-    """(a_format, b_format, out_dtype, a_rowwise, b_rowwise, accumulate): what a compiled variant
+    """(a_format, b_format, out_dtype, a_rowwise, b_rowwise, accumulate, vec_store): what a compiled variant
     depends on. ``accumulate`` (K-grouped, f32 out): the epilogue adds the fp32 result to out's
     existing values instead of overwriting them."""
 
     def __new__(cls, a_format="e4m3", b_format="e4m3", out_dtype="bf16", a_rowwise=False, b_rowwise=False,
-                accumulate=False):
+                accumulate=False, vec_store=False):
         for name, value in (("a_format", a_format), ("b_format", b_format)):
             if value not in host.FP8_FORMATS:
                 raise ValueError(f"{name} must be one of {sorted(host.FP8_FORMATS)}, got {value!r}")
@@ -95,7 +95,7 @@ class KernelConfig(tuple):
         if accumulate and out_dtype != "f32":
             raise ValueError(f"accumulate needs out_dtype 'f32' (an fp32 out), got {out_dtype!r}")
         return super().__new__(cls, (a_format, b_format, out_dtype, bool(a_rowwise), bool(b_rowwise),
-                                     bool(accumulate)))
+                                     bool(accumulate), bool(vec_store)))
 
     a_format = property(lambda self: self[0])
     b_format = property(lambda self: self[1])
@@ -103,11 +103,15 @@ class KernelConfig(tuple):
     a_rowwise = property(lambda self: self[3])
     b_rowwise = property(lambda self: self[4])
     accumulate = property(lambda self: self[5])
+    # vec_store: the output's column count is a multiple of 4, so each lane's 4 consecutive
+    # columns of a row are stored (and, accumulating, loaded) as one 8- or 16-byte access.
+    vec_store = property(lambda self: self[6])
 
     @property
     def tag(self) -> str:
         scales = "".join("r" if r else "t" for r in (self.a_rowwise, self.b_rowwise))
-        return f"{self.a_format}x{self.b_format}_{self.out_dtype}_{scales}{'_acc' if self.accumulate else ''}"
+        return (f"{self.a_format}x{self.b_format}_{self.out_dtype}_{scales}{'_acc' if self.accumulate else ''}"
+                f"{'_v4' if self.vec_store else ''}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -450,8 +454,10 @@ def _mfma_block(config, lds_a, wave_row0, lds_b, wave_col0, acc, buffer=None):
     out = list(acc)
     for i in range(4):
         for j in range(4):
+            # B's fragment in the A slot: the result is (A_i B_j^T)^T, so each lane holds 4
+            # consecutive columns of one output row (host.acc_row / acc_col; vector stores).
             op = d.rocdl.mfma_scale_f32_16x16x128_f8f6f4(
-                d.T.f32x4, a_frags[i], b_frags[j], _raw(acc[i * 4 + j]), fmt_a, fmt_b, 0, zero, 0, zero
+                d.T.f32x4, b_frags[j], a_frags[i], _raw(acc[i * 4 + j]), fmt_b, fmt_a, 0, zero, 0, zero
             )
             out[i * 4 + j] = getattr(op, "result", op)
     _mfma_drain()
@@ -525,7 +531,12 @@ def _dma_issue(loader, lds_tile_addr, k0, buffer):
 
 def _store_tile(config, acc, c_addr, c_extent, c_base, ldc, rows_valid, cols_valid, row_scale, col_scale):
     """Scale, convert and store the 128x128 tile. ``row_scale(r)`` / ``col_scale(c)`` give the
-    dequantization factor of tile row r / column c (tensorwise: the same scalar)."""
+    dequantization factor of tile row r / column c (tensorwise: the same scalar).
+
+    Lane l holds, per MFMA tile (i, j), row ``host.acc_row`` and the 4 consecutive columns
+    ``host.acc_col(.., e)``: with ``config.vec_store`` (column count % 4 == 0, so a group of 4 is
+    wholly inside or outside) that is one 8-byte (bf16/f16) or 16-byte (f32) store per (i, j),
+    16 per lane; otherwise one store per element, each masked on its own."""
     d = _flydsl()
     fx = d.fx
     out_bytes = host.OUT_BYTES[config.out_dtype]
@@ -539,28 +550,38 @@ def _store_tile(config, acc, c_addr, c_extent, c_base, ldc, rows_valid, cols_val
     wave_row0 = (wave // 2) * 64
     wave_col0 = (wave % 2) * 64
     out_ty = {"bf16": d.T.bf16, "f16": d.T.f16, "f32": d.T.f32}[config.out_dtype]
-    col_scales = []
-    cols = []
-    for j in range(4):
-        col = wave_col0 + j * 16 + lane % 16
-        cols.append(col)
-        col_scales.append(col_scale(col))
+    oob = fx.Int32(host.OOB_OFFSET)
+    zero = _raw(fx.Int32(0))
+    col_scales = [[col_scale(host.acc_col(wave_col0, j, lane, e)) for e in range(4)] for j in range(4)]
     for i in range(4):
-        for e in range(4):
-            row = wave_row0 + i * 16 + (lane // 16) * 4 + e
-            rs = row_scale(row)
-            for j in range(4):
-                value = fx.Float32(d.vector.extract(acc[i * 4 + j], [], [e]))
-                scaled = value * rs * col_scales[j]
-                ok = (row < rows_valid) & (cols[j] < cols_valid)
-                offset = row * ldc + cols[j] * out_bytes
-                offset = d.arith.select(ok, offset, fx.Int32(host.OOB_OFFSET))
+        row = host.acc_row(wave_row0, i, lane)
+        rs = row_scale(row)
+        for j in range(4):
+            col = host.acc_col(wave_col0, j, lane, 0)
+            values = [fx.Float32(d.vector.extract(acc[i * 4 + j], [], [e])) * rs * col_scales[j][e] for e in range(4)]
+            if config.vec_store:
+                offset = d.arith.select((row < rows_valid) & (col < cols_valid), row * ldc + col * out_bytes, oob)
                 if config.accumulate:
                     # out += result in fp32 (a masked lane reads 0 and its store is dropped).
-                    old = d.rocdl.raw_ptr_buffer_load(d.T.f32, srd, _raw(offset), _raw(fx.Int32(0)))
-                    scaled = fx.Float32(old) + scaled
-                converted = _raw(scaled) if config.out_dtype == "f32" else d.arith.truncf(out_ty, _raw(scaled))
-                d.rocdl.raw_ptr_buffer_store(converted, srd, _raw(offset), _raw(fx.Int32(0)))
+                    old = d.rocdl.raw_ptr_buffer_load(d.T.f32x4, srd, _raw(offset), zero)
+                    values = [v + fx.Float32(d.vector.extract(old, [], [e])) for e, v in enumerate(values)]
+                if config.out_dtype == "f32":
+                    data = d.vector.from_elements(d.T.f32x4, [_raw(v) for v in values])
+                else:
+                    halves = [d.arith.truncf(out_ty, _raw(v)) for v in values]
+                    packed = d.vector.from_elements(d.ir.VectorType.get([4], out_ty), halves)
+                    data = d.vector.bitcast(d.T.i32x2, packed)
+                d.rocdl.raw_ptr_buffer_store(data, srd, _raw(offset), zero)
+                continue
+            for e in range(4):
+                ok = (row < rows_valid) & (col + e < cols_valid)
+                offset = d.arith.select(ok, row * ldc + (col + e) * out_bytes, oob)
+                value = values[e]
+                if config.accumulate:
+                    old = d.rocdl.raw_ptr_buffer_load(d.T.f32, srd, _raw(offset), zero)
+                    value = fx.Float32(old) + value
+                converted = _raw(value) if config.out_dtype == "f32" else d.arith.truncf(out_ty, _raw(value))
+                d.rocdl.raw_ptr_buffer_store(converted, srd, _raw(offset), zero)
 
 
 def _opaque_zero():

@@ -117,6 +117,18 @@ def exact_chunk_split(valid_bytes):
     return valid_bytes // 4, valid_bytes % 4
 
 
+def acc_row(wave_row0, i, lane):
+    """Tile row of the accumulators of MFMA tile (i, j) held by ``lane``. The kernels compute
+    C^T = B A^T (B's fragment in the MFMA's A slot), so a lane holds 4 consecutive *columns* of
+    one row: ``acc_col(.., e)`` for e = 0..3. That makes each (i, j) one 8- or 16-byte store."""
+    return wave_row0 + i * 16 + lane % 16
+
+
+def acc_col(wave_col0, j, lane, e):
+    """Tile column of accumulator element ``e`` (0..3) of MFMA tile (i, j) held by ``lane``."""
+    return wave_col0 + j * 16 + (lane // 16) * 4 + e
+
+
 def lt_mask(a, b):
     """-1 (all bits) if a < b else 0, for |a - b| < 2^31: lane arithmetic instead of a compare, so
     the exact loader's 11 per-pass decisions cost VALU ops, not SGPR-pair lane masks (which

@@ -158,6 +158,9 @@ class FlyDSLBackend(GroupedGemmBackend):
         config = kernels.KernelConfig(
             _FP8_FORMAT[problem.a.dtype], _FP8_FORMAT[problem.b.dtype], _OUT_DTYPE[problem.out_dtype],
             problem.a_scale.dim() > 0, problem.b_scale.dim() > 0, problem.accumulate,
+            # Each lane stores 4 consecutive output columns at once when no group of 4 straddles
+            # the last column.
+            problem.out_shape[-1] % 4 == 0,
         )
         out = problem.out
         if out is None:
