@@ -308,6 +308,8 @@ def _mfma_source_rewrites(lines, window):
             nop = re.fullmatch(r"s_nop\s+(\d+)", later)
             waited += int(nop.group(1)) + 1 if nop else 1
             dest = rest.split(",")[0] if rest else ""
+            if later.endswith(" lds"):  # LDS-DMA: operand 0 is the lane offset, nothing is written to VGPRs
+                continue
             if op.startswith(("v_", "ds_read", "buffer_load", "global_load")) and not op.startswith("v_mfma"):
                 if _vgprs(dest) & sources:
                     found.append((line, later))

@@ -28,7 +28,6 @@ class _OperandLoader:
     """
 
     def __init__(self, tensor_addr, extent, tile_base, ld, rows_valid, k_len):
-        self.tensor_addr, self.extent, self.tile_base = tensor_addr, extent, tile_base
         self.k_len = k_len
         self.ld, self.rows_valid = ld, rows_valid
         # One descriptor per tile for the whole blocks: block k0 is reached with the
@@ -290,7 +289,6 @@ class _DmaLoader:
     """
 
     def __init__(self, tensor_addr, extent, tile_base, ld, rows_valid, k_len):
-        self.tensor_addr, self.extent, self.tile_base = tensor_addr, extent, tile_base
         self.ld, self.rows_valid, self.k_len = ld, rows_valid, k_len
         # One descriptor per tile, K block k0 through soffset (see _OperandLoader.__init__).
         self.tile_srd = _rebased_srd(tensor_addr, extent, tile_base)
