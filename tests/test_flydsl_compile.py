@@ -39,8 +39,8 @@ def compiled(rocm_path, tmp_path_factory):
     keys = ("COMPILE_ONLY", "ARCH", "ROCM_PATH", "FLYDSL_DUMP_DIR", "FLYDSL_DEBUG_DUMP_ASM")
     env_before = {key: os.environ.get(key) for key in keys}
     out = {}
-    for name, (kind, a_fmt, b_fmt, out_dtype, a_row, b_row, lds_dma) in co.VARIANTS.items():
-        config = kernels.KernelConfig(a_fmt, b_fmt, out_dtype, a_row, b_row)
+    for name in co.VARIANTS:
+        kind, config, lds_dma = co.variant(name)
         path = co.compile_for_arch(kind, config, "gfx950", str(dump), rocm_path=rocm_path, lds_dma=lds_dma)
         out[name] = (co.parse_isa(str(path)), path.read_text())
     out["_env"] = (env_before, {key: os.environ.get(key) for key in keys})
@@ -48,12 +48,7 @@ def compiled(rocm_path, tmp_path_factory):
 
 
 VARIANT_NAMES = sorted(co.VARIANTS)
-
-
-def _code_lines(text):
-    """Instructions and branch labels (.LBB*:), without directives and comments."""
-    lines = (l.split(";")[0].strip() for l in text.splitlines())
-    return [l for l in lines if l and (not l.startswith(".") or (l.startswith(".LBB") and l.endswith(":")))]
+_code_lines, _main_loop, _loops, _loop_stats = co.code_lines, co.main_loop, co.loops, co.loop_stats
 
 
 @pytest.mark.parametrize("name", VARIANT_NAMES)
@@ -61,15 +56,18 @@ def test_fp8_mfma_present_with_the_operand_formats(compiled, name):
     report, text = compiled[name]
     assert report.arch == "gfx950"
     mfmas = [l for l in _code_lines(text) if l.startswith("v_mfma")]
-    # 4x4 MFMA tiles per wave per K block; the register-staged loop is one block per step; the
-    # LDS-DMA loop is unrolled by two (static buffers) plus the odd last block.
-    assert len(mfmas) == (48 if co.VARIANTS[name][6] else 16), mfmas
+    # 4x4 MFMA tiles per wave per K block. Register-staged: the main loop (unrolled by two, whole
+    # blocks) and the last steps (exactly masked blocks) are three copies of one step. LDS-DMA:
+    # unrolled by two (static buffers) plus the odd last block.
+    assert len(mfmas) == 48, mfmas
     assert all(l.startswith("v_mfma_f32_16x16x128_f8f6f4 ") for l in mfmas), mfmas
     a_fmt, b_fmt = co.VARIANTS[name][1:3]
-    # cbsz / blgp encode operand a / b format: 0 = fp8 e4m3 (printed only when non-zero), 1 = bf8 e5m2.
+    # cbsz / blgp encode the format of the MFMA's A / B slot: 0 = fp8 e4m3 (printed only when
+    # non-zero), 1 = bf8 e5m2. The kernels put the GEMM's b operand in the A slot (C^T = B A^T,
+    # for vector stores), so cbsz is b's format and blgp a's.
     for line in mfmas:
-        assert ("cbsz:1" in line) == (a_fmt == "e5m2"), line
-        assert ("blgp:1" in line) == (b_fmt == "e5m2"), line
+        assert ("cbsz:1" in line) == (b_fmt == "e5m2"), line
+        assert ("blgp:1" in line) == (a_fmt == "e5m2"), line
 
 
 @pytest.mark.parametrize("name", VARIANT_NAMES)
@@ -150,40 +148,33 @@ def test_record_counts_are_clamped_below_the_masked_offset(compiled, name):
         )
         assert definition.startswith("s_cselect_b32") and cap in definition, (line, definition)
         checked += 1
-    assert checked >= 16 + 64  # operand loads of prologue + loop, and the 64 output stores
+    assert checked >= 16 + 16  # operand loads of prologue + loop, and the 16 or 64 output stores
     # The masked-lane offset 0x7FFFFFFF is materialized (v_bfrev_b32 of -2, or the literal).
     assert re.search(r"v_bfrev_b32\w*\s+v\d+,\s*-2\b|0x7fffffff", text)
-
-
-def _main_loop(lines):
-    """The lines of the K loop: the basic block range ending in the backward branch around the MFMAs."""
-    labels = {l[:-1]: i for i, l in enumerate(lines) if l.endswith(":") and l.startswith(".LBB")}
-    for i, line in enumerate(lines):
-        match = re.match(r"s_cbranch_\w+\s+(\.LBB\w+)", line)
-        if match and labels.get(match.group(1), i + 1) < i:
-            body = lines[labels[match.group(1)]: i + 1]
-            if any(l.startswith("v_mfma") for l in body):
-                return body
-    raise AssertionError("no loop containing MFMAs found")
 
 
 @pytest.mark.parametrize("name", [n for n in VARIANT_NAMES if not co.VARIANTS[n][6]])
 def test_lds_ping_pong_is_fenced_before_reuse(compiled, name):
     _, text = compiled[name]
     body = _main_loop(_code_lines(text))
-    writes = [i for i, l in enumerate(body) if l.startswith("ds_write_b128")]
-    reads = [i for i, l in enumerate(body) if l.startswith("ds_read_b128")]
     barriers = [i for i, l in enumerate(body) if l.startswith("s_barrier")]
-    assert len(writes) == 2 * host.LOAD_PASSES and len(reads) == 2 * 8, (len(writes), len(reads))
-    # After the last LDS write of the step: wait for every LDS op of this wave, then the barrier,
-    # then nothing else touches LDS before the backward branch (next step reads what was written).
-    assert barriers and barriers[-1] > max(writes), "no barrier after the LDS writes of the step"
-    between = body[max(writes) + 1: barriers[-1]]
-    assert any(re.match(r"s_waitcnt\s+.*lgkmcnt\(0\)", l) for l in between), between
+    # The main loop is unrolled by two: two steps, each ending in its fence.
+    assert len(barriers) == 2, barriers
     assert not any(l.startswith(("ds_read", "ds_write")) for l in body[barriers[-1]:])
-    # The step's LDS reads come before its writes to the other buffer: a step reads one buffer
-    # and fills the other, never the same one.
-    assert max(reads) < min(writes)
+    start = 0
+    for barrier in barriers:
+        step = body[start:barrier + 1]
+        writes = [i for i, l in enumerate(step) if l.startswith("ds_write_b128")]
+        reads = [i for i, l in enumerate(step) if l.startswith("ds_read_b128")]
+        assert len(writes) == 2 * host.LOAD_PASSES and len(reads) == 2 * 8, (len(writes), len(reads))
+        # After the last LDS write of the step: wait for every LDS op of this wave, then the
+        # barrier (the next step reads what was written).
+        between = step[max(writes) + 1: len(step) - 1]
+        assert any(re.match(r"s_waitcnt\s+.*lgkmcnt\(0\)", l) for l in between), between
+        # A step's LDS reads come before its writes to the other buffer: a step reads one
+        # buffer and fills the other, never the same one.
+        assert max(reads) < min(writes)
+        start = barrier + 1
 
 
 @pytest.mark.parametrize("name", [n for n in VARIANT_NAMES if co.VARIANTS[n][6]])
@@ -250,3 +241,162 @@ def test_lld_shim_runs_an_lld(tmp_path):
     result = subprocess.run([os.path.join(root, "llvm", "bin", "ld.lld"), "--version"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "LLD" in result.stdout, result
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-kernel ISA budgets (issue 14): what a regression of the main loop would change.
+# ----------------------------------------------------------------------------------------------
+
+# MFMA share of the main loop's instructions, and the register budget of the occupancy claimed
+# (2 waves/SIMD: 512 / 2 unified VGPR + AGPR per lane).
+MIN_MFMA_SHARE = 1 / 6
+MAX_VGPR_PLUS_AGPR = 256
+
+
+@pytest.mark.parametrize("name", VARIANT_NAMES)
+def test_main_loop_budget(compiled, name):
+    report, text = compiled[name]
+    body = _main_loop(_code_lines(text))
+    stats = _loop_stats(body)
+    k_blocks = stats["mfma"] // 16  # 16 MFMAs per K block per wave
+    assert k_blocks >= 1, stats
+    # At most one full drain of the memory counter per K block (the old register loop had 8).
+    assert stats["vmcnt0"] <= k_blocks, stats
+    assert stats["mfma"] >= MIN_MFMA_SHARE * stats["instrs"], stats
+    # No per-byte masking and no byte loads in the main loop: whole blocks only (the tail is
+    # masked in its own loop).
+    assert not any(l.startswith("buffer_load_ubyte") for l in body), "byte loads in the main loop"
+    assert not any(re.match(r"v_(lshlrev_b32|not_b32|and_b32)\b", l) for l in body), "byte masks in the main loop"
+    # Every prefetch load has a whole K block of MFMAs between it and the first wait on vmcnt
+    # after it: the loads overlap the MFMAs instead of being waited for at once.
+    loads = [i for i, l in enumerate(body) if l.startswith("buffer_load")]
+    assert loads, "no prefetch in the main loop"
+    for i in loads:
+        wait = next((j for j in range(i + 1, len(body)) if re.match(r"s_waitcnt\s+.*vmcnt", body[j])), len(body))
+        between = sum(l.startswith("v_mfma") for l in body[i:wait])
+        assert between >= 16, (body[i], between)
+    assert report.scratch_bytes == 0 and report.vgpr_spills == 0, report.summary()
+    assert report.total_vgprs <= MAX_VGPR_PLUS_AGPR, report.summary()
+
+
+def _vgprs(operand):
+    """The VGPR numbers an operand names (v7, v[8:11]); empty for anything else."""
+    match = re.fullmatch(r"v(\d+)|v\[(\d+):(\d+)\]", operand.strip())
+    if not match:
+        return set()
+    if match.group(1):
+        return {int(match.group(1))}
+    return set(range(int(match.group(2)), int(match.group(3)) + 1))
+
+
+def _mfma_source_rewrites(lines, window):
+    """(mfma, writer) pairs where an instruction within ``window`` wait states after an MFMA
+    writes a VGPR that the MFMA reads as operand A or B (s_nop N counts N + 1)."""
+    found = []
+    for i, line in enumerate(lines):
+        if not line.startswith("v_mfma"):
+            continue
+        operands = [x.strip() for x in line.split(None, 1)[1].split(",")]
+        sources = _vgprs(operands[1]) | _vgprs(operands[2])
+        waited = 0
+        for later in lines[i + 1:]:
+            if waited >= window:
+                break
+            if later.endswith(":"):
+                continue
+            op, _, rest = later.partition(" ")
+            nop = re.fullmatch(r"s_nop\s+(\d+)", later)
+            waited += int(nop.group(1)) + 1 if nop else 1
+            dest = rest.split(",")[0] if rest else ""
+            if later.endswith(" lds"):  # LDS-DMA: operand 0 is the lane offset, nothing is written to VGPRs
+                continue
+            if op.startswith(("v_", "ds_read", "buffer_load", "global_load")) and not op.startswith("v_mfma"):
+                if _vgprs(dest) & sources:
+                    found.append((line, later))
+    return found
+
+
+def check_mfma_sources_not_rewritten(text, window=kernels.MFMA_HAZARD_WAIT_STATES):
+    lines = _code_lines(text)
+    found = _mfma_source_rewrites(lines, window)
+    for body in _loops(lines):  # around each back edge too
+        found += _mfma_source_rewrites(body + body, window)
+    return found
+
+
+@pytest.mark.parametrize("name", VARIANT_NAMES)
+def test_no_mfma_source_register_rewritten_within_the_hazard_window(compiled, name):
+    # Issue 14: "v_mfma ... v[244:251]" followed at once by "ds_read_b128 v[244:247]". The
+    # fragments of a block are now all read before its first MFMA (distinct registers) and
+    # s_nop padding follows each MFMA cluster.
+    _, text = compiled[name]
+    found = check_mfma_sources_not_rewritten(text)
+    assert not found, found[:3]
+
+
+def test_hazard_check_catches_the_pattern_of_issue_14():
+    text = "\n".join([
+        "v_mfma_f32_16x16x128_f8f6f4 v[48:51], v[244:251], v[212:219], v[48:51]",
+        "ds_read_b128 v[244:247], v210 offset:2048",
+    ])
+    assert check_mfma_sources_not_rewritten(text)
+    padded = text.replace("\nds_read", "\ns_nop 7\ns_nop 7\nds_read")
+    assert not check_mfma_sources_not_rewritten(padded)
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANT_NAMES if co.VARIANTS[n][6]])
+def test_lds_dma_odd_tail_is_fenced_before_the_next_tile(compiled, name):
+    # Issue 14's cross-tile race: the odd last K block's reads of buffer 0 must be followed by a
+    # barrier before the next persistent tile's prologue DMAs into buffer 0 (3 barriers before:
+    # prologue + two in the loop; now also one after the tail). lds_schedule models the schedule.
+    _, text = compiled[name]
+    lines = _code_lines(text)
+    barriers = [i for i, l in enumerate(lines) if l.startswith("s_barrier")]
+    assert len(barriers) == 4, len(barriers)
+    last_read = max(i for i, l in enumerate(lines) if l.startswith("ds_read"))
+    assert any(b > last_read for b in barriers), "no barrier after the last LDS read"
+    after = lines[last_read + 1: min(b for b in barriers if b > last_read)]
+    assert not any(l.endswith(" lds") for l in after), "a DMA into LDS before the tail's barrier"
+
+
+@pytest.mark.parametrize("name, width", [("k_grouped_e4m3_f32_accumulate", "x4"),
+                                         ("k_grouped_e4m3_f32_accumulate_scalar_store", "")])
+def test_accumulate_epilogue_adds_to_the_fp32_output(compiled, name, width):
+    # K-grouped accumulate (wgrad into an fp32 main_grad): the lane's outputs are read from out
+    # (through the same clamped descriptor as their store), added in fp32 and stored back as fp32
+    # (16 x 16-byte accesses per lane with vec_store, else 64 x 4 bytes); the plain f32 variant
+    # reads nothing from out.
+    report, text = compiled[name]
+    lines = _code_lines(text)
+    count = 16 if width else 64
+    stores = [l for l in lines if l.startswith(f"buffer_store_dword{width} ")]
+    assert len(stores) == count and report.counts["buffer_store"] == count, len(stores)
+    # The same kernel without accumulate has exactly `count` fewer loads of that width: the reads
+    # of out.
+    _, plain_text = compiled["k_grouped_e4m3_bf16_tensorwise"]
+
+    def loads(lines_):
+        return sum(l.startswith(f"buffer_load_dword{width} ") for l in lines_)
+
+    assert loads(lines) - loads(_code_lines(plain_text)) == count
+    assert sum(l.startswith(("v_add_f32", "v_pk_add_f32")) for l in lines) >= 32
+
+
+@pytest.mark.parametrize("name", VARIANT_NAMES)
+def test_output_stores_are_vectorized_when_the_columns_allow(compiled, name):
+    # vec_store (output column count % 4 == 0): one 8-byte (bf16/f16) or 16-byte (f32) store per
+    # MFMA tile and lane, 16 in all, instead of 64 scalar stores.
+    report, text = compiled[name]
+    vec, out_dtype = co.variant(name)[1].vec_store, co.VARIANTS[name][3]
+    stores = [l.split()[0] for l in _code_lines(text) if l.startswith("buffer_store")]
+    if vec:
+        assert stores == ["buffer_store_dwordx4" if out_dtype == "f32" else "buffer_store_dwordx2"] * 16, stores
+    else:
+        assert len(stores) == 64 and all(op in ("buffer_store_short", "buffer_store_dword") for op in stores)
+
+
+def test_accumulate_is_refused_where_it_does_not_apply():
+    with pytest.raises(ValueError, match="accumulate needs out_dtype 'f32'"):
+        kernels.KernelConfig(out_dtype="bf16", accumulate=True)
+    with pytest.raises(ValueError, match="K-grouped"):
+        kernels.build_m_grouped(kernels.KernelConfig(out_dtype="f32", accumulate=True))

@@ -114,3 +114,43 @@ def test_m_grouped_operand_past_4gb(backend):
     ref_head = a[:128].double() @ b[0].double().T
     torch.testing.assert_close(out[-300:].double(), ref_tail, rtol=1e-5, atol=1e-3)
     torch.testing.assert_close(out[:128].double(), ref_head, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("n", [384, 202])  # 202 % 4 != 0: the scalar-store epilogue
+@pytest.mark.parametrize("k", [128, 256, 384, 2880, 2882, 130, 4097])
+def test_m_grouped_many_tiles_per_workgroup_odd_and_even_k_blocks(backend, k, n):
+    # Issue 14: ceil(K/128) odd (384, 2880, 130, 4097) on the LDS-DMA loop raced with the next
+    # persistent tile's prologue; num_cu=2 makes every workgroup run many tiles back to back.
+    # K % 16 != 0 (2882, 130, 4097) takes the register-staged loop (main loop pairs, then the exact
+    # tail; 4097 and 130 also end in a partial dword at the tensor's last byte).
+    torch.manual_seed(k)
+    dev = torch.device("cuda")
+    lens = [300, 1, 0, 257, 129]
+    m, g = sum(lens), len(lens)
+    a, b = _fp8((m, k), torch.float8_e4m3fn, dev), _fp8((g, n, k), torch.float8_e4m3fn, dev)
+    problem = GroupedGemmProblem(GemmKind.M_GROUPED, a, b, torch.tensor(0.5, device=dev),
+                                 torch.tensor(1.5, device=dev), _offs(lens, dev), torch.float32, num_cu=2)
+    _check(backend.run(problem), _reference(problem), torch.float32)
+
+
+@pytest.mark.parametrize("lens", [[0, 1500, 3, 0, 701], [407], [0]])
+def test_k_grouped_accumulate_adds_fp32_and_leaves_empty_groups(backend, lens):
+    torch.manual_seed(3)
+    dev = torch.device("cuda")
+    m, n, k, g = sum(lens), 200, 136 if len(lens) > 1 else 130, len(lens)  # 130: scalar-store epilogue
+    a, b = _fp8((n, m), torch.float8_e4m3fn, dev), _fp8((k, m), torch.float8_e4m3fn, dev)
+    start = torch.randn(g, n, k, device=dev)
+    start[..., ::5] = -0.0
+    out = start.clone()
+    problem = GroupedGemmProblem(GemmKind.K_GROUPED, a, b, torch.tensor(0.5, device=dev),
+                                 torch.tensor(2.0, device=dev), _offs(lens, dev), torch.float32,
+                                 num_cu=3, out=out, accumulate=True)
+    ok, why = backend.can_handle(problem)
+    assert ok, why
+    assert backend.run(problem) is out
+    ref = _reference(GroupedGemmProblem(GemmKind.K_GROUPED, a, b, problem.a_scale, problem.b_scale,
+                                        problem.group_offs, torch.float32))
+    _check(out, start.double() + ref, torch.float32)
+    for index, rows in enumerate(lens):
+        if rows == 0:
+            assert torch.equal(out[index], start[index]) and torch.equal(out[index].signbit(), start[index].signbit())

@@ -442,3 +442,112 @@ def test_auto_dispatch_passes_over_flydsl_with_its_reason_on_cpu():
     assert chosen.name != "flydsl"
     record = recent_dispatches()[-1]
     assert dict(record.passed_over)["flydsl"]
+
+
+# ----------------------------------------------------------------------------------------------
+# out / accumulate (GroupedGemmProblem.out, .accumulate).
+# ----------------------------------------------------------------------------------------------
+
+
+def test_emulated_k_grouped_accumulate_adds_in_fp32_and_leaves_empty_groups_untouched():
+    # The accumulating epilogue: out[g] += fp32 result, through the same masked stores; an empty
+    # group stores no row at all (host.k_grouped_rows_stored), so even a -0.0 in out[g] survives.
+    torch.manual_seed(2)
+    lens = [0, 150, 3, 0]
+    n, k, m = 130, 129, sum(lens)
+    groups = len(lens)
+    offs = _offsets(lens)
+    a = _fp8(torch.randn(n, m) * 4, torch.float8_e4m3fn)
+    b = _fp8(torch.randn(k, m) * 4, torch.float8_e4m3fn)
+    plan = host.plan_k_grouped(tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), groups, "f32", 3)
+    a_mem, b_mem = a.view(torch.uint8).flatten(), b.view(torch.uint8).flatten()
+    before = torch.randn(groups * n * k, dtype=torch.float64)
+    before[:: 7] = -0.0
+    out_mem = before.clone()
+    for pid in range(plan.grid):
+        for tile in host.k_grouped_kernel_tiles(plan, pid):
+            g, mb, nb = tile
+            tokens = offs[g + 1] - offs[g]
+            acc = torch.zeros(BM, BN, dtype=torch.float64)
+            for k0 in range(0, tokens, BK):
+                bases = host.k_grouped_tile_bases(plan, offs, tile, k0)
+                ab = _gather_block(a_mem, bases["a"][0], bases["a"][1], plan.lda, bases["a"][2], tokens, k0)
+                bb = _gather_block(b_mem, bases["b"][0], bases["b"][1], plan.ldb, bases["b"][2], tokens, k0)
+                acc += ab.view(torch.float8_e4m3fn).double() @ bb.view(torch.float8_e4m3fn).double().T
+            c_base, c_nrec, _ = host.k_grouped_tile_bases(plan, offs, tile, 0)["c"]
+            rows = host.k_grouped_rows_stored(n - mb * BM, tokens)
+            current = torch.zeros(BM, BN, dtype=torch.float64)
+            for r in range(min(BM, max(rows, 0))):
+                for c in range(min(BN, k - nb * BN)):
+                    current[r, c] = out_mem[(c_base + r * plan.ldc + c * 4) // 4]
+            _store_tile(out_mem, current + acc * 0.25, c_base, c_nrec, plan.ldc, 4, rows, k - nb * BN)
+    out, start = out_mem.view(groups, n, k), before.view(groups, n, k)
+    for g in range(groups):
+        lo, hi = offs[g], offs[g + 1]
+        if lo == hi:
+            assert torch.equal(out[g], start[g]) and torch.equal(out[g].signbit(), start[g].signbit())
+        else:
+            ref = start[g] + (a[:, lo:hi].double() @ b[:, lo:hi].double().T) * 0.25
+            torch.testing.assert_close(out[g], ref, rtol=1e-12, atol=1e-9)
+
+
+def _k_problem(out=None, accumulate=False, out_dtype=torch.float32):
+    from turbo_moe.backends.base import GemmKind, GroupedGemmProblem
+
+    a = torch.randn(48, 10).to(torch.float8_e4m3fn)
+    b = torch.randn(32, 10).to(torch.float8_e4m3fn)
+    return GroupedGemmProblem(GemmKind.K_GROUPED, a, b, torch.tensor(1.0), torch.tensor(1.0),
+                              torch.tensor([0, 4, 10], dtype=torch.int64), out_dtype, out=out, accumulate=accumulate)
+
+
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda: _k_problem(torch.zeros(2, 48, 32), True), "not a ROCm GPU"),  # valid: reaches the device check
+        (lambda: _k_problem(torch.zeros(2, 48, 32)), "not a ROCm GPU"),
+        (lambda: _k_problem(None, True), "accumulate needs out"),
+        (lambda: _k_problem(torch.zeros(2, 48, 32, dtype=torch.bfloat16), True, torch.bfloat16), "accumulate needs a float32"),
+        (lambda: _k_problem(torch.zeros(2, 32, 48)), "out has shape (2, 32, 48), expected (2, 48, 32)"),
+        (lambda: _k_problem(torch.zeros(2, 48, 32, dtype=torch.float16)), "out is torch.float16"),
+        (lambda: _k_problem(torch.zeros(2, 32, 48).transpose(1, 2)), "contiguous"),
+        (lambda: _problem_with_out(accumulate=True), "K_GROUPED (wgrad) problems only"),
+    ],
+)
+def test_backend_checks_out_and_accumulate(make, reason):
+    from turbo_moe.backends import flydsl_backend
+
+    ok, why = flydsl_backend.BACKEND.can_handle(make())
+    assert not ok and reason in why, why
+
+
+def _problem_with_out(accumulate):
+    problem = _problem(out_dtype=torch.float32)
+    problem.out, problem.accumulate = torch.zeros(10, 48), accumulate
+    return problem
+
+
+
+def test_accumulator_lane_map_covers_the_tile_and_matches_the_swapped_mfma():
+    # The kernels issue MFMA(A slot = B's fragment j, B slot = A's fragment i). The 16x16 result
+    # layout of v_mfma_f32_16x16x128: lane l, element e holds D[4*(l//16)+e][l%16] with
+    # D = (A slot) (B slot)^T. So D = B_j A_i^T = (A_i B_j^T)^T, and lane l element e is
+    # C[i*16 + l%16][j*16 + 4*(l//16) + e]: what host.acc_row / acc_col say.
+    torch.manual_seed(5)
+    a_tile, b_tile = torch.randn(BM, 32, dtype=torch.float64), torch.randn(BN, 32, dtype=torch.float64)
+    c = a_tile @ b_tile.T
+    seen = torch.zeros(BM, BN, dtype=torch.int64)
+    for wave in range(host.NUM_THREADS // host.WAVE_SIZE):
+        wave_row0, wave_col0 = (wave // 2) * 64, (wave % 2) * 64
+        for i in range(4):
+            for j in range(4):
+                frag_a = a_tile[wave_row0 + i * 16: wave_row0 + i * 16 + 16]
+                frag_b = b_tile[wave_col0 + j * 16: wave_col0 + j * 16 + 16]
+                d = frag_b @ frag_a.T  # the MFMA's result with the swapped slots
+                for lane in range(host.WAVE_SIZE):
+                    row = host.acc_row(wave_row0, i, lane)
+                    cols = [host.acc_col(wave_col0, j, lane, e) for e in range(4)]
+                    assert cols == list(range(cols[0], cols[0] + 4)) and cols[0] % 4 == 0
+                    for e in range(4):
+                        assert abs(d[4 * (lane // 16) + e, lane % 16] - c[row, cols[e]]) < 1e-12
+                        seen[row, cols[e]] += 1
+    assert torch.equal(seen, torch.ones_like(seen))

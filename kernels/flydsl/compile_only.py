@@ -95,20 +95,33 @@ def _env(values: Dict[str, str]) -> Iterator[None]:
 
 
 # Every variant the backend can launch: (kind, a_format, b_format, out_dtype, a_rowwise, b_rowwise,
-# lds_dma). Hybrid FP8 feeds e5m2 gradients as operand a of dgrad (a = dy) and wgrad (a = dy^T).
+# lds_dma, accumulate, vec_store). Hybrid FP8 feeds e5m2 gradients as operand a of dgrad (a = dy) and wgrad (a = dy^T).
 # lds_dma: the M-grouped main loop that fills LDS with buffer_load ... lds (K % 16 == 0, aligned).
 VARIANTS = {
-    "m_grouped_e4m3_bf16_tensorwise": ("m_grouped", "e4m3", "e4m3", "bf16", False, False, False),
-    "m_grouped_e4m3_bf16_rowwise": ("m_grouped", "e4m3", "e4m3", "bf16", True, True, False),
-    "m_grouped_e5m2xe4m3_bf16_tensorwise": ("m_grouped", "e5m2", "e4m3", "bf16", False, False, False),
-    "m_grouped_e4m3_f32_tensorwise": ("m_grouped", "e4m3", "e4m3", "f32", False, False, False),
-    "m_grouped_dma_e4m3_bf16_tensorwise": ("m_grouped", "e4m3", "e4m3", "bf16", False, False, True),
-    "m_grouped_dma_e5m2xe4m3_bf16_rowwise": ("m_grouped", "e5m2", "e4m3", "bf16", True, True, True),
-    "k_grouped_e4m3_bf16_tensorwise": ("k_grouped", "e4m3", "e4m3", "bf16", False, False, False),
-    "k_grouped_e4m3_bf16_rowwise": ("k_grouped", "e4m3", "e4m3", "bf16", True, True, False),
-    "k_grouped_e5m2xe4m3_bf16_tensorwise": ("k_grouped", "e5m2", "e4m3", "bf16", False, False, False),
-    "k_grouped_e4m3_f16_tensorwise": ("k_grouped", "e4m3", "e4m3", "f16", False, False, False),
+    "m_grouped_e4m3_bf16_tensorwise": ("m_grouped", "e4m3", "e4m3", "bf16", False, False, False, False, True),
+    "m_grouped_e4m3_bf16_rowwise": ("m_grouped", "e4m3", "e4m3", "bf16", True, True, False, False, True),
+    "m_grouped_e5m2xe4m3_bf16_tensorwise": ("m_grouped", "e5m2", "e4m3", "bf16", False, False, False, False, True),
+    "m_grouped_e4m3_f32_tensorwise": ("m_grouped", "e4m3", "e4m3", "f32", False, False, False, False, True),
+    # Output column count % 4 != 0: one store per element.
+    "m_grouped_e4m3_bf16_tensorwise_scalar_store": ("m_grouped", "e4m3", "e4m3", "bf16", False, False, False, False, False),
+    "m_grouped_dma_e4m3_bf16_tensorwise": ("m_grouped", "e4m3", "e4m3", "bf16", False, False, True, False, True),
+    "m_grouped_dma_e5m2xe4m3_bf16_rowwise": ("m_grouped", "e5m2", "e4m3", "bf16", True, True, True, False, True),
+    "k_grouped_e4m3_bf16_tensorwise": ("k_grouped", "e4m3", "e4m3", "bf16", False, False, False, False, True),
+    "k_grouped_e4m3_bf16_rowwise": ("k_grouped", "e4m3", "e4m3", "bf16", True, True, False, False, True),
+    "k_grouped_e5m2xe4m3_bf16_tensorwise": ("k_grouped", "e5m2", "e4m3", "bf16", False, False, False, False, True),
+    "k_grouped_e4m3_f16_tensorwise": ("k_grouped", "e4m3", "e4m3", "f16", False, False, False, False, True),
+    # wgrad into an fp32 main_grad: out += result in the epilogue.
+    "k_grouped_e4m3_f32_accumulate": ("k_grouped", "e4m3", "e4m3", "f32", False, False, False, True, True),
+    "k_grouped_e4m3_f32_accumulate_scalar_store": ("k_grouped", "e4m3", "e4m3", "f32", False, False, False, True, False),
 }
+
+
+def variant(name: str):
+    """(kind, KernelConfig, lds_dma) of a variant of :data:`VARIANTS`."""
+    from . import grouped_gemm_fp8 as kernels
+
+    kind, a_fmt, b_fmt, out_dtype, a_row, b_row, lds_dma, *rest = VARIANTS[name]
+    return kind, kernels.KernelConfig(a_fmt, b_fmt, out_dtype, a_row, b_row, *rest), lds_dma
 
 
 def _placeholder_args(kind: str):
@@ -262,3 +275,51 @@ def parse_isa(path: str) -> IsaReport:
 
 def isa_lines(path: str) -> List[str]:
     return [l.strip() for l in Path(path).read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------------------------
+# Loops of an ISA listing (the tests' budgets and the script's table read the same numbers).
+# ----------------------------------------------------------------------------------------------
+
+
+def code_lines(text: str) -> List[str]:
+    """Instructions and branch labels (.LBB*:), without directives and comments."""
+    lines = (l.split(";")[0].strip() for l in text.splitlines())
+    return [l for l in lines if l and (not l.startswith(".") or (l.startswith(".LBB") and l.endswith(":")))]
+
+
+def loops(lines: List[str]) -> Iterator[List[str]]:
+    """The bodies of the loops (label .. backward branch), in text order."""
+    labels = {l[:-1]: i for i, l in enumerate(lines) if l.endswith(":") and l.startswith(".LBB")}
+    for i, line in enumerate(lines):
+        match = re.match(r"s_cbranch_\w+\s+(\.LBB\w+)", line)
+        if match and labels.get(match.group(1), i + 1) < i:
+            yield lines[labels[match.group(1)]: i + 1]
+
+
+def main_loop(lines: List[str]) -> List[str]:
+    """The K main loop: the first loop (text order) that contains MFMAs."""
+    for body in loops(lines):
+        if any(l.startswith("v_mfma") for l in body):
+            return body
+    raise AssertionError("no loop containing MFMAs found")
+
+
+def loop_stats(body: List[str]) -> Dict[str, int]:
+    instrs = [l for l in body if not l.endswith(":")]
+    return {
+        "instrs": len(instrs),
+        "mfma": sum(l.startswith("v_mfma") for l in instrs),
+        "vmcnt0": sum(bool(re.match(r"s_waitcnt\s+vmcnt\(0\)", l)) for l in instrs),
+        "loads": sum(l.startswith("buffer_load") for l in instrs),
+        "ds_reads": sum(l.startswith("ds_read") for l in instrs),
+        "waits": sum(l.startswith("s_waitcnt") for l in instrs),
+    }
+
+
+def main_loop_per_k_block(path: str) -> Dict[str, float]:
+    """Main-loop counts per K block (16 MFMAs per wave per 128-deep block of a 64x64 wave tile)."""
+    stats = loop_stats(main_loop(code_lines(Path(path).read_text())))
+    blocks = max(1, stats["mfma"] // 16)
+    return {key: value / blocks for key, value in stats.items()}
+

@@ -14,38 +14,59 @@ Structure (both kernels)
   ``v_mfma_f32_16x16x128_f8f6f4`` tiles (K = 128 per instruction; the operand formats go in the
   cbsz/blgp fields, so e5m2 x e4m3 "hybrid" is the same kernel with another format field).
 * Main loop, per 128-deep K block, two variants (LDS ping-pong in both):
-  - register-staged (K-grouped; M-grouped with unaligned or K % 16 != 0 operands): each thread
-    loads 4 x 16 bytes of A and of B (``buffer_load_dwordx4``) for block k+1 into registers, runs
-    the MFMAs of block k from one LDS buffer, then writes block k+1 into the other buffer
-    (XOR-swizzled rows) and waits ``lgkmcnt(0)`` + ``s_barrier``;
+  - register-staged (K-grouped; M-grouped with unaligned or K % 16 != 0 operands): two blocks in
+    flight. Step kb issues the 8 unmasked ``buffer_load_dwordx4`` of block kb+2, reads all 8
+    fragments of block kb from LDS, runs its 16 MFMAs, then writes block kb+1 (loaded a step
+    ago) into the other buffer with graded ``vmcnt(15..8)`` waits and fences (``lgkmcnt(0)`` +
+    ``s_barrier``). Unrolled by two so that the prefetch registers are carried in place. Only
+    the last steps of a tile (blocks past the last whole one) use the exact, byte-masked loads;
+    the main loop has no byte mask (``_register_step``, shared by both kernels);
   - LDS-DMA (M-grouped, ``lds_dma=True``): ``buffer_load_dwordx4 ... lds`` writes block k+1
     straight into the other buffer while the MFMAs of block k run, then
     ``vmcnt(0) lgkmcnt(0)`` + ``s_barrier`` (DMA writes are counted by vmcnt). Unrolled by two,
-    with per-buffer alias scopes so LLVM does not wait for the prefetch before reading.
+    with per-buffer alias scopes so LLVM does not wait for the prefetch before reading; an odd
+    last block is followed by a barrier (the next persistent tile's prologue refills its
+    buffer: issue 14's race, modelled in ``lds_schedule.py``).
   The fence is what makes the ping-pong safe: the buffer written in step k+1 is the one read in
   step k, and no wave passes the barrier before every wave has finished step k's reads and writes.
-* Addressing: every operand is reached through a buffer descriptor re-based per tile and per K
-  block to the 64-bit address of the block's first byte (scalar 64-bit add), with ``num_records``
-  = bytes left in the tensor clamped below the masked-lane offset (``host.NREC_CAP`` <
-  ``host.OOB_OFFSET``). Lane offsets stay below 2^31 whatever the tensor size (> 2^31 elements,
-  > 4 GB). Bases are pinned with ``readfirstlane`` so descriptors stay in SGPRs (no waterfall).
+  Every MFMA cluster is bracketed by ``s_setprio 1/0`` and followed by 16 wait states of
+  ``s_nop`` (``MFMA_HAZARD_WAIT_STATES``), pinned by scheduling barriers, so no later ds_read
+  rewrites an MFMA's source registers within the hazard window (checked on the ISA).
+* Addressing: every operand is reached through a buffer descriptor re-based per tile to the
+  64-bit address of the tile's first byte (scalar 64-bit add); K block k0 is the instruction's
+  scalar offset (soffset = k0). ``num_records`` = bytes left in the tensor clamped below the
+  masked-lane offset (``host.NREC_CAP`` < ``host.OOB_OFFSET``); the plan checks that lane offset
+  + contraction length stays below ``NREC_CAP``, so valid lanes are in range whether or not the
+  hardware counts soffset in the range check. Lane offsets stay below 2^31 whatever the tensor
+  size (> 2^31 elements, > 4 GB). Bases are pinned with ``readfirstlane`` so descriptors stay in
+  SGPRs (no waterfall).
 * Ragged edges: rows past a group's end / past N and K bytes past the contraction length are
-  zeroed before they reach LDS (register path: byte masks, so a K-grouped group of 37 tokens
-  works; DMA path: whole 16-byte chunks sent out of range), so garbage never enters an
-  accumulator; stores of rows/columns outside the tile's valid range
-  go to ``OOB_OFFSET`` and are dropped by the range check.
+  zeroed before they reach LDS (register path: the exact loads of the last steps, whose partial
+  dword comes from single-byte loads so that no valid byte depends on how a dword straddling
+  ``num_records`` is range-checked; DMA path: whole 16-byte chunks sent out of range), so
+  garbage never enters an accumulator; stores of rows/columns outside the tile's valid range go
+  to ``OOB_OFFSET`` and are dropped by the range check.
 * Epilogue: ``acc * a_scale * b_scale`` (tensorwise: two scalars; rowwise: per output row / column)
-  converted to the output dtype (bf16 / f16 round-to-nearest-even, or f32) and stored.
-* K-grouped: a group with no tokens runs zero K blocks and stores exact zeros.
+  converted to the output dtype (bf16 / f16 round-to-nearest-even, or f32) and stored; with
+  ``KernelConfig.accumulate`` (K-grouped, f32) the fp32 result is added to out's values.
+* K-grouped: a group with no tokens runs zero K blocks and stores exact zeros (accumulate: it
+  stores nothing, out[g] is left as it was).
 """
 
 # No "from __future__ import annotations": FlyDSL reads kernel and struct annotations as types.
 
 import functools
-import types
 
 from .. import tile_scheduler as sched
 from . import host
+from .dsl import (
+    _dsl_max, _dsl_min, _flydsl, _load_group_offset, _make_srd, _opaque_zero, _raw, _readfirstlane_i32,
+    _rebased_srd, _scalar_load_i32, on_dsl,
+)
+from .main_loop import (  # noqa: F401 (MFMA_HAZARD_WAIT_STATES: read by the ISA tests)
+    MFMA_HAZARD_WAIT_STATES, _dma_issue, _DmaLoader, _fence_lds, _fence_lds_dma, _mfma_block, _OperandLoader,
+    _register_last_step, _register_pair, _register_prologue, _zero_acc,
+)
 
 __all__ = ["KernelConfig", "build_m_grouped", "build_k_grouped", "KERNEL_NAMES"]
 
@@ -53,366 +74,93 @@ __all__ = ["KernelConfig", "build_m_grouped", "build_k_grouped", "KERNEL_NAMES"]
 KERNEL_NAMES = {"m_grouped": "turbo_moe_m_grouped_fp8", "k_grouped": "turbo_moe_k_grouped_fp8"}
 
 
-@functools.lru_cache(maxsize=None)
-def _flydsl():
-    """Import flydsl lazily: turbo_moe must import with torch alone."""
-    import flydsl.compiler as flyc
-    import flydsl.expr as fx
-    from flydsl._mlir import ir
-    from flydsl._mlir.dialects import llvm, rocdl, vector
-    from flydsl.expr import arith
-    from flydsl.expr.typing import T
-
-    return types.SimpleNamespace(flyc=flyc, fx=fx, ir=ir, llvm=llvm, rocdl=rocdl, vector=vector, arith=arith, T=T)
-
-
 class KernelConfig(tuple):
-    """(a_format, b_format, out_dtype, a_rowwise, b_rowwise): what a compiled variant depends on."""
+    """(a_format, b_format, out_dtype, a_rowwise, b_rowwise, accumulate, vec_store): what a compiled variant
+    depends on. ``accumulate`` (K-grouped, f32 out): the epilogue adds the fp32 result to out's
+    existing values instead of overwriting them."""
 
-    def __new__(cls, a_format="e4m3", b_format="e4m3", out_dtype="bf16", a_rowwise=False, b_rowwise=False):
+    def __new__(cls, a_format="e4m3", b_format="e4m3", out_dtype="bf16", a_rowwise=False, b_rowwise=False,
+                accumulate=False, vec_store=False):
         for name, value in (("a_format", a_format), ("b_format", b_format)):
             if value not in host.FP8_FORMATS:
                 raise ValueError(f"{name} must be one of {sorted(host.FP8_FORMATS)}, got {value!r}")
         if out_dtype not in host.OUT_DTYPES:
             raise ValueError(f"out_dtype must be one of {host.OUT_DTYPES}, got {out_dtype!r}")
-        return super().__new__(cls, (a_format, b_format, out_dtype, bool(a_rowwise), bool(b_rowwise)))
+        if accumulate and out_dtype != "f32":
+            raise ValueError(f"accumulate needs out_dtype 'f32' (an fp32 out), got {out_dtype!r}")
+        return super().__new__(cls, (a_format, b_format, out_dtype, bool(a_rowwise), bool(b_rowwise),
+                                     bool(accumulate), bool(vec_store)))
 
     a_format = property(lambda self: self[0])
     b_format = property(lambda self: self[1])
     out_dtype = property(lambda self: self[2])
     a_rowwise = property(lambda self: self[3])
     b_rowwise = property(lambda self: self[4])
+    accumulate = property(lambda self: self[5])
+    # vec_store: the output's column count is a multiple of 4, so each lane's 4 consecutive
+    # columns of a row are stored (and, accumulating, loaded) as one 8- or 16-byte access.
+    vec_store = property(lambda self: self[6])
 
     @property
     def tag(self) -> str:
         scales = "".join("r" if r else "t" for r in (self.a_rowwise, self.b_rowwise))
-        return f"{self.a_format}x{self.b_format}_{self.out_dtype}_{scales}"
-
-
-# ----------------------------------------------------------------------------------------------
-# Integer helpers on FlyDSL values.
-# ----------------------------------------------------------------------------------------------
-
-
-def _int_type(value):
-    """The FlyDSL integer class of a DSL value (Int32 or Int64), None for a Python int."""
-    d = _flydsl()
-    if isinstance(value, int):
-        return None
-    for cls in (d.fx.Int64, d.fx.Int32):
-        if isinstance(value, cls):
-            return cls
-    width = d.ir.IntegerType(_raw(value).type).width
-    return d.fx.Int64 if width == 64 else d.fx.Int32
-
-
-def _select_int(take_a, a, b):
-    d = _flydsl()
-    cls = _int_type(a) or _int_type(b)
-    if cls is None:
-        raise TypeError("min/max of two Python ints should not reach the DSL path")
-    a, b = cls(a), cls(b)
-    return cls(d.arith.select(take_a(a, b), a, b))
-
-
-def _dsl_min(a, b):
-    return _select_int(lambda x, y: x < y, a, b)
-
-
-def _dsl_max(a, b):
-    return _select_int(lambda x, y: x > y, a, b)
-
-
-@functools.lru_cache(maxsize=None)
-def on_dsl(fn):
-    """The pure index function ``fn`` with builtin min/max rebound to DSL selects (same code object)."""
-    return types.FunctionType(fn.__code__, {**fn.__globals__, "min": _dsl_min, "max": _dsl_max}, fn.__name__,
-                              fn.__defaults__, fn.__closure__)
-
-
-def _raw(v):
-    return _flydsl().fx.as_ir_value(v)
-
-
-def _i32(v):
-    return _flydsl().fx.Int32(v)
-
-
-def _i64(v):
-    return _flydsl().fx.Int64(v)
-
-
-def _readfirstlane_i32(v):
-    d = _flydsl()
-    return d.fx.Int32(d.rocdl.readfirstlane(d.T.i32, _raw(d.fx.Int32(v))))
-
-
-def _readfirstlane_i64(v):
-    """Pin a 64-bit value into SGPRs (two readfirstlanes). The compiler cannot always prove that a
-    value derived from loads of the group offsets is uniform; without this the descriptor would
-    live in VGPRs and every buffer access would be wrapped in a waterfall loop."""
-    d = _flydsl()
-    v = d.fx.Int64(v)
-    lo = _readfirstlane_i32(d.fx.Int32(v))
-    hi = _readfirstlane_i32(d.fx.Int32(v >> 32))
-    return (d.fx.Int64(hi) << 32) | (d.fx.Int64(lo) & 0xFFFFFFFF)
-
-
-# CDNA buffer descriptor word 3: DATA_FORMAT=7 (32-bit), NUM_FORMAT=4; raw (stride 0) addressing,
-# range-checked against num_records.
-_SRD_FLAGS_CDNA = (7 << 12) | (4 << 15)
-
-
-def _make_srd(addr_i64, nrec):
-    """Buffer descriptor at byte address ``addr_i64`` covering ``nrec`` bytes (both pinned scalar)."""
-    d = _flydsl()
-    base = _readfirstlane_i64(addr_i64)
-    nrec32 = _readfirstlane_i32(d.fx.Int32(nrec))
-    ptr = d.llvm.inttoptr(d.ir.Type.parse("!llvm.ptr<1>"), _raw(base))
-    return d.rocdl.make_buffer_rsrc(
-        d.ir.Type.parse("!llvm.ptr<8>"), ptr, _raw(d.fx.Int16(0)), _raw(d.fx.Int64(nrec32) & 0xFFFFFFFF),
-        _raw(d.fx.Int32(_SRD_FLAGS_CDNA)),
-    )
-
-
-def _rebased_srd(tensor_addr, extent, base_bytes):
-    """Descriptor re-based to ``tensor_addr + base_bytes`` (64-bit), num_records per host.rebased_nrec."""
-    nrec = on_dsl(host.rebased_nrec)(extent, base_bytes)
-    return _make_srd(tensor_addr + base_bytes, nrec)
-
-
-def _scalar_load_i32(srd, byte_offset):
-    d = _flydsl()
-    return d.fx.Int32(d.rocdl.ptr_s_buffer_load(d.T.i32, srd, _raw(_readfirstlane_i32(byte_offset))))
-
-
-def _load_group_offset(offs_srd, index):
-    """``group_offs[index]`` (int64 on the device). Offsets are < 2^31 (the plan checks M), so the
-    low dword is the value; a scalar load keeps it in an SGPR."""
-    return _scalar_load_i32(offs_srd, index * 8)
-
-
-# ----------------------------------------------------------------------------------------------
-# Main-loop pieces (straight-line code, traced as plain Python).
-# ----------------------------------------------------------------------------------------------
-
-
-class _OperandLoader:
-    """Global -> registers -> LDS for one 128-row x 128-byte operand block of one tile.
-
-    ``tensor_addr``/``extent``: the operand's device address and byte span; ``tile_base``: byte
-    offset of the tile's (row 0, k 0); ``ld``: bytes between rows; ``rows_valid``: rows of the tile
-    inside the problem; ``k_len``: the contraction length.
-    """
-
-    def __init__(self, tensor_addr, extent, tile_base, ld, rows_valid, k_len):
-        self.tensor_addr, self.extent, self.tile_base = tensor_addr, extent, tile_base
-        self.k_len = k_len
-        self.ld, self.rows_valid = ld, rows_valid
-
-    def _lane(self):
-        """This thread's rows (one per pass) and chunk. Recomputed at each use: a few VALU ops are
-        cheaper than keeping 12 more VGPRs live across the main loop."""
-        fx = _flydsl().fx
-        tid = fx.Int32(fx.thread_idx.x)
-        return [host.loader_row(tid, p) for p in range(host.LOAD_PASSES)], host.loader_chunk(tid)
-
-    def load(self, k0):
-        """Registers holding block ``k0`` of this thread's 4 chunks, bytes outside the problem zeroed."""
-        d = _flydsl()
-        fx = d.fx
-        srd = _rebased_srd(self.tensor_addr, self.extent, self.tile_base + fx.Int64(k0))
-        rows, chunk = self._lane()
-        chunk_bytes = on_dsl(host.chunk_valid_bytes)(self.k_len, k0, chunk)
-        out = []
-        for p in range(host.LOAD_PASSES):
-            valid = d.arith.select(rows[p] < self.rows_valid, chunk_bytes, fx.Int32(0))
-            # Lane offsets relative to the re-based base stay small (< 128 * ld).
-            voff = rows[p] * self.ld + chunk * host.CHUNK_BYTES
-            voff = d.arith.select(valid > 0, voff, fx.Int32(host.OOB_OFFSET))
-            raw = d.rocdl.raw_ptr_buffer_load(d.T.i32x4, srd, _raw(voff), _raw(fx.Int32(0)))
-            words = []
-            for w in range(4):
-                nbytes = on_dsl(host.dword_valid_bytes)(valid, w)
-                # (1 << 8n) - 1 for n < 4, all ones for n == 4 (a 32-bit shift by 32 is undefined).
-                partial = (fx.Int32(1) << (nbytes * 8)) - 1
-                mask = d.arith.select(nbytes > 3, fx.Int32(-1), partial)
-                word = fx.Int32(d.vector.extract(raw, [], [w]))
-                words.append(_raw(word & mask))
-            out.append(d.vector.from_elements(d.T.i32x4, words))
-        return out
-
-    def store(self, lds_tile_addr, regs):
-        d = _flydsl()
-        rows, chunk = self._lane()
-        for p in range(host.LOAD_PASSES):
-            addr = lds_tile_addr + host.lds_swizzled_offset(rows[p], chunk)
-            ptr = d.llvm.inttoptr(d.ir.Type.parse("!llvm.ptr<3>"), _raw(addr))
-            d.llvm.StoreOp(regs[p], ptr, alignment=16)
-
-
-# Module-level calls, not methods: FlyDSL's loop rewriter carries any local whose method is called
-# in a dynamic loop body as loop state, and a loader object is not an IR value.
-def _operand_load(loader, k0):
-    return loader.load(k0)
-
-
-def _operand_store(loader, lds_tile_addr, regs):
-    loader.store(lds_tile_addr, regs)
-
-
-_LDS_SCOPE_DOMAIN = '#llvm.alias_scope_domain<id = "turbo_moe.flydsl.lds">'
-
-
-def _lds_scope_attrs(buffer):
-    """(alias_scopes, noalias_scopes) of LDS ping-pong buffer 0 or 1. Tagging the LDS-DMA writes
-    and the ds_reads with the buffer they touch lets the waitcnt pass see that reading buffer k%2
-    need not wait for the DMA into the other one (else it inserts vmcnt(0) before every read and
-    the prefetch no longer overlaps the MFMAs)."""
-    d = _flydsl()
-    scopes = [
-        d.ir.Attribute.parse(f'#llvm.alias_scope<id = "turbo_moe.flydsl.lds.buf{i}", domain = {_LDS_SCOPE_DOMAIN}>')
-        for i in range(2)
-    ]
-    return d.ir.ArrayAttr.get([scopes[buffer]]), d.ir.ArrayAttr.get([scopes[1 - buffer]])
-
-
-def _read_fragment(lds_tile_addr, wave_row0, i, buffer=None):
-    """MFMA operand ``i`` (16 rows x 128 K bytes) of a wave's 64 rows, from an LDS tile.
-
-    Lane l holds row ``l % 16`` and K bytes ``[32q, 32q + 32)``, q = l // 16 (two ds_read_b128 of
-    the swizzled chunks 2q, 2q+1). A and B use the same K order, which is all the dot product needs.
-    """
-    d = _flydsl()
-    fx = d.fx
-    lane = fx.Int32(fx.thread_idx.x) % host.WAVE_SIZE
-    q = lane // 16
-    row = wave_row0 + i * 16 + lane % 16
-    halves = []
-    for h in range(2):
-        addr = lds_tile_addr + host.lds_swizzled_offset(row, q * 2 + h)
-        ptr = d.llvm.inttoptr(d.ir.Type.parse("!llvm.ptr<3>"), _raw(addr))
-        load = d.llvm.LoadOp(d.T.i32x4, ptr, alignment=16)
-        if buffer is not None:
-            load.attributes["alias_scopes"], load.attributes["noalias_scopes"] = _lds_scope_attrs(buffer)
-        halves.append(load.result)
-    return d.vector.shuffle(halves[0], halves[1], list(range(8)))
-
-
-def _mfma_block(config, lds_a, wave_row0, lds_b, wave_col0, acc, buffer=None):
-    """acc += A_block x B_block^T for the wave's 64x64 sub-tile: B's 4 operands stay in registers,
-    A's are read one at a time (8 VGPRs live instead of 32)."""
-    d = _flydsl()
-    fmt_a = d.ir.Attribute.parse(f"#rocdl<matrix_format {host.FP8_FORMATS[config.a_format]}>")
-    fmt_b = d.ir.Attribute.parse(f"#rocdl<matrix_format {host.FP8_FORMATS[config.b_format]}>")
-    # Scale operands 0 with opsel 0 select the unscaled v_mfma_f32_16x16x128_f8f6f4; the per-tensor
-    # or per-row dequantization scales are applied once in the epilogue instead.
-    zero = _raw(d.fx.Int32(0))
-    b_frags = [_read_fragment(lds_b, wave_col0, j, buffer) for j in range(4)]
-    out = list(acc)
-    for i in range(4):
-        a_frag = _read_fragment(lds_a, wave_row0, i, buffer)
-        for j in range(4):
-            op = d.rocdl.mfma_scale_f32_16x16x128_f8f6f4(
-                d.T.f32x4, a_frag, b_frags[j], _raw(acc[i * 4 + j]), fmt_a, fmt_b, 0, zero, 0, zero
-            )
-            out[i * 4 + j] = getattr(op, "result", op)
-    return out
-
-
-def _zero_acc():
-    d = _flydsl()
-    vec = d.vector.broadcast(d.T.f32x4, _raw(d.fx.Float32(0.0)))
-    return [vec for _ in range(16)]
-
-
-def _fence_lds():
-    """Every wave's LDS writes done and visible, and every wave past its reads, before going on."""
-    d = _flydsl()
-    d.fx.rocdl.s_waitcnt(lgkmcnt=0)
-    d.rocdl.s_barrier()
-
-
-def _fence_lds_dma():
-    """As :func:`_fence_lds` when LDS is filled by buffer_load ... lds: those writes are counted by
-    vmcnt, not lgkmcnt, so the wait must include vmcnt(0) (Primus-Turbo PR 384's corruption was
-    this wait missing before the ping-pong buffer was read)."""
-    d = _flydsl()
-    d.fx.rocdl.s_waitcnt(vmcnt=0, lgkmcnt=0)
-    d.rocdl.s_barrier()
-
-
-class _DmaLoader:
-    """Global -> LDS directly (``buffer_load_dwordx4 ... lds``) for one operand block, no registers.
-
-    Lane l of wave w in pass p writes LDS bytes ``[p*4096 + w*1024 + 16*l, +16)`` of the tile, i.e.
-    row ``host.loader_row``, slot ``host.loader_chunk``, unswizzled; the swizzle is applied on the
-    global side instead: slot s of row r holds K chunk ``s ^ (r % 8)``, which is exactly where
-    ``host.lds_swizzled_offset`` (and so :func:`_read_fragment`) looks for it.
-    Needs whole 16-byte chunks: K % 16 == 0 and 16-byte aligned rows (the backend checks).
-    """
-
-    def __init__(self, tensor_addr, extent, tile_base, ld, rows_valid, k_len):
-        self.tensor_addr, self.extent, self.tile_base = tensor_addr, extent, tile_base
-        self.ld, self.rows_valid, self.k_len = ld, rows_valid, k_len
-
-    def issue(self, lds_tile_addr, k0, buffer):
-        d = _flydsl()
-        alias, noalias = _lds_scope_attrs(buffer)
-        fx = d.fx
-        srd = _rebased_srd(self.tensor_addr, self.extent, self.tile_base + fx.Int64(k0))
-        tid = fx.Int32(fx.thread_idx.x)
-        wave = _readfirstlane_i32(tid // host.WAVE_SIZE)
-        slot = host.loader_chunk(tid)
-        for p in range(host.LOAD_PASSES):
-            row = host.loader_row(tid, p)
-            chunk = host.dma_source_chunk(row, slot)
-            valid = (row < self.rows_valid) & (on_dsl(host.chunk_valid_bytes)(self.k_len, k0, chunk) > 0)
-            voff = d.arith.select(valid, row * self.ld + chunk * host.CHUNK_BYTES, fx.Int32(host.OOB_OFFSET))
-            # The LDS destination is wave-uniform (it goes to M0); each lane lands 16 bytes further.
-            lds_addr = _readfirstlane_i32(lds_tile_addr + p * (host.NUM_THREADS * host.CHUNK_BYTES) + wave * 1024)
-            lds_ptr = d.llvm.inttoptr(d.ir.Type.parse("!llvm.ptr<3>"), _raw(lds_addr))
-            d.rocdl.raw_ptr_buffer_load_lds(
-                srd, lds_ptr, _raw(fx.Int32(host.CHUNK_BYTES)), _raw(voff), _raw(fx.Int32(0)), _raw(fx.Int32(0)),
-                aux=d.ir.IntegerAttr.get(d.T.i32, 0), alias_scopes=alias, noalias_scopes=noalias,
-            )
-
-
-def _dma_issue(loader, lds_tile_addr, k0, buffer):
-    loader.issue(lds_tile_addr, k0, buffer)
+        return (f"{self.a_format}x{self.b_format}_{self.out_dtype}_{scales}{'_acc' if self.accumulate else ''}"
+                f"{'_v4' if self.vec_store else ''}")
 
 
 def _store_tile(config, acc, c_addr, c_extent, c_base, ldc, rows_valid, cols_valid, row_scale, col_scale):
     """Scale, convert and store the 128x128 tile. ``row_scale(r)`` / ``col_scale(c)`` give the
-    dequantization factor of tile row r / column c (tensorwise: the same scalar)."""
+    dequantization factor of tile row r / column c (tensorwise: the same scalar).
+
+    Lane l holds, per MFMA tile (i, j), row ``host.acc_row`` and the 4 consecutive columns
+    ``host.acc_col(.., e)``: with ``config.vec_store`` (column count % 4 == 0, so a group of 4 is
+    wholly inside or outside) that is one 8-byte (bf16/f16) or 16-byte (f32) store per (i, j),
+    16 per lane; otherwise one store per element, each masked on its own."""
     d = _flydsl()
     fx = d.fx
     out_bytes = host.OUT_BYTES[config.out_dtype]
     srd = _rebased_srd(c_addr, c_extent, c_base)
-    tid = fx.Int32(fx.thread_idx.x)
+    # The store offsets do not depend on the tile, so LLVM hoists them out of the persistent loop
+    # and keeps ~64 of them live across the K loop (spilling at 256 VGPRs). An opaque zero made
+    # here, after the K loop, keeps them in the epilogue.
+    tid = fx.Int32(fx.thread_idx.x) + _opaque_zero()
     wave = tid // host.WAVE_SIZE
     lane = tid % host.WAVE_SIZE
     wave_row0 = (wave // 2) * 64
     wave_col0 = (wave % 2) * 64
     out_ty = {"bf16": d.T.bf16, "f16": d.T.f16, "f32": d.T.f32}[config.out_dtype]
-    col_scales = []
-    cols = []
-    for j in range(4):
-        col = wave_col0 + j * 16 + lane % 16
-        cols.append(col)
-        col_scales.append(col_scale(col))
+    oob = fx.Int32(host.OOB_OFFSET)
+    zero = _raw(fx.Int32(0))
+    col_scales = [[col_scale(host.acc_col(wave_col0, j, lane, e)) for e in range(4)] for j in range(4)]
     for i in range(4):
-        for e in range(4):
-            row = wave_row0 + i * 16 + (lane // 16) * 4 + e
-            rs = row_scale(row)
-            for j in range(4):
-                value = fx.Float32(d.vector.extract(acc[i * 4 + j], [], [e]))
-                scaled = value * rs * col_scales[j]
-                converted = _raw(scaled) if config.out_dtype == "f32" else d.arith.truncf(out_ty, _raw(scaled))
-                ok = (row < rows_valid) & (cols[j] < cols_valid)
-                offset = row * ldc + cols[j] * out_bytes
-                offset = d.arith.select(ok, offset, fx.Int32(host.OOB_OFFSET))
-                d.rocdl.raw_ptr_buffer_store(converted, srd, _raw(offset), _raw(fx.Int32(0)))
+        row = host.acc_row(wave_row0, i, lane)
+        rs = row_scale(row)
+        for j in range(4):
+            col = host.acc_col(wave_col0, j, lane, 0)
+            values = [fx.Float32(d.vector.extract(acc[i * 4 + j], [], [e])) * rs * col_scales[j][e] for e in range(4)]
+            if config.vec_store:
+                offset = d.arith.select((row < rows_valid) & (col < cols_valid), row * ldc + col * out_bytes, oob)
+                if config.accumulate:
+                    # out += result in fp32 (a masked lane reads 0 and its store is dropped).
+                    old = d.rocdl.raw_ptr_buffer_load(d.T.f32x4, srd, _raw(offset), zero)
+                    values = [v + fx.Float32(d.vector.extract(old, [], [e])) for e, v in enumerate(values)]
+                if config.out_dtype == "f32":
+                    data = d.vector.from_elements(d.T.f32x4, [_raw(v) for v in values])
+                else:
+                    halves = [d.arith.truncf(out_ty, _raw(v)) for v in values]
+                    packed = d.vector.from_elements(d.ir.VectorType.get([4], out_ty), halves)
+                    data = d.vector.bitcast(d.T.i32x2, packed)
+                d.rocdl.raw_ptr_buffer_store(data, srd, _raw(offset), zero)
+                continue
+            for e in range(4):
+                ok = (row < rows_valid) & (col + e < cols_valid)
+                offset = d.arith.select(ok, row * ldc + (col + e) * out_bytes, oob)
+                value = values[e]
+                if config.accumulate:
+                    old = d.rocdl.raw_ptr_buffer_load(d.T.f32, srd, _raw(offset), zero)
+                    value = fx.Float32(old) + value
+                converted = _raw(value) if config.out_dtype == "f32" else d.arith.truncf(out_ty, _raw(value))
+                d.rocdl.raw_ptr_buffer_store(converted, srd, _raw(offset), zero)
 
 
 def _scale_readers(config, sa_addr, sa_numel, sa_row0, sb_addr, sb_numel, sb_col0):
@@ -462,6 +210,8 @@ def build_m_grouped(config: KernelConfig, lds_dma: bool = False):
     d = _flydsl()
     flyc, fx = d.flyc, d.fx
     const_expr = d.fx.const_expr
+    if config.accumulate:
+        raise ValueError("accumulate is a K-grouped (wgrad) epilogue only")
     SharedStorage = _lds_storage()
     group_tiles_fn = on_dsl(sched.m_grouped_group_tiles)
     swizzle_fn = on_dsl(sched.swizzle_group_m)
@@ -531,23 +281,23 @@ def build_m_grouped(config: KernelConfig, lds_dma: bool = False):
                     if k_blocks % 2 == 1:
                         # The odd last block is in buffer 0 (prologue or the last pair's refill).
                         acc = _mfma_block(config, buf0, wave_row0, buf0 + TILE_BYTES, wave_col0, acc, 0)
+                        # The next persistent tile's prologue DMAs into buffer 0 at once: no wave
+                        # may start it before every wave has read this block (issue 14's race;
+                        # lds_schedule.dma_tile_events models this schedule, its tests check it).
+                        _fence_lds()
                 else:
                     a_ld = _OperandLoader(a_addr, a_extent, a_base, lda, rows_valid, k)
                     b_ld = _OperandLoader(b_addr, b_extent, b_base, ldb, n - col0, k)
-                    a_regs = _operand_load(a_ld, fx.Int32(0))
-                    b_regs = _operand_load(b_ld, fx.Int32(0))
-                    _operand_store(a_ld, lds_base, a_regs)
-                    _operand_store(b_ld, lds_base + TILE_BYTES, b_regs)
-                    _fence_lds()
-                    for kb in range(fx.Int32(0), k_blocks, fx.Int32(1)):
-                        cur = lds_base + (kb % 2) * (2 * TILE_BYTES)
-                        nxt = lds_base + ((kb + 1) % 2) * (2 * TILE_BYTES)
-                        a_regs = _operand_load(a_ld, (kb + 1) * BK)
-                        b_regs = _operand_load(b_ld, (kb + 1) * BK)
-                        acc = _mfma_block(config, cur, wave_row0, cur + TILE_BYTES, wave_col0, acc)
-                        _operand_store(a_ld, nxt, a_regs)
-                        _operand_store(b_ld, nxt + TILE_BYTES, b_regs)
-                        _fence_lds()
+                    # Pairs of steps while block kb+3 is whole (no byte masks), then the last
+                    # steps with exact loads; blocks kb+1 (registers) and kb+2 (loads) in flight.
+                    a_next, b_next = _register_prologue(a_ld, b_ld, lds_base)
+                    pairs = _dsl_max(k // BK - 2, fx.Int32(0)) // 2
+                    for kp in range(fx.Int32(0), pairs, fx.Int32(1)):
+                        acc, a_next, b_next = _register_pair(
+                            config, a_ld, b_ld, lds_base, kp * 2, a_next, b_next, acc, wave_row0, wave_col0)
+                    for kb in range(pairs * 2, k_blocks, fx.Int32(1)):
+                        acc, a_next, b_next = _register_last_step(
+                            config, a_ld, b_ld, lds_base, kb, a_next, b_next, acc, wave_row0, wave_col0)
                 row_scale, col_scale = _scale_readers(
                     config, sa_addr, sa_numel, fx.Int32(row0), sb_addr, sb_numel, group * n + col0
                 )
@@ -581,6 +331,7 @@ def build_k_grouped(config: KernelConfig, band_cyclic: bool = True):
     """The launcher of the K-grouped (wgrad) kernel for ``config``."""
     d = _flydsl()
     flyc, fx = d.flyc, d.fx
+    const_expr = d.fx.const_expr
     SharedStorage = _lds_storage()
     order_fn = on_dsl(sched.k_grouped_band_cyclic if band_cyclic else sched.k_grouped_group_major)
     cdiv_fn = on_dsl(sched.cdiv)
@@ -615,25 +366,23 @@ def build_k_grouped(config: KernelConfig, band_cyclic: bool = True):
             # An empty group runs no K block: the accumulators stay exactly zero.
             k_blocks = cdiv_fn(tokens, BK)
             acc = _zero_acc()
-            a_regs = _operand_load(a_ld, fx.Int32(0))
-            b_regs = _operand_load(b_ld, fx.Int32(0))
-            _operand_store(a_ld, lds_base, a_regs)
-            _operand_store(b_ld, lds_base + TILE_BYTES, b_regs)
-            _fence_lds()
-            for kb in range(fx.Int32(0), k_blocks, fx.Int32(1)):
-                cur = lds_base + (kb % 2) * (2 * TILE_BYTES)
-                nxt = lds_base + ((kb + 1) % 2) * (2 * TILE_BYTES)
-                a_regs = _operand_load(a_ld, (kb + 1) * BK)
-                b_regs = _operand_load(b_ld, (kb + 1) * BK)
-                acc = _mfma_block(config, cur, wave_row0, cur + TILE_BYTES, wave_col0, acc)
-                _operand_store(a_ld, nxt, a_regs)
-                _operand_store(b_ld, nxt + TILE_BYTES, b_regs)
-                _fence_lds()
+            a_next, b_next = _register_prologue(a_ld, b_ld, lds_base)
+            pairs = _dsl_max(tokens // BK - 2, fx.Int32(0)) // 2
+            for kp in range(fx.Int32(0), pairs, fx.Int32(1)):
+                acc, a_next, b_next = _register_pair(
+                    config, a_ld, b_ld, lds_base, kp * 2, a_next, b_next, acc, wave_row0, wave_col0)
+            for kb in range(pairs * 2, k_blocks, fx.Int32(1)):
+                acc, a_next, b_next = _register_last_step(
+                    config, a_ld, b_ld, lds_base, kb, a_next, b_next, acc, wave_row0, wave_col0)
             row_scale, col_scale = _scale_readers(config, sa_addr, sa_numel, group * n + row0, sb_addr, sb_numel, group * k + col0)
+            rows_out = n - row0
+            if const_expr(config.accumulate):
+                # An empty group leaves out[g] exactly as it was (no store at all, not "+ 0").
+                rows_out = on_dsl(host.k_grouped_rows_stored)(rows_out, tokens)
             _store_tile(
                 config, acc, c_addr, c_extent,
                 fx.Int64(group) * stride_cg + fx.Int64(row0) * fx.Int64(ldc) + fx.Int64(col0 * host.OUT_BYTES[config.out_dtype]),
-                ldc, n - row0, k - col0, row_scale, col_scale,
+                ldc, rows_out, k - col0, row_scale, col_scale,
             )
 
     @flyc.jit

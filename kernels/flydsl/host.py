@@ -110,6 +110,53 @@ def chunk_valid_bytes(k_len, k0, chunk):
     return max(min(k_len - k0 - chunk * CHUNK_BYTES, CHUNK_BYTES), 0)
 
 
+def exact_chunk_split(valid_bytes):
+    """(whole dwords, bytes of the partial dword) of a chunk with ``valid_bytes`` valid bytes: the
+    exact (tail) loader takes the whole dwords from its 16-byte load and the partial dword's bytes
+    from single-byte loads, so no valid byte sits in a dword that straddles ``num_records``."""
+    return valid_bytes // 4, valid_bytes % 4
+
+
+def acc_row(wave_row0, i, lane):
+    """Tile row of the accumulators of MFMA tile (i, j) held by ``lane``. The kernels compute
+    C^T = B A^T (B's fragment in the MFMA's A slot), so a lane holds 4 consecutive *columns* of
+    one row: ``acc_col(.., e)`` for e = 0..3. That makes each (i, j) one 8- or 16-byte store."""
+    return wave_row0 + i * 16 + lane % 16
+
+
+def acc_col(wave_col0, j, lane, e):
+    """Tile column of accumulator element ``e`` (0..3) of MFMA tile (i, j) held by ``lane``."""
+    return wave_col0 + j * 16 + (lane // 16) * 4 + e
+
+
+def lt_mask(a, b):
+    """-1 (all bits) if a < b else 0, for |a - b| < 2^31: lane arithmetic instead of a compare, so
+    the exact loader's 11 per-pass decisions cost VALU ops, not SGPR-pair lane masks (which
+    spilled SGPRs in the tail loop)."""
+    return (a - b) >> 31
+
+
+def exact_dword(raw_word, tail_word, dword, whole):
+    """Dword ``dword`` of an exactly loaded chunk: the 16-byte load's word for the ``whole``
+    complete dwords, the byte-assembled ``tail_word`` for the partial one, 0 past it."""
+    below = lt_mask(dword, whole)
+    at = lt_mask(dword, whole + 1) & ~below
+    return (raw_word & below) | (tail_word & at)
+
+
+def exact_byte_offset(lane_offset, whole, partial, byte, oob):
+    """Offset of byte ``byte`` (0..2) of the partial dword, or ``oob`` where it is not a valid
+    byte (the single-byte load then reads 0)."""
+    keep = lt_mask(byte, partial)
+    return ((lane_offset + whole * 4 + byte) & keep) | (oob & ~keep)
+
+
+def k_grouped_rows_stored(rows, tokens):
+    """Rows of a K-grouped tile the accumulating epilogue stores: none for an empty group, so its
+    out[g] stays exactly as it was (``x + 0.0`` would turn a -0.0 into +0.0), else ``rows``."""
+    return rows * min(tokens, 1)
+
+
 def dword_valid_bytes(chunk_bytes, dword):
     """Valid bytes (0..4) of dword ``dword`` (0..3) of a chunk with ``chunk_bytes`` valid bytes."""
     return max(min(chunk_bytes - dword * 4, 4), 0)
@@ -260,8 +307,10 @@ def plan_m_grouped(
     out_bytes = OUT_BYTES[out_dtype]
     lda, ldb, stride_bg = a_strides[0], b_strides[1], b_strides[0]
     ldc = n * out_bytes  # the backend allocates out contiguous
-    check_in_tile_span("a", lda, BLOCK_M, BLOCK_K)
-    check_in_tile_span("b", ldb, BLOCK_N, BLOCK_K)
+    # The main loops reach K block k0 of a tile as lane offset + k0 (the instruction's scalar
+    # offset): the span of a tile row is the whole contraction length.
+    check_in_tile_span("a", lda, BLOCK_M, max(k, BLOCK_K))
+    check_in_tile_span("b", ldb, BLOCK_N, max(k, BLOCK_K))
     check_in_tile_span("out", ldc, BLOCK_M, BLOCK_N * out_bytes)
     num_n_blocks = sched.cdiv(n, BLOCK_N)
     bound = sched.m_grouped_tile_upper_bound(m, g, BLOCK_M, num_n_blocks)
@@ -296,8 +345,8 @@ def plan_k_grouped(
     out_bytes = OUT_BYTES[out_dtype]
     lda, ldb = a_strides[0], b_strides[0]
     ldc = k * out_bytes
-    check_in_tile_span("a", lda, BLOCK_M, BLOCK_K)
-    check_in_tile_span("b", ldb, BLOCK_N, BLOCK_K)
+    check_in_tile_span("a", lda, BLOCK_M, max(m, BLOCK_K))  # a group's tokens are at most m
+    check_in_tile_span("b", ldb, BLOCK_N, max(m, BLOCK_K))
     check_in_tile_span("out", ldc, BLOCK_M, BLOCK_N * out_bytes)
     num_m_blocks, num_n_blocks = sched.cdiv(n, BLOCK_M), sched.cdiv(k, BLOCK_N)
     total = sched.k_grouped_total_tiles(num_groups, num_m_blocks, num_n_blocks)

@@ -46,6 +46,28 @@ def _num_cu(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _check_out(problem: GroupedGemmProblem) -> None:
+    """``problem.out`` / ``accumulate`` as the kernels take them: the out tensor is written with
+    the contiguous row strides of ``out_shape`` (the plan's ``ldc``), accumulation is a K_GROUPED
+    fp32 epilogue (``out[g] += result``)."""
+    out = problem.out
+    if problem.accumulate:
+        if problem.kind is not GemmKind.K_GROUPED:
+            raise ValueError("accumulate is for K_GROUPED (wgrad) problems only")
+        if out is None:
+            raise ValueError("accumulate needs out (the float32 tensor to add the result to)")
+        if out.dtype != torch.float32 or problem.out_dtype != torch.float32:
+            raise ValueError(f"accumulate needs a float32 out and out_dtype, got {out.dtype} / {problem.out_dtype}")
+    if out is None:
+        return
+    if tuple(out.shape) != tuple(problem.out_shape):
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(problem.out_shape)}")
+    if out.dtype != problem.out_dtype:
+        raise ValueError(f"out is {out.dtype}, expected out_dtype {problem.out_dtype}")
+    if out.device != problem.device or not out.is_contiguous():
+        raise ValueError("out must be a contiguous tensor on the operands' device")
+
+
 class FlyDSLBackend(GroupedGemmBackend):
     name = "flydsl"
 
@@ -123,6 +145,7 @@ class FlyDSLBackend(GroupedGemmBackend):
             plan = host.plan_k_grouped(
                 tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), problem.num_groups, out, num_cu
             )
+        _check_out(problem)
         # Checked last so that the shape and layout checks above also run (and are tested) on CPU.
         if not on_rocm:
             raise ValueError(f"operands are on {problem.device}, not a ROCm GPU")
@@ -134,9 +157,14 @@ class FlyDSLBackend(GroupedGemmBackend):
         plan = self._plan(problem)
         config = kernels.KernelConfig(
             _FP8_FORMAT[problem.a.dtype], _FP8_FORMAT[problem.b.dtype], _OUT_DTYPE[problem.out_dtype],
-            problem.a_scale.dim() > 0, problem.b_scale.dim() > 0,
+            problem.a_scale.dim() > 0, problem.b_scale.dim() > 0, problem.accumulate,
+            # Each lane stores 4 consecutive output columns at once when no group of 4 straddles
+            # the last column.
+            problem.out_shape[-1] % 4 == 0,
         )
-        out = torch.empty(problem.out_shape, dtype=problem.out_dtype, device=problem.device)
+        out = problem.out
+        if out is None:
+            out = torch.empty(problem.out_shape, dtype=problem.out_dtype, device=problem.device)
         if out.numel() == 0:
             return out
         if problem.kind is GemmKind.M_GROUPED:
