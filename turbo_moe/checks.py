@@ -171,8 +171,18 @@ def _check_index_tensor(name: str, t, expected_len: Optional[int], device: torch
             raise ValueError(f"len({name})={t.shape[0]}: offsets of at least one group need 2 entries [0, M]")
     elif t.shape[0] != expected_len:
         raise ValueError(f"len({name})={t.shape[0]} but {what} (expected {expected_len})")
-    if t.device != device:
+    if not _same_device(t.device, device):
         raise ValueError(f"{name} must be on the data's device {device}, got {t.device}")
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` (no index: the current device) and ``cuda:0`` name one device when 0 is current."""
+    if a.type != b.type:
+        return False
+    if a.index is None or b.index is None:
+        current = torch.cuda.current_device() if a.type == "cuda" else None
+        return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+    return a.index == b.index
 
 
 def _check_on_host(name: str, t: torch.Tensor, offs: torch.Tensor, num_rows: int) -> None:

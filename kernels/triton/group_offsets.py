@@ -18,6 +18,9 @@ from .launch import lean
 
 # One program holds all offsets in one block: enough for any MoE layer's experts per rank.
 MAX_GROUPS = 8191
+# The device asserts are compiled in unless this is False (a test that must watch the clamp alone
+# keep kernels in bounds under bad routing turns them off; users never should).
+DEVICE_ASSERTS = True
 
 
 @triton.jit
@@ -54,7 +57,7 @@ def resolve_group_offs(src, num_rows: int, from_lens: bool):
     offs = torch.empty(num_groups + 1, dtype=torch.int64, device=src.device)
     block = triton.next_power_of_2(num_groups + 1)
     _resolve_launcher[(1,)](src, offs, num_groups, num_rows, FROM_LENS=from_lens, BLOCK=block,
-                                    num_warps=4 if block <= 1024 else 8)
+                            num_warps=4 if block <= 1024 else 8, debug=DEVICE_ASSERTS)
     return offs
 
 
