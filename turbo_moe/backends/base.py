@@ -77,10 +77,14 @@ class GroupedGemmProblem:
         """Everything a backend's ``can_handle`` and launch plan depend on, as a hashable key: the
         kind, dtypes, devices, shapes, strides and 16-byte alignment of every tensor, the cap, the
         role, and whether a CUDA graph is being captured. Two problems with one signature get the
-        same dispatch decision and the same kernel configuration, so both are cached on it."""
+        same dispatch decision and the same kernel configuration, so both are cached on it.
+        Computed once per problem object (``dataclasses.replace`` makes a new object: recomputed)."""
+        cached = self.__dict__.get("_signature")  # dispatch and the backend's plan cache both ask
+        if cached is not None:
+            return cached
         a, b, sa, sb, offs = self.a, self.b, self.a_scale, self.b_scale, self.group_offs
         capturing = a.is_cuda and torch.cuda.is_current_stream_capturing()
-        return (
+        self.__dict__["_signature"] = signature = (
             self.kind, self.role, self.out_dtype, self.num_cu, capturing, a.device,
             a.dtype, a.shape, a.stride(), a.data_ptr() % 16,
             b.dtype, b.device, b.shape, b.stride(), b.data_ptr() % 16,
@@ -89,6 +93,7 @@ class GroupedGemmProblem:
             self.accumulate, None if self.out is None else
             (self.out.dtype, self.out.device, self.out.shape, self.out.stride(), self.out.data_ptr() % 16),
         )
+        return signature
 
     @property
     def num_groups(self) -> int:
