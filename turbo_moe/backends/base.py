@@ -78,7 +78,8 @@ class GroupedGemmProblem:
         kind, dtypes, devices, shapes, strides and 16-byte alignment of every tensor, the cap, the
         role, and whether a CUDA graph is being captured. Two problems with one signature get the
         same dispatch decision and the same kernel configuration, so both are cached on it.
-        Computed once per problem object (``dataclasses.replace`` makes a new object: recomputed)."""
+        Computed once per problem object: treat a problem as a value once it was dispatched (to
+        change a field, build a new one with ``dataclasses.replace``, which recomputes it)."""
         cached = self.__dict__.get("_signature")  # dispatch and the backend's plan cache both ask
         if cached is not None:
             return cached
