@@ -226,21 +226,57 @@ def prepare_training(model, config, args, turbo: bool):
 
 
 def check_input_dtypes(model) -> None:
-    """Make every module that owns parameters reject floating inputs of another dtype, as CUDA's
-    kernels do (the CPU's ``F.layer_norm`` takes a bf16 input with fp32 weights)."""
+    """Make every module that owns parameters reject floating inputs of another dtype than its
+    parameters (read at each call), as CUDA's kernels do (the CPU's ``F.layer_norm`` takes a bf16
+    input with fp32 weights)."""
 
-    def hook(module, args, kwargs, *, name, dtype):
+    def param_dtype(module, name):
+        dtypes = {p.dtype for p in module.parameters(recurse=False)}
+        if len(dtypes) > 1:
+            raise RuntimeError(f"{name or 'model'} ({type(module).__name__}) mixes parameter dtypes "
+                               f"{sorted(map(str, dtypes))}")
+        return dtypes.pop()
+
+    def hook(module, args, kwargs, *, name):
+        dtype = param_dtype(module, name)
         for value in (*args, *kwargs.values()):
             if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
                 raise RuntimeError(f"dtype mismatch at {name or 'model'} ({type(module).__name__}): input "
                                    f"{value.dtype} {tuple(value.shape)}, parameters {dtype}")
 
     for name, module in model.named_modules():
-        dtypes = {p.dtype for p in module.parameters(recurse=False)}
-        if len(dtypes) > 1:
-            raise RuntimeError(f"{name} ({type(module).__name__}) mixes parameter dtypes {sorted(map(str, dtypes))}")
-        if dtypes:
-            module.register_forward_pre_hook(functools.partial(hook, name=name, dtype=dtypes.pop()), with_kwargs=True)
+        if next(module.parameters(recurse=False), None) is not None:
+            param_dtype(module, name)
+            module.register_forward_pre_hook(functools.partial(hook, name=name), with_kwargs=True)
+
+
+def _same_bits(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def check_fp8_cache_is_fresh(quantize_weight) -> dict:
+    """Each time a turbo_moe linear takes its cached FP8 weight, quantize the current weight afresh
+    (``quantize_weight``, not the counted one) and compare the bits: the distributed optimizer writes
+    the weights through DDP's buffers, which only ``invalidate_fp8_weight_cache_on_step`` makes the
+    cache see. Returns the counts ``{"uses": n, "stale": m}``."""
+    from turbo_moe.megatron import TurboGroupedLinear
+
+    counts = {"uses": 0, "stale": 0}
+    cached_fp8_weight = TurboGroupedLinear._cached_fp8_weight
+
+    def checked(self):
+        cached = cached_fp8_weight(self)
+        if cached is not None:
+            with torch.no_grad():
+                fresh = quantize_weight(self.weight.detach(), self.fp8_config, transposed=True)
+            counts["uses"] += 1
+            counts["stale"] += not all(_same_bits(a, b) for a, b in zip(cached, fresh))
+        return cached
+
+    TurboGroupedLinear._cached_fp8_weight = checked
+    return counts
 
 
 def copy_through_checkpoint(src, dst) -> None:
@@ -345,6 +381,7 @@ def main(argv=None) -> int:
         return real_quantize_weight(*a, **k)
 
     tm_autograd.quantize_weight = counting_quantize_weight
+    cache_uses = check_fp8_cache_is_fresh(real_quantize_weight)
 
     with megatron_process(use_gpu):
         torch.manual_seed(0)
@@ -383,17 +420,20 @@ def main(argv=None) -> int:
         expected = 2 * moe_layers  # fc1 and fc2 of each MoE layer, once per optimizer step
         print(f"FP8 weight quantizations per optimizer step: {sorted({r[2] for r in rows})} "
               f"(cache: {expected} = 2 linears x {moe_layers} layers; without it {expected * args.micro_batches})")
+        print(f"cached FP8 weights taken: {cache_uses['uses']}, stale (differ from the current weight "
+              f"quantized afresh): {cache_uses['stale']}")
         first, last = rows[0], rows[-1]
         max_rel = max(abs(t - r) / abs(r) for r, t, _ in rows)
         gap = dense_parameter_gap(ref, tur)
         print(f"ms/step: SequentialMLP {1e3 * t_ref / args.steps:.0f}, turbo_moe {1e3 * t_tur / args.steps:.0f} "
               "(small shapes: not a benchmark)")
         print(f"largest relative gap of the non-expert weight matrices after {args.steps} steps: {gap:.4f}")
-        ok = bool(all(r[2] == expected for r in rows) and wgrad and all("+= float32" in w.problem for w in wgrad)
+        ok = bool(all(r[2] == expected for r in rows) and cache_uses["uses"] and not cache_uses["stale"] and wgrad and all("+= float32" in w.problem for w in wgrad)
                   and last[0] < first[0] and last[1] < first[1] and max_rel < 0.05 and gap < 0.5)
         print(f"VERDICT {'PASS' if ok else 'FAIL'}: losses fall ({first[0]:.3f}->{last[0]:.3f} vs "
               f"{first[1]:.3f}->{last[1]:.3f}), max relative loss gap {max_rel:.4f} (< 0.05), "
               f"non-expert weight gap {gap:.4f} (< 0.5), {expected} weight quantizations every step, "
+              f"{cache_uses['stale']} stale FP8 weights, "
               "wgrad accumulates into fp32 main_grad")
     return 0 if ok else 1
 
