@@ -331,9 +331,11 @@ def train_step(ddp, optimizer, batches, args):
 @torch.no_grad()
 def dense_parameter_gap(ref, tur) -> float:
     """Largest relative difference of the weight matrices both models name alike (all but the
-    experts' ones; biases and norms start at 0 / 1, where Adam's noise-sized steps dominate): small
-    when both trained from the same weights, ~1.4 when one started from other random values (as it
-    would if the optimizer had copied the weights before the checkpoint load)."""
+    experts' ones; biases and norms start at 0 / 1, where Adam's noise-sized steps dominate).
+    After the first step it is at most ~2 lr / init std (Adam's first update is lr x sign(grad),
+    so the models differ only where FP8 flips a gradient's sign): <= 0.4 here; ~1.4 when one model
+    started from other random values (as when the optimizer copied the weights before the
+    checkpoint load). Later steps may drift further apart (printed, not judged)."""
     ref_params = dict(ref.named_parameters())
     gaps = [float((p.float() - ref_params[n].float()).norm() / ref_params[n].float().norm())
             for n, p in tur.named_parameters() if n in ref_params and "experts" not in n and p.dim() == 2]
@@ -413,6 +415,8 @@ def main(argv=None) -> int:
             t2 = time.perf_counter()
             t_ref, t_tur = t_ref + t1 - t0, t_tur + t2 - t1
             rows.append((loss_ref, loss_tur, quantizations[0]))
+            if step == 0:
+                first_gap = dense_parameter_gap(ref, tur)
             print(f"{step:>4} {loss_ref:13.4f} {loss_tur:10.4f} {loss_tur - loss_ref:+8.4f} {quantizations[0]:>12}",
                   flush=True)
         wgrad = [r for r in recent_dispatches() if r.problem.startswith("wgrad")]
@@ -427,12 +431,13 @@ def main(argv=None) -> int:
         gap = dense_parameter_gap(ref, tur)
         print(f"ms/step: SequentialMLP {1e3 * t_ref / args.steps:.0f}, turbo_moe {1e3 * t_tur / args.steps:.0f} "
               "(small shapes: not a benchmark)")
-        print(f"largest relative gap of the non-expert weight matrices after {args.steps} steps: {gap:.4f}")
+        print(f"largest relative gap of the non-expert weight matrices after the first step: {first_gap:.4f}, "
+              f"after {args.steps} steps: {gap:.4f}")
         ok = bool(all(r[2] == expected for r in rows) and cache_uses["uses"] and not cache_uses["stale"] and wgrad and all("+= float32" in w.problem for w in wgrad)
-                  and last[0] < first[0] and last[1] < first[1] and max_rel < 0.05 and gap < 0.5)
+                  and last[0] < first[0] and last[1] < first[1] and max_rel < 0.05 and first_gap < 0.5)
         print(f"VERDICT {'PASS' if ok else 'FAIL'}: losses fall ({first[0]:.3f}->{last[0]:.3f} vs "
               f"{first[1]:.3f}->{last[1]:.3f}), max relative loss gap {max_rel:.4f} (< 0.05), "
-              f"non-expert weight gap {gap:.4f} (< 0.5), {expected} weight quantizations every step, "
+              f"non-expert weight gap after step 0 {first_gap:.4f} (< 0.5), {expected} weight quantizations every step, "
               f"{cache_uses['stale']} stale FP8 weights, "
               "wgrad accumulates into fp32 main_grad")
     return 0 if ok else 1
