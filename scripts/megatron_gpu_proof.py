@@ -102,6 +102,9 @@ class _CudaNamesOnCpu(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_MISSING = object()
+
+
 @contextlib.contextmanager
 def cuda_assumptions_on_cpu():
     """Point Megatron-core's CUDA assumptions at the CPU (undone on exit).
@@ -136,8 +139,6 @@ def cuda_assumptions_on_cpu():
             else:
                 setattr(obj, name, value)
 
-
-_MISSING = object()
 
 
 @contextlib.contextmanager
