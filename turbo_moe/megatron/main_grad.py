@@ -32,27 +32,40 @@ def invalidate_fp8_weight_caches() -> None:
 
 
 def invalidate_fp8_weight_cache_on_step(optimizer):
-    """Wrap ``optimizer.step`` (a Megatron or torch optimizer) so that each step invalidates the FP8
-    weight caches of ``TurboMoEOptions(cache_fp8_weight=True)`` layers; returns ``optimizer``.
+    """Make each optimizer step invalidate the FP8 weight caches of
+    ``TurboMoEOptions(cache_fp8_weight=True)`` layers; returns ``optimizer``.
 
     Needed because Megatron's optimizers update parameters through DDP's flat buffers (the
-    parameters are ``.data`` views of them), which the Parameter's version counter does not see.
-    """
-    step = optimizer.step
-    if getattr(step, "_turbo_moe_invalidates_fp8_weights", False):
-        return optimizer
+    parameters are ``.data`` views of them; the distributed optimizer copies its fp32 shards into
+    the buffer, then all-gathers it), which the Parameter's version counter does not see.
 
-    @functools.wraps(step)
-    def step_then_invalidate(*args, **kwargs):
+    Wraps ``step`` and, where present, ``step_with_ready_grads`` -- the method Megatron's
+    ``ChainedOptimizer.step`` calls on each optimizer it chains -- of ``optimizer`` and of the
+    optimizers it chains, so passing the ``ChainedOptimizer`` that ``get_megatron_optimizer``
+    returns or any one of its members both work.
+    """
+    for opt in (optimizer, *getattr(optimizer, "chained_optimizers", ())):
+        for name in ("step", "step_with_ready_grads"):
+            _invalidate_after(opt, name)
+    _step_hook_installed[0] = True
+    return optimizer
+
+
+def _invalidate_after(optimizer, name: str) -> None:
+    method = getattr(optimizer, name, None)
+    if method is None or getattr(method, "_turbo_moe_invalidates_fp8_weights", False):
+        return
+
+    @functools.wraps(method)
+    def then_invalidate(*args, **kwargs):
         try:
-            return step(*args, **kwargs)
+            return method(*args, **kwargs)
         finally:
             invalidate_fp8_weight_caches()
 
-    step_then_invalidate._turbo_moe_invalidates_fp8_weights = True
-    optimizer.step = step_then_invalidate
-    _step_hook_installed[0] = True
-    return optimizer
+    then_invalidate._turbo_moe_invalidates_fp8_weights = True
+    setattr(optimizer, name, then_invalidate)
+
 
 _dummy_wgrads: dict = {}
 
