@@ -315,7 +315,7 @@ def test_backend_choice_and_refusals():
     with pytest.raises(ValueError, match="b_scale must be torch.uint8"):
         run_block_scaled(BlockScaledProblem(GemmKind.M_GROUPED, q, wq, s, ws.float(), offs, torch.float32, Q.MXFP8))
     with pytest.raises(ValueError, match=r"a_scale must have shape \(8, 2\)"):
-        run_block_scaled(BlockScaledProblem(GemmKind.M_GROUPED, q, wq, s[:, :2], ws, offs, torch.float32, Q.MXFP8))
+        run_block_scaled(BlockScaledProblem(GemmKind.M_GROUPED, q, wq, s[:, :1], ws, offs, torch.float32, Q.MXFP8))
 
 
 def test_meta_device_infers_shapes():
