@@ -39,7 +39,7 @@ def test_interpreter_case(name):
 
 def test_dot_scaled_lowering_sm90_emulated_sm100_native():
     pytest.importorskip("triton")
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "dot_scaled_lowering.py"), "--json"],
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "dot_scaled_lowering.py"), "--json", "--kernels"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     assert lines, proc.stderr[-3000:]
@@ -48,3 +48,6 @@ def test_dot_scaled_lowering_sm90_emulated_sm100_native():
     # takes the FP8 promotion loop there. Blackwell: the block-scaled tensor-core MMA.
     assert report["sm_90"]["bf16_wgmma"] > 0 and report["sm_90"]["fp8_wgmma"] == 0
     assert report["sm_100"]["tcgen05_block_scale"] > 0
+    # Our block-scaled kernels (promotion loop) compile for sm_90 to FP8 wgmma, no bf16 fallback.
+    for name, counts in report["block_scaled_kernels_sm_90"].items():
+        assert counts["fp8_wgmma"] > 0 and counts["bf16_wgmma"] == 0, (name, counts)

@@ -35,10 +35,11 @@ from .grouped_gemm import _m_grouped_cursor_advance, _m_grouped_cursor_start, _m
 @triton.jit
 def _decode_scale(stored, E8M0: tl.constexpr):
     """float32 dequantization factors: e8m0 ``2**(e - 127)`` (255 -> NaN), or the float32 itself."""
+    scale = stored
     if E8M0:
         e = stored.to(tl.int32)
-        return tl.where(e == 255, float("nan"), (e << 23).to(tl.float32, bitcast=True))
-    return stored
+        scale = tl.where(e == 255, float("nan"), (e << 23).to(tl.float32, bitcast=True))
+    return scale
 
 
 @triton.jit
