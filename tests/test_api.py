@@ -214,7 +214,13 @@ def test_float8_config_validation():
     with pytest.raises(ValueError, match="format"):
         Float8Config(format="e3m4")
     with pytest.raises(ValueError, match="granularity"):
-        Float8Config(granularity="blockwise")
+        Float8Config(granularity="per_block")
+    assert Float8Config(granularity="blockwise", power_of_two_scales=True).fine_grained
+    assert Float8Config(granularity="mxfp8").fine_grained and not Float8Config(granularity="rowwise").fine_grained
+    with pytest.raises(ValueError, match="power_of_two_scales.*blockwise"):
+        Float8Config(granularity="mxfp8", power_of_two_scales=True)
+    with pytest.raises(TypeError, match="power_of_two_scales"):
+        Float8Config(granularity="blockwise", power_of_two_scales=1)
     with pytest.raises(NotImplementedError, match="delayed"):
         Float8Config(strategy="delayed")
     with pytest.raises(ValueError, match="margin"):

@@ -331,7 +331,9 @@ def test_fp8_switch_mapping():
     assert cfg == Float8Config(format="hybrid", granularity="tensorwise", margin=1)
     assert cfg.grad_dtype == torch.float8_e5m2
     # Recipes turbo_moe cannot run as Megatron defines them are refused (tests/test_megatron_options.py).
-    for recipe in ("mxfp8", "blockwise", "delayed"):
+    assert resolve(opts(), _ns(fp8="e4m3", fp8_recipe="blockwise")) == Float8Config(granularity="blockwise")
+    assert resolve(opts(), _ns(fp8="hybrid", fp8_recipe="mxfp8")) == Float8Config(format="hybrid", granularity="mxfp8")
+    for recipe in ("delayed",):
         with pytest.raises(ValueError, match=f"fp8_recipe='{recipe}'"):
             resolve(opts(), _ns(fp8="e4m3", fp8_recipe=recipe))
     assert resolve(opts(fp8="e4m3", granularity="rowwise"), _ns()) == Float8Config(granularity="rowwise")
@@ -342,7 +344,7 @@ def test_fp8_switch_mapping():
     with pytest.raises(ValueError, match="fp8="):
         opts(fp8="e5m2")
     with pytest.raises(ValueError, match="granularity"):
-        opts(fp8="e4m3", granularity="blockwise")
+        opts(fp8="e4m3", granularity="per_block")
     with pytest.raises(ValueError, match="num_cu"):
         opts(num_cu=0)
 

@@ -43,13 +43,19 @@ def _ns(**kw):
 
 
 @pytest.mark.parametrize("recipe, reason", [
-    ("mxfp8", "MXFP8"), ("blockwise", "blockwise scaling"), ("delayed", "amax history"), ("custom", "custom"),
+    ("delayed", "amax history"), ("custom", "custom"),
 ])
 def test_unsupported_recipes_are_refused_naming_the_recipe(recipe, reason):
     with pytest.raises(ValueError, match=f"fp8_recipe='{recipe}'.*{reason}.*fp8_recipe='tensorwise'"):
         tm.resolve_fp8_config(tm.TurboMoEOptions(), _ns(fp8_recipe=recipe))
     with pytest.raises(ValueError, match="'nvfp8' is not a recipe turbo_moe knows"):
         tm.resolve_fp8_config(tm.TurboMoEOptions(), _ns(fp8_recipe="nvfp8"))
+
+
+@pytest.mark.parametrize("recipe, granularity", [("blockwise", "BLOCKWISE"), ("mxfp8", "MXFP8")])
+def test_fine_grained_recipes_map_to_their_granularity(recipe, granularity):
+    cfg = tm.resolve_fp8_config(tm.TurboMoEOptions(), _ns(fp8_recipe=recipe, fp8_margin=1))
+    assert cfg.granularity is ScalingGranularity[granularity] and cfg.margin == 1
 
 
 def test_megatron_enum_recipe_and_explicit_switches():

@@ -113,6 +113,9 @@ class Float8Weight(NamedTuple):
 
 def quantize_weight(w_nk: torch.Tensor, config: Float8Config, transposed: bool = True) -> Float8Weight:
     """Quantize ``w_nk [G, N, K]`` as the forward (and, with ``transposed``, dgrad) GEMMs read it."""
+    if config.fine_grained:  # blockwise / mxfp8: turbo_moe.fine_grained
+        from .fine_grained import quantize_weight_fine
+        return quantize_weight_fine(w_nk, config, transposed=transposed)
     dtype, margin = config.forward_dtype, config.margin
     if config.granularity is ScalingGranularity.TENSORWISE:
         w_fp8, w_kn, w_scale = quantize_tensorwise_layouts(w_nk, dtype, margin, transposed=transposed)
@@ -260,6 +263,10 @@ def _grouped_gemm_fp8_resolved(x, w, offs, *, trans_b=True, config=None, num_cu=
         raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
     out_dtype = _autocast_out_dtype(x, out_dtype)
     w_nk = w if trans_b else w.transpose(1, 2)
+    if config.fine_grained:  # blockwise / mxfp8: turbo_moe.fine_grained
+        from .fine_grained import grouped_gemm_fine
+        return grouped_gemm_fine(x, w_nk, offs, config=config, num_cu=num_cu, backend=backend, out_dtype=out_dtype,
+                                 w_fp8=w_fp8)
     return GroupedGemmFP8Function.apply(x, w_nk, offs, config, num_cu, backend, out_dtype, w_fp8)
 
 
@@ -311,6 +318,10 @@ def _grouped_wgrad_fp8_resolved(dy, x, group_offs, *, config=None, num_cu=None, 
     _check_num_cu(num_cu)
     if out_dtype is not None and out_dtype not in HIGH_PRECISION_DTYPES:
         raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    if config.fine_grained:  # blockwise / mxfp8: turbo_moe.fine_grained
+        from .fine_grained import grouped_wgrad_fine
+        return grouped_wgrad_fine(dy, x, group_offs, config=config, num_cu=num_cu, backend=backend,
+                                  out_dtype=out_dtype, main_grad=main_grad)
     rowwise = config.granularity is ScalingGranularity.ROWWISE
     dy_t, dy_scale = _token_major_operand(dy, group_offs, config.grad_dtype, config.margin, rowwise)
     x_t, x_scale = _token_major_operand(x, group_offs, config.forward_dtype, config.margin, rowwise)

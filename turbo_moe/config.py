@@ -29,10 +29,16 @@ class ScalingGranularity(str, enum.Enum):
     (per token for activations/gradients, per output channel for weights). Because a scale must
     not vary along the contraction dimension, each GEMM quantizes its operands along its own
     contraction axis (see ``turbo_moe.quantize``).
+    ``BLOCKWISE``: DeepSeek-V3 style: float32 scales per 1x128 tile of activations and gradients
+    along the contracted dimension, per 128x128 block of weights (so W and W^T share them).
+    ``MXFP8``: OCP MX: one power-of-two (e8m0) scale per 1x32 block along the contracted
+    dimension, for every operand. The fine-grained recipes live in ``turbo_moe.fine_grained``.
     """
 
     TENSORWISE = "tensorwise"
     ROWWISE = "rowwise"
+    BLOCKWISE = "blockwise"
+    MXFP8 = "mxfp8"
 
 
 class ScalingStrategy(str, enum.Enum):
@@ -74,6 +80,10 @@ class Float8Config:
     ``strategy``: ``"current"`` (``"delayed"`` is a reserved seam: ``amax_history_len`` will size
     its history, and asking for it today raises). ``margin`` (an int in ``[0, 8]``) shrinks the
     scale by ``2**margin`` to leave head-room, as Transformer Engine's recipe does.
+    ``granularity`` may also be ``"blockwise"`` or ``"mxfp8"`` (see ScalingGranularity).
+    ``power_of_two_scales`` (blockwise only): round every quantization scale down to a power of
+    two (DeepSeek-V3, TE's ``Float8BlockScaling(power_2_scale=True)``), so that scaling is exact;
+    MXFP8 scales are powers of two by definition.
     """
 
     format: Float8Format = Float8Format.E4M3
@@ -81,6 +91,7 @@ class Float8Config:
     strategy: ScalingStrategy = ScalingStrategy.CURRENT
     margin: int = 0
     amax_history_len: int = field(default=1)
+    power_of_two_scales: bool = False
 
     def __post_init__(self) -> None:
         for name, enum_type in (
@@ -103,6 +114,18 @@ class Float8Config:
             raise ValueError(f"Float8Config.margin must be an int in [0, {MAX_MARGIN}], got {self.margin!r}")
         if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
             raise ValueError(f"Float8Config.amax_history_len must be >= 1, got {self.amax_history_len!r}")
+        if not isinstance(self.power_of_two_scales, bool):
+            raise TypeError(f"Float8Config.power_of_two_scales must be a bool, got {self.power_of_two_scales!r}")
+        if self.power_of_two_scales and self.granularity is not ScalingGranularity.BLOCKWISE:
+            raise ValueError(
+                f"Float8Config.power_of_two_scales=True is for granularity='blockwise' (mxfp8 scales are powers "
+                f"of two already), got granularity={self.granularity.value!r}"
+            )
+
+    @property
+    def fine_grained(self) -> bool:
+        """Whether the recipe is blockwise or MXFP8 (run by ``turbo_moe.fine_grained``)."""
+        return self.granularity in (ScalingGranularity.BLOCKWISE, ScalingGranularity.MXFP8)
 
     @property
     def forward_dtype(self) -> torch.dtype:

@@ -21,8 +21,8 @@ class TurboMoEOptions:
     """turbo_moe's own settings for Megatron experts (Megatron's config carries everything else).
 
     ``fp8``: ``"megatron"`` (follow ``config.fp8``; off when it is None), ``None`` (high precision),
-    ``"e4m3"``, ``"hybrid"`` or a ``Float8Config``. ``granularity``: ``"tensorwise"`` or
-    ``"rowwise"`` when ``fp8`` is a format name (``None``: derived from ``config.fp8_recipe`` under
+    ``"e4m3"``, ``"hybrid"`` or a ``Float8Config``. ``granularity``: ``"tensorwise"``,
+    ``"rowwise"``, ``"blockwise"`` or ``"mxfp8"`` when ``fp8`` is a format name (``None``: derived from ``config.fp8_recipe`` under
     ``"megatron"``, else tensorwise). ``backend``: ``"auto"``, ``"triton"``, ``"flydsl"``,
     ``"torch"``. ``num_cu``: cap on the SMs/CUs the FP8 kernels occupy. ``cache_fp8_weight``:
     quantize each weight once per optimizer step instead of once per micro-batch (the FP8 copy is
@@ -77,12 +77,10 @@ FP8_RECIPES = {
     "delayed": RecipeMapping(refusal=(
         "delayed scaling takes each scale from an amax history (kept in TE's _extra_state); turbo_moe scales "
         "every tensor with its current amax and keeps no history")),
-    "mxfp8": RecipeMapping(refusal=(
-        "MXFP8 (1x32 blocks with E8M0 scales) is not implemented by turbo_moe's kernels yet, and rowwise "
-        "scaling is a different recipe")),
-    "blockwise": RecipeMapping(refusal=(
-        "blockwise scaling (1x128 activation / 128x128 weight blocks) is not implemented by turbo_moe's "
-        "kernels yet, and rowwise scaling is a different recipe")),
+    # DeepSeek-style 1x128 / 128x128 float32 block scales (TE Float8BlockScaling) and OCP MXFP8
+    # (1x32 blocks, e8m0 scales; TE MXFP8BlockScaling): turbo_moe.fine_grained.
+    "mxfp8": RecipeMapping(ScalingGranularity.MXFP8),
+    "blockwise": RecipeMapping(ScalingGranularity.BLOCKWISE),
     "custom": RecipeMapping(refusal="a custom quantizer factory has no turbo_moe equivalent"),
 }
 

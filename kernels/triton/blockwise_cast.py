@@ -1,0 +1,203 @@
+"""Fused blockwise / MXFP8 quantization: per-block amax, scale and cast in one launch, no host sync.
+
+Bit-for-bit ``turbo_moe.fine_grained.quantize`` (its torch ops define the semantics): blockwise
+scales are ``fp8_max / amax`` (``fp8_cast._quant_scales``), optionally floored to a power of two;
+MXFP8 exponents come from the amax's float32 bits (``_block_scales`` below). Three kernels:
+
+* ``block_cast_rows_kernel``: 1xB blocks along the last dim of ``x [B, R, C]`` (any strides) ->
+  contiguous FP8 and block-major scales (activations, gradients, MXFP8 weights both ways);
+* ``block_cast_weight_kernel``: 128x128 blocks of ``w [G, N, K]`` -> FP8 ``[G, N, K]`` and its
+  transpose ``[G, K, N]`` from one read (they share the scales);
+* ``block_cast_tokens_kernel``: the wgrad operand: ``x [M, C]`` in blocks of B tokens restarting
+  at each group's first token -> token-contiguous ``[C, M]`` FP8 and slot-major scales. Offsets
+  are read on the device; empty groups write nothing; ragged groups get a short last block.
+Each program owns whole blocks, so it finds their amax and casts them: no second pass.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .fp8_cast import _quant_scales
+from .launch import lean
+
+
+@triton.jit
+def _nan_max(x, axis: tl.constexpr):
+    """max over ``axis`` of x (>= 0), NaN if any element is NaN (tl.max drops NaN; torch keeps it)."""
+    m = tl.max(x, axis=axis)
+    return tl.where(tl.sum((x != x).to(tl.int32), axis=axis) > 0, float("nan"), m)
+
+
+@triton.jit
+def _block_scales(amax, FP8_MAX: tl.constexpr, EMAX: tl.constexpr, MARGIN: tl.constexpr,
+                  MARGIN_FACTOR: tl.constexpr, E8M0: tl.constexpr, POW2: tl.constexpr):
+    """(float32 quantization scale, stored scale) of blocks with these amaxes; see
+    turbo_moe.fine_grained.quantize.block_scales (the same float32 / integer steps)."""
+    if E8M0:
+        bits = amax.to(tl.int32, bitcast=True)
+        biased = (bits >> 23) & 0xFF
+        above = ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # mantissa above fp8_max's 1.75
+        x = biased - 127 - EMAX + above + MARGIN
+        x = tl.minimum(tl.maximum(x, -126), 126)
+        x = tl.where(amax == 0, 0, x)
+        quant = ((127 - x) << 23).to(tl.float32, bitcast=True)
+        nonfinite = biased == 255
+        quant = tl.where(nonfinite, float("nan"), quant)
+        stored = tl.where(nonfinite, 255, x + 127).to(tl.uint8)
+    else:
+        quant, stored = _quant_scales(amax, FP8_MAX, MARGIN_FACTOR)
+        if POW2:
+            floored = (quant.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+            quant = tl.where(quant != quant, quant, floored)
+            stored = tl.math.div_rn(tl.full(quant.shape, 1.0, tl.float32), quant)
+    return quant, stored
+
+
+@triton.jit
+def _cast(x, quant, FP8_MAX: tl.constexpr, dtype: tl.constexpr):
+    q = tl.clamp(x * quant, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return q.to(dtype, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def block_cast_rows_kernel(
+    x_ptr, out_ptr, scale_ptr,
+    R, C, stride_xb, stride_xr, stride_xc, stride_sb, stride_sr, stride_sk,
+    FP8_MAX: tl.constexpr, EMAX: tl.constexpr, MARGIN: tl.constexpr, MARGIN_FACTOR: tl.constexpr, E8M0: tl.constexpr, POW2: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Program (r, kb, b): rows [r*BLOCK_R, ...) of batch b, columns of block kb."""
+    pid_r = tl.program_id(0)
+    kb = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
+    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = kb.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    x = tl.load(x_ptr + batch * stride_xb + rows[:, None] * stride_xr + cols[None, :] * stride_xc,
+                mask=mask, other=0.0).to(tl.float32)
+    quant, stored = _block_scales(_nan_max(tl.abs(x), 1), FP8_MAX, EMAX, MARGIN, MARGIN_FACTOR, E8M0, POW2)
+    tl.store(scale_ptr + batch * stride_sb + rows * stride_sr + kb * stride_sk, stored, mask=rows < R)
+    q = _cast(x, quant[:, None], FP8_MAX, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + batch * R * C + rows[:, None] * C + cols[None, :], q, mask=mask)
+
+
+@triton.jit
+def block_cast_weight_kernel(
+    w_ptr, out_ptr, out_t_ptr, scale_ptr,
+    N, K, stride_wg, stride_wn, stride_wk, stride_sg, stride_sn, stride_sk,
+    FP8_MAX: tl.constexpr, MARGIN: tl.constexpr, MARGIN_FACTOR: tl.constexpr, POW2: tl.constexpr, WRITE_T: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Program (nb, kb, g): the BLOCK x BLOCK block (nb, kb) of w[g]; writes both layouts."""
+    nb = tl.program_id(0)
+    kb = tl.program_id(1)
+    group = tl.program_id(2).to(tl.int64)
+    rows = nb.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    cols = kb.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows[:, None] < N) & (cols[None, :] < K)
+    w = tl.load(w_ptr + group * stride_wg + rows[:, None] * stride_wn + cols[None, :] * stride_wk,
+                mask=mask, other=0.0).to(tl.float32)
+    amax = _nan_max(_nan_max(tl.abs(w), 1), 0)
+    quant, stored = _block_scales(amax, FP8_MAX, 0, MARGIN, MARGIN_FACTOR, False, POW2)
+    tl.store(scale_ptr + group * stride_sg + nb * stride_sn + kb * stride_sk, stored)
+    q = _cast(w, quant, FP8_MAX, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + group * N * K + rows[:, None] * K + cols[None, :], q, mask=mask)
+    if WRITE_T:
+        tl.store(out_t_ptr + group * N * K + cols[:, None] * N + rows[None, :], tl.trans(q), mask=tl.trans(mask))
+
+
+@triton.jit
+def block_cast_tokens_kernel(
+    x_ptr, group_offs_ptr, out_t_ptr, scale_ptr,
+    M, C, stride_xm, stride_xc, stride_ss, stride_sc,
+    FP8_MAX: tl.constexpr, EMAX: tl.constexpr, MARGIN: tl.constexpr, MARGIN_FACTOR: tl.constexpr, E8M0: tl.constexpr, POW2: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Program (c, g): columns [c*BLOCK_C, ...) of group g's tokens, BLOCK tokens at a time from
+    the group's first token; block j's scales go to slot offs[g] // BLOCK + g + j."""
+    pid_c = tl.program_id(0)
+    group = tl.program_id(1)
+    lo = tl.load(group_offs_ptr + group)
+    hi = tl.load(group_offs_ptr + group + 1)
+    cols = pid_c.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    slot = lo // BLOCK + group
+    for t0 in range(lo, hi, BLOCK):
+        tokens = t0 + tl.arange(0, BLOCK)
+        mask = (tokens[:, None] < hi) & col_ok[None, :]
+        x = tl.load(x_ptr + tokens[:, None] * stride_xm + cols[None, :] * stride_xc, mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        quant, stored = _block_scales(_nan_max(tl.abs(x), 0), FP8_MAX, EMAX, MARGIN, MARGIN_FACTOR, E8M0, POW2)
+        tl.store(scale_ptr + slot * stride_ss + cols * stride_sc, stored, mask=col_ok)
+        q = _cast(x, quant[None, :], FP8_MAX, out_t_ptr.dtype.element_ty)
+        tl.store(out_t_ptr + cols[:, None] * M + tokens[None, :], tl.trans(q), mask=tl.trans(mask))
+        slot += 1
+
+
+def _check_fp8_max(fp8_max: float, emax: int) -> None:
+    # The e8m0 exponent test (mantissa > 1.75) holds for formats whose max is 1.75 * 2**emax.
+    assert fp8_max == 1.75 * 2.0 ** emax, (fp8_max, emax)
+
+
+def block_cast_rows(x, recipe, fp8_dtype, fp8_max: float, emax: int, margin: int = 0):
+    """``turbo_moe.fine_grained.quantize.quantize_rows`` on the device: one launch."""
+    import torch
+
+    _check_fp8_max(fp8_max, emax)
+    x3, squeeze = (x[None], True) if x.dim() == 2 else (x, False)
+    batches, r, c = x3.shape
+    nb = triton.cdiv(c, recipe.block)
+    out = torch.empty((batches, r, c), dtype=fp8_dtype, device=x.device)
+    storage = torch.empty((batches, nb, r), dtype=recipe.scale_dtype, device=x.device)
+    scale = storage.transpose(1, 2)  # [B, R, nb] view of block-major storage
+    if batches * r * nb:
+        block_r = 32 if recipe.block == 128 else 128
+        _lean["block_cast_rows_kernel"][(triton.cdiv(r, block_r), nb, batches)](
+            x3, out, scale, r, c, x3.stride(0), x3.stride(1), x3.stride(2), scale.stride(0), scale.stride(1),
+            scale.stride(2), FP8_MAX=fp8_max, EMAX=emax, MARGIN=margin, MARGIN_FACTOR=2.0 ** -margin, E8M0=recipe.e8m0, POW2=recipe.pow2,
+            BLOCK=recipe.block, BLOCK_R=block_r, num_warps=4,
+        )
+    return (out[0], scale[0]) if squeeze else (out, scale)
+
+
+def block_cast_weight(w, recipe, fp8_dtype, fp8_max: float, margin: int = 0, transposed: bool = True):
+    """``turbo_moe.fine_grained.quantize.quantize_weight_blocks`` on the device: one launch."""
+    import torch
+
+    g, n, k = w.shape
+    b = recipe.block
+    out = torch.empty((g, n, k), dtype=fp8_dtype, device=w.device)
+    out_t = torch.empty((g, k, n), dtype=fp8_dtype, device=w.device) if transposed else None
+    scale = torch.empty((g, triton.cdiv(n, b), triton.cdiv(k, b)), dtype=torch.float32, device=w.device)
+    if scale.numel():
+        _lean["block_cast_weight_kernel"][(scale.shape[1], scale.shape[2], g)](
+            w, out, out_t if transposed else out, scale, n, k, w.stride(0), w.stride(1), w.stride(2),
+            scale.stride(0), scale.stride(1), scale.stride(2), FP8_MAX=fp8_max, MARGIN=margin, MARGIN_FACTOR=2.0 ** -margin, POW2=recipe.pow2,
+            WRITE_T=transposed, BLOCK=b, num_warps=8,
+        )
+    return out, out_t, scale
+
+
+def block_cast_tokens(x, group_offs, recipe, fp8_dtype, fp8_max: float, emax: int, margin: int = 0):
+    """``turbo_moe.fine_grained.quantize.quantize_tokens`` on the device: one launch."""
+    import torch
+
+    _check_fp8_max(fp8_max, emax)
+    m, c = x.shape
+    groups = group_offs.shape[0] - 1
+    slots = m // recipe.block + groups
+    out_t = torch.empty((c, m), dtype=fp8_dtype, device=x.device)
+    storage = torch.empty((slots, c), dtype=recipe.scale_dtype, device=x.device)
+    if groups * c and m:
+        block_c = 64
+        _lean["block_cast_tokens_kernel"][(triton.cdiv(c, block_c), groups)](
+            x, group_offs, out_t, storage, m, c, x.stride(0), x.stride(1), storage.stride(0), storage.stride(1),
+            FP8_MAX=fp8_max, EMAX=emax, MARGIN=margin, MARGIN_FACTOR=2.0 ** -margin, E8M0=recipe.e8m0, POW2=recipe.pow2,
+            BLOCK=recipe.block, BLOCK_C=block_c, num_warps=4,
+        )
+    return out_t, storage.T
+
+
+_lean = {name: lean(globals()[name]) for name in (
+    "block_cast_rows_kernel", "block_cast_weight_kernel", "block_cast_tokens_kernel")}

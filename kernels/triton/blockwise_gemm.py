@@ -1,0 +1,201 @@
+"""Block-scaled FP8 grouped GEMMs (blockwise 1x128 / 128x128, MXFP8 1x32 e8m0): M-grouped (fwd NT,
+dgrad NN) and K-grouped (variable-K wgrad). Semantics: ``turbo_moe/fine_grained/gemm.py``.
+
+The scales vary along the contraction, so they cannot wait for the epilogue. Two main loops:
+
+* promotion (``USE_DOT_SCALED=False``; blockwise everywhere, MXFP8 on Hopper): one scale block per
+  K step (``BLOCK_K == SCALE_BLOCK``); each step's FP8 dot runs into a fresh fp32 tensor-core
+  accumulator that is then promoted into the main fp32 accumulator with both scales,
+  ``acc += dot(a, b^T) * (sa[:, None] * sb[None, :])`` -- DeepGEMM's scheme, every 128 of K for
+  blockwise. It also bounds how long Hopper's FP8 wgmma accumulates on its own (its internal
+  accumulation keeps fewer than 32 bits: DeepSeek-V3 section 3.3.2 promotes every 128 for that
+  reason). MXFP8 promotes every 32 of K on Hopper: one k32 FP8 wgmma per promotion.
+* ``tl.dot_scaled`` (``USE_DOT_SCALED=True``, MXFP8 only): the hardware applies the e8m0 scales
+  (sm_100 ``tcgen05.mma...block_scale``, gfx950 scaled MFMA). On sm_90 Triton lowers it by
+  upcasting both operands to bf16, multiplying in the scales and running a bf16 wgmma (half the
+  FP8 rate), so the backend uses the promotion loop there instead.
+
+Tile walk: the shared scheduler (``tile_scheduler`` via ``.scheduler``) and the M-grouped cursor
+of ``grouped_gemm`` -- one scheduler for every kernel. Offsets are read on the device only
+(capturable), no atomics, no split-K: deterministic. K-grouped: group g's token blocks start at
+its first token (``offs[g] + j * SCALE_BLOCK``) and block j's scales sit in slot
+``offs[g] // SCALE_BLOCK + g + j``; loads are masked to the group's tokens, so ragged groups and
+groups whose token count is not a multiple of the block need no padding.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import scheduler as S
+from .grouped_gemm import _m_grouped_cursor_advance, _m_grouped_cursor_start, _m_grouped_tile_blocks
+
+
+@triton.jit
+def _decode_scale(stored, E8M0: tl.constexpr):
+    """float32 dequantization factors: e8m0 ``2**(e - 127)`` (255 -> NaN), or the float32 itself."""
+    scale = stored
+    if E8M0:
+        e = stored.to(tl.int32)
+        scale = tl.where(e == 255, float("nan"), (e << 23).to(tl.float32, bitcast=True))
+    return scale
+
+
+@triton.jit
+def _scaled_step(acc, a, b_t, sa_ptrs, sb_ptrs, sa_mask, sb_mask, E8M0: tl.constexpr, USE_DOT_SCALED: tl.constexpr,
+                 A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr):
+    """One K step: acc += a @ b_t with the step's block scales (see the module docstring).
+    Promotion: sa_ptrs [BM], sb_ptrs [BN] (one scale block per step). dot_scaled: sa_ptrs
+    [BM, KS], sb_ptrs [BN, KS] (KS = BLOCK_K / 32 blocks per step)."""
+    if USE_DOT_SCALED:
+        sa = tl.load(sa_ptrs, mask=sa_mask, other=127)
+        sb = tl.load(sb_ptrs, mask=sb_mask, other=127)
+        acc = tl.dot_scaled(a, sa, A_FORMAT, b_t, sb, B_FORMAT, acc)
+    else:
+        sa = _decode_scale(tl.load(sa_ptrs), E8M0)
+        sb = _decode_scale(tl.load(sb_ptrs), E8M0)
+        acc += tl.dot(a, b_t) * (sa[:, None] * sb[None, :])
+    return acc
+
+
+@triton.jit
+def m_grouped_block_scaled_kernel(
+    a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, group_offs_ptr,
+    N, K, G,
+    stride_am, stride_ak, stride_bg, stride_bn, stride_bk, stride_om, stride_on,
+    stride_sam, stride_sak, stride_sbg, stride_sbn, stride_sbk,
+    SCALE_BLOCK: tl.constexpr, B_ROW_BLOCK: tl.constexpr, E8M0: tl.constexpr, USE_DOT_SCALED: tl.constexpr,
+    A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """out[offs[g]:offs[g+1]] = sum_kb a[rows, kb] @ b[g][:, kb].T * sa[rows, kb] * sb[g, cols // B_ROW_BLOCK, kb].
+
+    a [M, K], b [G, N, K], a_scale [M, cdiv(K, SCALE_BLOCK)], b_scale [G, cdiv(N, B_ROW_BLOCK),
+    cdiv(K, SCALE_BLOCK)] (any strides). Promotion: BLOCK_K == SCALE_BLOCK; dot_scaled: BLOCK_K a
+    multiple of SCALE_BLOCK == 32 and B_ROW_BLOCK == 1."""
+    KS: tl.constexpr = BLOCK_K // SCALE_BLOCK
+    tl.static_assert(USE_DOT_SCALED or KS == 1, "the promotion loop takes one scale block per K step")
+    tl.static_assert(not USE_DOT_SCALED or (E8M0 and B_ROW_BLOCK == 1), "dot_scaled is for MXFP8 operands")
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    num_n_blocks = S.cdiv(N, BLOCK_N)
+    num_k_blocks = S.cdiv(K, BLOCK_K)
+    num_scale_blocks = S.cdiv(K, SCALE_BLOCK)
+    group, group_first_tile, lo, hi, group_tiles = _m_grouped_cursor_start(group_offs_ptr, G, BLOCK_M, num_n_blocks)
+    tile = pid.to(tl.int64)
+    arange_m = tl.arange(0, BLOCK_M)
+    arange_n = tl.arange(0, BLOCK_N)
+    arange_k = tl.arange(0, BLOCK_K)
+    arange_s = tl.arange(0, KS)
+    while group < G:
+        group, group_first_tile, lo, hi, group_tiles = _m_grouped_cursor_advance(
+            tile, group, group_first_tile, lo, hi, group_tiles, group_offs_ptr, G, BLOCK_M, num_n_blocks
+        )
+        if group < G:
+            rows, m_block, n_block = _m_grouped_tile_blocks(tile, group_first_tile, lo, hi, BLOCK_M, num_n_blocks, GROUP_M)
+            offs_m = m_block * BLOCK_M + arange_m
+            offs_n = n_block.to(tl.int32) * BLOCK_N + arange_n
+            # Out-of-range rows/columns load valid memory (never stored): no masks in the main loop.
+            load_rows = lo + tl.where(offs_m < rows, offs_m, 0)
+            load_cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+            group64 = group.to(tl.int64)
+            a_ptrs = a_ptr + load_rows[:, None] * stride_am + arange_k[None, :] * stride_ak
+            b_ptrs = b_ptr + group64 * stride_bg + load_cols[:, None] * stride_bn + arange_k[None, :] * stride_bk
+            sa_rows = a_scale_ptr + load_rows * stride_sam
+            sb_rows = b_scale_ptr + group64 * stride_sbg + (load_cols // B_ROW_BLOCK) * stride_sbn
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k_block in range(num_k_blocks):
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    b = tl.load(b_ptrs)
+                else:
+                    k_mask = arange_k < K - k_block * BLOCK_K
+                    a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=k_mask[None, :], other=0.0)
+                if USE_DOT_SCALED:
+                    blocks = k_block * KS + arange_s
+                    ok = (blocks < num_scale_blocks)[None, :]
+                    acc = _scaled_step(acc, a, tl.trans(b), sa_rows[:, None] + blocks[None, :] * stride_sak,
+                                       sb_rows[:, None] + blocks[None, :] * stride_sbk, ok, ok,
+                                       E8M0, USE_DOT_SCALED, A_FORMAT, B_FORMAT)
+                else:
+                    acc = _scaled_step(acc, a, tl.trans(b), sa_rows + k_block * stride_sak,
+                                       sb_rows + k_block * stride_sbk, None, None,
+                                       E8M0, USE_DOT_SCALED, A_FORMAT, B_FORMAT)
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
+            out_ptrs = out_ptr + (lo + offs_m)[:, None] * stride_om + offs_n[None, :].to(tl.int64) * stride_on
+            out_mask = (offs_m < rows)[:, None] & (offs_n < N)[None, :]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tile += num_programs
+
+
+@triton.jit
+def k_grouped_block_scaled_kernel(
+    a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, group_offs_ptr,
+    N, K, G,
+    stride_an, stride_am, stride_bk, stride_bm, stride_og, stride_on, stride_ok,
+    stride_san, stride_sas, stride_sbk, stride_sbs,
+    SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr, USE_DOT_SCALED: tl.constexpr,
+    A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BAND_CYCLIC: tl.constexpr, ACCUMULATE: tl.constexpr,
+):
+    """out[g] = sum_j a[:, blk_j] @ b[:, blk_j].T * sa[:, slot_j] * sb[:, slot_j] over group g's
+    token blocks blk_j = [offs[g] + j*SB, ...) ∩ [offs[g], offs[g+1]), slot_j = offs[g] // SB + g + j.
+
+    a [N, M], b [K, M] (token-major), a_scale [N, M // SB + G], b_scale [K, M // SB + G]; out [G, N, K].
+    An empty group writes zeros (ACCUMULATE: leaves out[g] as it was)."""
+    KS: tl.constexpr = BLOCK_K // SCALE_BLOCK
+    tl.static_assert(USE_DOT_SCALED or KS == 1, "the promotion loop takes one scale block per K step")
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    num_m_blocks = S.cdiv(N, BLOCK_M)
+    num_n_blocks = S.cdiv(K, BLOCK_N)
+    total_tiles = G * num_m_blocks * num_n_blocks
+    arange_m = tl.arange(0, BLOCK_M)
+    arange_n = tl.arange(0, BLOCK_N)
+    arange_k = tl.arange(0, BLOCK_K)
+    arange_s = tl.arange(0, KS)
+    for tile in range(pid, total_tiles, num_programs):
+        if BAND_CYCLIC:
+            group, m_block, n_block = S.k_grouped_band_cyclic(tile, G, num_m_blocks, num_n_blocks, GROUP_M)
+        else:
+            group, m_block, n_block = S.k_grouped_group_major(tile, G, num_m_blocks, num_n_blocks, GROUP_M)
+        lo = tl.load(group_offs_ptr + group)
+        hi = tl.load(group_offs_ptr + group + 1)
+        offs_m = m_block * BLOCK_M + arange_m
+        offs_n = n_block * BLOCK_N + arange_n
+        load_rows_a = tl.where(offs_m < N, offs_m, 0).to(tl.int64)
+        load_rows_b = tl.where(offs_n < K, offs_n, 0).to(tl.int64)
+        a_row_ptrs = a_ptr + load_rows_a[:, None] * stride_an
+        b_row_ptrs = b_ptr + load_rows_b[:, None] * stride_bk
+        sa_rows = a_scale_ptr + load_rows_a * stride_san
+        sb_rows = b_scale_ptr + load_rows_b * stride_sbk
+        first_slot = lo // SCALE_BLOCK + group
+        last_slot = first_slot + S.cdiv(hi - lo, SCALE_BLOCK)  # one past the group's last
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for t0 in range(lo, hi, BLOCK_K):
+            tokens = t0 + arange_k
+            valid = (tokens < hi)[None, :]
+            a = tl.load(a_row_ptrs + tokens[None, :] * stride_am, mask=valid, other=0.0)
+            b = tl.load(b_row_ptrs + tokens[None, :] * stride_bm, mask=valid, other=0.0)
+            slot = first_slot + (t0 - lo) // SCALE_BLOCK
+            if USE_DOT_SCALED:
+                slots = slot + arange_s
+                ok = (slots < last_slot)[None, :]
+                acc = _scaled_step(acc, a, tl.trans(b), sa_rows[:, None] + slots[None, :] * stride_sas,
+                                   sb_rows[:, None] + slots[None, :] * stride_sbs, ok, ok,
+                                   E8M0, USE_DOT_SCALED, A_FORMAT, B_FORMAT)
+            else:
+                acc = _scaled_step(acc, a, tl.trans(b), sa_rows + slot * stride_sas, sb_rows + slot * stride_sbs,
+                                   None, None, E8M0, USE_DOT_SCALED, A_FORMAT, B_FORMAT)
+        out_ptrs = (out_ptr + group.to(tl.int64) * stride_og + offs_m[:, None].to(tl.int64) * stride_on
+                    + offs_n[None, :].to(tl.int64) * stride_ok)
+        out_mask = (offs_m < N)[:, None] & (offs_n < K)[None, :]
+        if ACCUMULATE:
+            previous = tl.load(out_ptrs, mask=out_mask, other=0.0)
+            tl.store(out_ptrs, tl.where(hi > lo, previous + acc, previous), mask=out_mask)
+        else:
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)

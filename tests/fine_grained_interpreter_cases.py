@@ -1,0 +1,171 @@
+"""Blockwise / MXFP8 Triton kernels under the Triton interpreter (child process, as
+tests/triton_interpreter_cases.py explains): ``tests/test_fine_grained_triton.py`` runs
+``TRITON_INTERPRET=1 python tests/fine_grained_interpreter_cases.py`` and reads its JSON.
+
+* casts: bit-for-bit the torch reference quantizers. Triton 3.9's interpreter rounds
+  float->fp8 wrongly when rounding carries into the exponent (tests/test_fp8_cast.py), so inputs
+  are FP8 grid values times a power of two per block with each block's amax pinned to
+  ``fp8_max * 2**-e``: scales are exact powers of two and nothing rounds; the compiled GPU test
+  (tests/test_fine_grained_gpu.py) uses arbitrary data.
+* GEMMs: NaN-poisoned outputs; against the float64 evaluation of the same block-scaled sum,
+  ``|out - ref64| <= (B + blocks + 3) * 2**-24 * 1.2 * mag + |ref64| * u_out`` (fp32 sums of
+  exact FP8 products, the per-block scaling, the final cast), ``mag`` the same sum over |a|, |b|.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _grid(shape, fp8, gen):
+    return (torch.randn(shape, generator=gen) * 50).to(fp8).float().clamp(-torch.finfo(fp8).max / 2, torch.finfo(fp8).max / 2)
+
+
+def _exact_rows(r, c, block, fp8, gen):
+    e = torch.randint(-6, 7, (r, 1), generator=gen).float()
+    x = _grid((r, c), fp8, gen) * 2.0 ** e
+    for kb in range(0, c, block):
+        x[:, kb] = torch.finfo(fp8).max * 2.0 ** e[:, 0]
+    return x
+
+
+def case_casts():
+    from turbo_moe.fine_grained import quantize as Q
+    from turbo_moe.kernels.triton import blockwise_cast as BC
+
+    gen = torch.Generator().manual_seed(0)
+    checked = []
+    for recipe in (Q.BLOCKWISE, Q.BLOCKWISE._replace(pow2=True), Q.MXFP8):
+        for fp8, emax in ((E4M3, 8), (E5M2, 15)):
+            fmax = torch.finfo(fp8).max
+            x = _exact_rows(37, 300, recipe.block, fp8, gen)
+            for src in (x, x.t().contiguous().t()):  # contiguous and strided sources
+                q, s = BC.block_cast_rows(src, recipe, fp8, fmax, emax)
+                q0, s0 = Q.quantize_rows(src, recipe, fp8)
+                assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0), (recipe, fp8)
+            lens = [5, 0, 140, 1, 64]
+            offs = torch.tensor([0] + lens).cumsum(0)
+            e = torch.randint(-6, 7, (1, 24), generator=gen).float()
+            xt = _grid((sum(lens), 24), fp8, gen) * 2.0 ** e
+            for g, slots in enumerate(Q.token_slots(offs, recipe.block)):
+                for j in range(len(slots)):
+                    xt[int(offs[g]) + j * recipe.block] = fmax * 2.0 ** e[0]
+            q, s = BC.block_cast_tokens(xt, offs, recipe, fp8, fmax, emax)
+            q0, s0 = Q.quantize_tokens(xt, offs, recipe, fp8)
+            used = Q.token_slot_mask(offs, sum(lens), recipe.block)
+            assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s[:, used], s0[:, used])
+            checked.append(f"{'mx' if recipe.e8m0 else 'pow2' if recipe.pow2 else 'block'}/{fp8}".replace("torch.float8_", ""))
+        if not recipe.e8m0:
+            e = torch.randint(-6, 7, (3, 1, 1), generator=gen).float()
+            w = _grid((3, 200, 130), E4M3, gen) * 2.0 ** e
+            w[:, ::128, ::128] = 448.0 * 2.0 ** e
+            q, q_t, s = BC.block_cast_weight(w, recipe, E4M3, 448.0, 0, True)
+            q0, q0_t, s0 = Q.quantize_weight_blocks(w, recipe, E4M3)
+            assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+            assert torch.equal(q_t.view(torch.uint8), q0_t.view(torch.uint8))
+    return "bitwise: " + ", ".join(checked) + ", weights"
+
+
+def _problem(kind, recipe, lens, n, k, a_fp8, gen, accumulate=False):
+    from turbo_moe.backends.base import GemmKind
+    from turbo_moe.fine_grained import BlockScaledProblem
+    from turbo_moe.fine_grained import quantize as Q
+
+    offs = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
+    m = sum(lens)
+    mags = lambda rows: 10 ** (3 * torch.rand(rows, 1, generator=gen))  # noqa: E731
+    if kind == "m":
+        a, sa = Q.quantize_rows(torch.randn(m, k, generator=gen) * mags(m), recipe, a_fp8)
+        w = torch.randn(len(lens), n, k, generator=gen)
+        b, sb = Q.quantize_rows(w, recipe, E4M3) if recipe.e8m0 else Q.quantize_weight_blocks(w, recipe, E4M3)[::2]
+        return BlockScaledProblem(GemmKind.M_GROUPED, a, b, sa, sb, offs, torch.float32, recipe)
+    a, sa = Q.quantize_tokens(torch.randn(m, n, generator=gen) * mags(m), offs, recipe, a_fp8)
+    b, sb = Q.quantize_tokens(torch.randn(m, k, generator=gen), offs, recipe, E4M3)
+    out = torch.randn(len(lens), n, k, generator=gen) if accumulate else None
+    return BlockScaledProblem(GemmKind.K_GROUPED, a, b, sa, sb, offs, torch.float32, recipe, out=out,
+                              accumulate=accumulate)
+
+
+def case_gemm(kind, recipe_name, lens, n, k, a_fp8=E4M3, accumulate=False, dot_scaled=False):
+    import dataclasses
+
+    from turbo_moe.fine_grained import quantize as Q
+    from turbo_moe.fine_grained import reference_block_scaled_gemm, triton_gemm
+
+    recipe = {"blockwise": Q.BLOCKWISE, "pow2": Q.BLOCKWISE._replace(pow2=True), "mxfp8": Q.MXFP8}[recipe_name]
+    gen = torch.Generator().manual_seed(len(lens) * 7 + n)
+    problem = _problem(kind, recipe, lens, n, k, a_fp8, gen, accumulate)
+    assert not problem.reason(), problem.reason()
+    before = problem.out.clone() if accumulate else None
+    config = triton_gemm.BlockKernelConfig(16, 16, 64 if dot_scaled else recipe.block, group_m=2)
+    if accumulate:
+        out = triton_gemm.run(problem, config)
+    else:
+        poisoned = torch.full(problem.out_shape, float("nan"))
+        out = triton_gemm.run(dataclasses.replace(problem, out=poisoned), config)
+    ref = reference_block_scaled_gemm(problem, torch.float64)
+    mag = reference_block_scaled_gemm(dataclasses.replace(problem, a=problem.a.float().abs(), b=problem.b.float().abs()),
+                                      torch.float64)
+    contraction = k if kind == "m" else max(lens + [1])
+    blocks = -(-contraction // recipe.block)
+    tol = (recipe.block + blocks + 3) * 2.0**-24 * 1.2 * mag + ref.abs() * 2.0**-24
+    offs = problem.group_offs.tolist()
+    if accumulate:
+        for g in range(len(lens)):
+            assert offs[g] < offs[g + 1] or torch.equal(out[g], before[g]), f"empty group {g} changed"
+            ref[g] += before[g].double()
+            tol[g] += before[g].double().abs() * 2.0**-24
+    assert not torch.isnan(out).any(), f"{int(torch.isnan(out).sum())} elements never written"
+    err = (out.double() - ref).abs()
+    assert (err <= tol).all(), f"{int((err > tol).sum())} beyond the fp32 bound, worst excess {float((err - tol).max()):.3g}"
+    if kind == "k" and not accumulate:
+        for g in range(len(lens)):
+            if offs[g] == offs[g + 1]:
+                assert torch.equal(out[g], torch.zeros_like(out[g])), f"empty group {g} not zero"
+    if not err.numel():
+        return "empty output"
+    return f"max err {float(err.max()):.3g} (max tol {float(tol.max()):.3g})"
+
+
+CASES = {
+    "casts_bitwise": case_casts,
+    "m_blockwise_ragged_empty": lambda: case_gemm("m", "blockwise", [5, 0, 37, 16, 0, 1], 45, 200),
+    "m_blockwise_pow2_one_group": lambda: case_gemm("m", "pow2", [50], 130, 256),
+    "m_blockwise_e5m2_a": lambda: case_gemm("m", "blockwise", [9, 23, 0, 31], 40, 150, a_fp8=E5M2),
+    "m_blockwise_all_empty": lambda: case_gemm("m", "blockwise", [0, 0, 0], 16, 128),
+    "m_mxfp8_ragged_promotion": lambda: case_gemm("m", "mxfp8", [5, 0, 37, 16], 45, 100),
+    "m_mxfp8_dot_scaled": lambda: case_gemm("m", "mxfp8", [5, 0, 37, 16], 45, 100, dot_scaled=True),
+    "k_blockwise_ragged_empty": lambda: case_gemm("k", "blockwise", [5, 0, 150, 33, 0, 129], 40, 45),
+    "k_blockwise_accumulate": lambda: case_gemm("k", "blockwise", [5, 0, 150, 33], 24, 20, accumulate=True),
+    "k_mxfp8_ragged_e5m2": lambda: case_gemm("k", "mxfp8", [5, 0, 70, 33], 40, 45, a_fp8=E5M2),
+    "k_mxfp8_dot_scaled": lambda: case_gemm("k", "mxfp8", [5, 0, 70, 33], 40, 45, dot_scaled=True),
+    "k_all_empty_zero": lambda: case_gemm("k", "mxfp8", [0, 0], 20, 20),
+}
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("set TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    wanted = set(sys.argv[1:])
+    results = {}
+    for name, fn in CASES.items():
+        if wanted and name not in wanted:
+            continue
+        try:
+            results[name] = {"ok": True, "detail": fn()}
+        except Exception:
+            results[name] = {"ok": False, "detail": traceback.format_exc()[-2000:]}
+    print("RESULTS_JSON " + json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

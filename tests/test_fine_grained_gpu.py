@@ -1,0 +1,105 @@
+"""Blockwise / MXFP8 kernels compiled on a GPU (marked ``gpu``; skipped on the CPU CI).
+
+Run: ``TURBO_MOE_LAUNCH_CHECK=1 python -m pytest -q tests/test_fine_grained_gpu.py``.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from turbo_moe import Float8Config
+from turbo_moe.autograd import grouped_gemm_fp8
+from turbo_moe.fine_grained import quantize as Q
+from turbo_moe.fine_grained import reference_block_scaled_gemm, triton_gemm
+
+pytestmark = pytest.mark.gpu
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+RECIPES = {"blockwise": Q.BLOCKWISE, "pow2": Q.BLOCKWISE._replace(pow2=True), "mxfp8": Q.MXFP8}
+
+
+def _cpu(t):
+    return t.detach().cpu()
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_casts_bitwise_equal_torch_reference_on_random_data(name, fp8):
+    recipe = RECIPES[name]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(333, 1000, generator=gen) * 10 ** (4 * torch.rand(333, 1, generator=gen))
+    x[7, 500] = 1e-30
+    q, s = Q.quantize_rows(x.cuda(), recipe, fp8)
+    q0, s0 = Q.quantize_rows(x, recipe, fp8)
+    assert torch.equal(_cpu(q).view(torch.uint8), q0.view(torch.uint8)) and torch.equal(_cpu(s), s0)
+    offs = torch.tensor([0, 5, 5, 300, 333])
+    q, s = Q.quantize_tokens(x.cuda(), offs.cuda(), recipe, fp8)
+    q0, s0 = Q.quantize_tokens(x, offs, recipe, fp8)
+    used = Q.token_slot_mask(offs, 333, recipe.block)
+    assert torch.equal(_cpu(q).view(torch.uint8), q0.view(torch.uint8)) and torch.equal(_cpu(s)[:, used], s0[:, used])
+    if not recipe.e8m0 and fp8 == E4M3:
+        w = torch.randn(3, 300, 260, generator=gen)
+        got = Q.quantize_weight_blocks(w.cuda(), recipe, fp8)
+        ref = Q.quantize_weight_blocks(w, recipe, fp8)
+        for a, b in zip(got, ref):
+            assert torch.equal(_cpu(a).view(torch.uint8) if a.dtype == fp8 else _cpu(a), b.view(torch.uint8) if b.dtype == fp8 else b)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("dot_scaled", [False, True])
+@pytest.mark.parametrize("lens", [[0, 300, 1, 0, 129, 512], [1000]])
+def test_gemms_match_block_scaled_reference(name, dot_scaled, lens, monkeypatch):
+    recipe = RECIPES[name]
+    if dot_scaled and not recipe.e8m0:
+        pytest.skip("dot_scaled is the MXFP8 path")
+    monkeypatch.setenv("TURBO_MOE_MX_DOT_SCALED", "1" if dot_scaled else "0")
+    from fine_grained_interpreter_cases import _problem
+
+    gen = torch.Generator().manual_seed(1)
+    for kind, n, k in (("m", 700, 1000), ("k", 300, 260)):
+        problem = _problem(kind, recipe, lens, n, k, E4M3, gen)
+        ref = reference_block_scaled_gemm(problem, torch.float64)
+        mag = reference_block_scaled_gemm(dataclasses.replace(problem, a=problem.a.float().abs(),
+                                                              b=problem.b.float().abs()), torch.float64)
+        on_gpu = dataclasses.replace(problem, **{f: getattr(problem, f).cuda() for f in
+                                                  ("a", "b", "a_scale", "b_scale", "group_offs")})
+        cfg = triton_gemm.default_config(on_gpu)
+        out = torch.full(problem.out_shape, float("nan"), device="cuda")
+        out = triton_gemm.run(dataclasses.replace(on_gpu, out=out), cfg).cpu().double()
+        contraction = k if kind == "m" else max(lens)
+        tol = (128 + contraction // 32 + 3) * 2.0**-24 * 1.2 * mag + ref.abs() * 2.0**-24
+        assert not torch.isnan(out).any() and ((out - ref).abs() <= tol).all(), (kind, float((out - ref).abs().max()))
+
+
+@pytest.mark.parametrize("granularity", ["blockwise", "mxfp8"])
+def test_autograd_triton_matches_torch_backend_and_captures(granularity):
+    cfg = Float8Config(granularity=granularity)
+    gen = torch.Generator().manual_seed(2)
+    lens = torch.tensor([300, 0, 700, 24])
+    x = torch.randn(1024, 512, generator=gen).cuda().bfloat16().requires_grad_()
+    w = (torch.randn(4, 768, 512, generator=gen) / 20).cuda().bfloat16().requires_grad_()
+    dy = torch.randn(1024, 768, generator=gen).cuda().bfloat16()
+    grads = {}
+    for backend in ("triton", "torch"):
+        xx, ww = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        y = grouped_gemm_fp8(xx, ww, lens.cuda(), config=cfg, backend=backend)
+        y.backward(dy)
+        grads[backend] = (y.float(), xx.grad.float(), ww.grad.float())
+    for a, b in zip(grads["triton"], grads["torch"]):
+        assert ((a - b).norm() / b.norm()) < 1e-2  # same FP8 operands; fp32 sum order and bf16 output differ
+    # fwd + bwd under CUDA graph capture (kernels read offsets on the device only)
+    xx, ww = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    offs_dev = lens.cuda()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        grouped_gemm_fp8(xx, ww, offs_dev, config=cfg, backend="triton").backward(dy)  # warm-up
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    xx.grad = ww.grad = None
+    with torch.cuda.graph(graph):
+        y = grouped_gemm_fp8(xx, ww, offs_dev, config=cfg, backend="triton")
+        y.backward(dy)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.allclose(y.float(), grads["triton"][0]) and torch.allclose(ww.grad.float(), grads["triton"][2])

@@ -1,0 +1,53 @@
+"""The blockwise / MXFP8 Triton kernels on the CPU, under the Triton interpreter (in a child
+process: see tests/fine_grained_interpreter_cases.py for the cases and their criteria), and the
+claim behind ``triton_gemm.use_dot_scaled``: how Triton lowers ``tl.dot_scaled`` for sm_90 and
+sm_100 (compiled for those targets on this machine, no GPU needed)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from fine_grained_interpreter_cases import CASES  # noqa: E402
+
+_results = None
+
+
+def _run_cases():
+    global _results
+    if _results is None:
+        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+        proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fine_grained_interpreter_cases.py")],
+                              env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULTS_JSON ")]
+        assert lines, f"child failed: {proc.stderr[-3000:]}"
+        _results = json.loads(lines[-1][len("RESULTS_JSON "):])
+    return _results
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_interpreter_case(name):
+    pytest.importorskip("triton")
+    result = _run_cases()[name]
+    assert result["ok"], result["detail"]
+
+
+def test_dot_scaled_lowering_sm90_emulated_sm100_native():
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "dot_scaled_lowering.py"), "--json", "--kernels"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    assert lines, proc.stderr[-3000:]
+    report = json.loads(lines[-1])
+    # Hopper: operands upcast to bf16, scales multiplied in, bf16 wgmma: the reason the backend
+    # takes the FP8 promotion loop there. Blackwell: the block-scaled tensor-core MMA.
+    assert report["sm_90"]["bf16_wgmma"] > 0 and report["sm_90"]["fp8_wgmma"] == 0
+    assert report["sm_100"]["tcgen05_block_scale"] > 0
+    # Our block-scaled kernels (promotion loop) compile for sm_90 to FP8 wgmma, no bf16 fallback.
+    for name, counts in report["block_scaled_kernels_sm_90"].items():
+        assert counts["fp8_wgmma"] > 0 and counts["bf16_wgmma"] == 0, (name, counts)

@@ -1,0 +1,111 @@
+"""The differentiable grouped GEMM under the blockwise and MXFP8 recipes.
+
+Same contract as ``turbo_moe.autograd.GroupedGemmFP8Function`` (which dispatches here when
+``config.granularity`` is ``"blockwise"`` or ``"mxfp8"``): ``y[rows of g] = x[rows of g] @ W[g]^T``
+with ``W`` as ``[G, N, K]``; gradients in the inputs' dtypes; an empty group gets ``dW[g] = 0``.
+
+What each GEMM reads (B = 128 blockwise, 32 mxfp8; module doc of ``turbo_moe.fine_grained``):
+
+* forward ``y = x W^T``: ``x`` in 1xB blocks along K; ``W`` in 128x128 blocks (blockwise) or 1x32
+  blocks along K (mxfp8);
+* dgrad ``dx = dy W``: ``dy`` in 1xB blocks along N; ``W^T`` ``[G, K, N]``: blockwise, the same
+  FP8 values and scales as the forward's ``W``, transposed; mxfp8, ``W`` quantized again in 1x32
+  blocks along N;
+* wgrad ``dW[g] = dy_g^T x_g``: ``dy^T`` and ``x^T`` token-contiguous, in 1xB blocks along each
+  group's tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..backends.base import GemmKind
+from ..config import Float8Config
+from .gemm import BlockScaledProblem, run_block_scaled
+from .quantize import quantize_rows, quantize_tokens, quantize_weight_blocks, recipe_of
+
+__all__ = ["FineGrainedFP8Function", "grouped_gemm_fine", "grouped_wgrad_fine", "quantize_weight_fine"]
+
+
+def quantize_weight_fine(w_nk: torch.Tensor, config: Float8Config, transposed: bool = True):
+    """``turbo_moe.autograd.quantize_weight`` for the fine-grained recipes: a ``Float8Weight``."""
+    from ..autograd import Float8Weight
+
+    recipe, dtype, margin = recipe_of(config), config.forward_dtype, config.margin
+    if not recipe.e8m0:
+        q, q_t, scale = quantize_weight_blocks(w_nk, recipe, dtype, margin, transposed=transposed)
+        return Float8Weight(q, scale, q_t, scale.transpose(1, 2) if transposed else None)
+    q, scale = quantize_rows(w_nk, recipe, dtype, margin)
+    q_t, scale_t = quantize_rows(w_nk.transpose(1, 2), recipe, dtype, margin) if transposed else (None, None)
+    return Float8Weight(q, scale, q_t, scale_t)
+
+
+def _gemm(kind, a, b, sa, sb, offs, out_dtype, recipe, num_cu, backend, role, out=None, accumulate=False):
+    problem = BlockScaledProblem(kind, a, b, sa, sb, offs, out_dtype, recipe, num_cu, role, out, accumulate)
+    return run_block_scaled(problem, backend)
+
+
+class FineGrainedFP8Function(torch.autograd.Function):
+    """Blockwise / MXFP8 grouped GEMM; ``w`` is passed as ``[G, N, K]``."""
+
+    @staticmethod
+    def forward(ctx, x, w_nk, group_offs, config: Float8Config, num_cu, backend, out_dtype, w_fp8=None):
+        recipe, dtype, margin = recipe_of(config), config.forward_dtype, config.margin
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if w_fp8 is None or (need_dx and w_fp8.data_t is None):
+            w_fp8 = quantize_weight_fine(w_nk, config, transposed=need_dx)
+        x_q, x_scale = quantize_rows(x, recipe, dtype, margin)
+        x_t = x_t_scale = None
+        if need_dw:
+            x_t, x_t_scale = quantize_tokens(x, group_offs, recipe, dtype, margin)
+        y = _gemm(GemmKind.M_GROUPED, x_q, w_fp8.data, x_scale, w_fp8.scale, group_offs, out_dtype, recipe,
+                  num_cu, backend, "fwd")
+        ctx.w_kn = (w_fp8.data_t, w_fp8.scale_t) if need_dx else None  # dgrad's alone: dropped before wgrad
+        ctx.save_for_backward(w_nk if need_dx else None, x_t, x_t_scale, group_offs)
+        ctx.config, ctx.num_cu, ctx.backend = config, num_cu, backend
+        ctx.x_dtype, ctx.w_dtype = x.dtype, w_nk.dtype
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        w_nk, x_t, x_t_scale, group_offs = ctx.saved_tensors
+        config = ctx.config
+        recipe, gdtype, margin = recipe_of(config), config.grad_dtype, config.margin
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        w_kn, ctx.w_kn = ctx.w_kn, None
+        if w_kn is None and need_dx:  # a second backward (retain_graph): re-derive W^T
+            requantized = quantize_weight_fine(w_nk, config, transposed=True)
+            w_kn = (requantized.data_t, requantized.scale_t)
+        dy = dy.contiguous()
+        dx = dw = None
+        if need_dx:
+            dy_q, dy_scale = quantize_rows(dy, recipe, gdtype, margin)
+            dx = _gemm(GemmKind.M_GROUPED, dy_q, w_kn[0], dy_scale, w_kn[1], group_offs, ctx.x_dtype, recipe,
+                       ctx.num_cu, ctx.backend, "dgrad")
+            del dy_q, w_kn
+        if need_dw:
+            dy_t, dy_t_scale = quantize_tokens(dy, group_offs, recipe, gdtype, margin)
+            dw = _gemm(GemmKind.K_GROUPED, dy_t, x_t, dy_t_scale, x_t_scale, group_offs, ctx.w_dtype, recipe,
+                       ctx.num_cu, ctx.backend, "wgrad")
+        return dx, dw, None, None, None, None, None, None
+
+
+def grouped_gemm_fine(x, w_nk, offs, *, config: Float8Config, num_cu=None, backend="auto", out_dtype=None,
+                      w_fp8=None) -> torch.Tensor:
+    """``turbo_moe.autograd._grouped_gemm_fp8_resolved`` for the fine-grained recipes (operands,
+    offsets, config and out_dtype already checked and resolved there)."""
+    return FineGrainedFP8Function.apply(x, w_nk, offs, config, num_cu, backend, out_dtype, w_fp8)
+
+
+def grouped_wgrad_fine(dy, x, group_offs, *, config: Float8Config, num_cu=None, backend="auto",
+                       out_dtype: Optional[torch.dtype] = None, main_grad=None) -> torch.Tensor:
+    """``turbo_moe.autograd._grouped_wgrad_fp8_resolved`` for the fine-grained recipes (checked there)."""
+    recipe = recipe_of(config)
+    dy_t, dy_scale = quantize_tokens(dy, group_offs, recipe, config.grad_dtype, config.margin)
+    x_t, x_scale = quantize_tokens(x, group_offs, recipe, config.forward_dtype, config.margin)
+    return _gemm(GemmKind.K_GROUPED, dy_t, x_t, dy_scale, x_scale, group_offs,
+                 dy.dtype if out_dtype is None else out_dtype, recipe, num_cu, backend, "wgrad",
+                 out=main_grad, accumulate=main_grad is not None)

@@ -1,0 +1,131 @@
+"""Host side of the block-scaled Triton GEMMs (``kernels/triton/blockwise_gemm.py``): tile
+configuration, persistent grid (the shared scheduler's bounds) and the lean launch."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..backends.base import GemmKind
+
+__all__ = ["BlockKernelConfig", "run", "kernels", "use_dot_scaled"]
+
+
+@dataclass(frozen=True)
+class BlockKernelConfig:
+    block_m: int
+    block_n: int
+    block_k: int  # == the recipe's block for the promotion loop; a multiple of 32 for dot_scaled
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 4
+    band_cyclic: bool = False  # K-grouped order (group-major measured faster for the tensorwise kernels)
+
+
+# H100 defaults (two warpgroups, 128x128 tiles: DeepGEMM's shape for blockwise); MXFP8's promotion
+# loop steps 32 of K, so it pipelines deeper. Untuned: the speed table is still to be measured.
+_GPU_DEFAULTS = {
+    (128, False): BlockKernelConfig(128, 128, 128, num_stages=4),
+    (32, False): BlockKernelConfig(128, 128, 32, num_stages=6),
+    (32, True): BlockKernelConfig(128, 128, 128, num_stages=3),
+}
+
+
+class _Kernels:
+    def __init__(self) -> None:
+        from turbo_moe.kernels.triton import blockwise_gemm
+        from turbo_moe.kernels.triton.launch import lean
+
+        self.module = blockwise_gemm
+        self.interpreting = type(blockwise_gemm.m_grouped_block_scaled_kernel).__name__ == "InterpretedFunction"
+        self.m_grouped = lean(blockwise_gemm.m_grouped_block_scaled_kernel)
+        self.k_grouped = lean(blockwise_gemm.k_grouped_block_scaled_kernel)
+
+
+_KERNELS: Optional[_Kernels] = None
+
+
+def kernels() -> _Kernels:
+    global _KERNELS
+    if _KERNELS is None:
+        _KERNELS = _Kernels()
+    return _KERNELS
+
+
+def use_dot_scaled(device: torch.device) -> bool:
+    """Whether MXFP8 takes ``tl.dot_scaled``: where the hardware applies e8m0 scales (sm_100+,
+    gfx950). On sm_90 Triton emulates it through bf16 (half the FP8 rate), so Hopper takes the
+    promotion loop. ``TURBO_MOE_MX_DOT_SCALED=1/0`` forces it either way (tests, benchmarks)."""
+    forced = os.environ.get("TURBO_MOE_MX_DOT_SCALED")
+    if forced is not None:
+        return forced not in ("", "0")
+    if device.type != "cuda":
+        return False
+    if torch.version.hip:
+        return torch.cuda.get_device_properties(device).gcnArchName.startswith("gfx95")
+    return torch.cuda.get_device_capability(device) >= (10, 0)
+
+
+def default_config(problem) -> BlockKernelConfig:
+    r = problem.recipe
+    dot_scaled = r.e8m0 and use_dot_scaled(problem.device)
+    if problem.device.type != "cuda":  # interpreter: small tiles, so small shapes span many tiles
+        return BlockKernelConfig(16, 16, 64 if dot_scaled else r.block, group_m=2, num_warps=1, num_stages=1)
+    return _GPU_DEFAULTS[(r.block, dot_scaled)]
+
+
+def _num_programs_limit(problem) -> int:
+    if problem.num_cu is not None:
+        return int(problem.num_cu)
+    if problem.device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(problem.device).multi_processor_count
+
+
+_FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
+def run(problem, config: Optional[BlockKernelConfig] = None) -> torch.Tensor:
+    """Launch the block-scaled kernel for ``problem`` (checked by ``BlockScaledProblem.reason``)."""
+    from turbo_moe.kernels import tile_scheduler as ts
+
+    k = kernels()
+    cfg = config or default_config(problem)
+    r = problem.recipe
+    dot_scaled = r.e8m0 and cfg.block_k != r.block
+    if not dot_scaled and cfg.block_k != r.block:
+        raise ValueError(f"block_k={cfg.block_k} must equal the recipe's scale block {r.block}")
+    out = problem.out if problem.out is not None else torch.empty(problem.out_shape, dtype=problem.out_dtype,
+                                                                   device=problem.device)
+    if out.numel() == 0:
+        return out
+    a, b, sa, sb, offs = problem.a, problem.b, problem.a_scale, problem.b_scale, problem.group_offs
+    M, N, K = problem.mnk
+    G = problem.num_groups
+    limit = _num_programs_limit(problem)
+    extra = {} if k.interpreting else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    common = dict(SCALE_BLOCK=r.block, E8M0=r.e8m0, USE_DOT_SCALED=dot_scaled, A_FORMAT=_FORMATS[a.dtype],
+                  B_FORMAT=_FORMATS[b.dtype], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  GROUP_M=cfg.group_m, **extra)
+    if problem.kind is GemmKind.M_GROUPED:
+        bound = ts.m_grouped_tile_upper_bound(M, G, cfg.block_m, ts.cdiv(N, cfg.block_n))
+        grid = (ts.persistent_grid_size(bound, limit),)
+        k.m_grouped[grid](
+            a, b, out, sa, sb, offs, N, K, G,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+            sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), sb.stride(2),
+            B_ROW_BLOCK=r.weight_block, EVEN_K=K % cfg.block_k == 0, **common,
+        )
+    else:
+        bound = ts.k_grouped_total_tiles(G, ts.cdiv(N, cfg.block_m), ts.cdiv(K, cfg.block_n))
+        grid = (ts.persistent_grid_size(bound, limit),)
+        k.k_grouped[grid](
+            a, b, out, sa, sb, offs, N, K, G,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
+            sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
+            BAND_CYCLIC=cfg.band_cyclic, ACCUMULATE=problem.accumulate, **common,
+        )
+    return out
