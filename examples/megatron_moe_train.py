@@ -144,13 +144,21 @@ def main() -> None:
     warnings.filterwarnings("ignore", module="megatron")
 
     with megatron_process(use_gpu):
+        from megatron.core.transformer.module import Float16Module
+
         config = build_config(args, use_gpu)
         torch.manual_seed(0)
-        megatron_model = build_model(config, args, turbo=False).to(device)
-        turbo_model = build_model(config, args, turbo=True).to(device)
-        copy_through_checkpoint(megatron_model, turbo_model)
-        experts = turbo_model.decoder.layers[0].mlp.experts
-        print(f"device={device.type} experts: Megatron {type(megatron_model.decoder.layers[0].mlp.experts).__name__} "
+        megatron_core_model = build_model(config, args, turbo=False).to(device)
+        turbo_core_model = build_model(config, args, turbo=True).to(device)
+        copy_through_checkpoint(megatron_core_model, turbo_core_model)
+        # With bf16 parameters Megatron trains the model inside Float16Module, which casts it and its
+        # inputs to bf16: Megatron's torch LayerNorms are built in fp32 whatever params_dtype says.
+        megatron_model, turbo_model = (
+            (Float16Module(config, megatron_core_model), Float16Module(config, turbo_core_model)) if config.bf16
+            else (megatron_core_model, turbo_core_model)
+        )
+        experts = turbo_core_model.decoder.layers[0].mlp.experts
+        print(f"device={device.type} experts: Megatron {type(megatron_core_model.decoder.layers[0].mlp.experts).__name__} "
               f"vs turbo_moe {type(experts).__name__} fp8={args.fp8}/{args.granularity}")
         opt_megatron = torch.optim.Adam(megatron_model.parameters(), lr=args.lr)
         opt_turbo = torch.optim.Adam(turbo_model.parameters(), lr=args.lr)

@@ -23,6 +23,12 @@ from .fp8_cast import _quant_scales
 from .launch import lean
 
 
+def _cdiv(a: int, b: int) -> int:
+    # Host-side grid math in plain Python: triton.cdiv is a constexpr_function in Triton >= 3.5,
+    # whose call wrapper costs microseconds, several times per fwd+bwd.
+    return -(-a // b)
+
+
 @triton.jit
 def _nan_max(x, axis: tl.constexpr):
     """max over ``axis`` of x (>= 0), NaN if any element is NaN (tl.max drops NaN; torch keeps it)."""
@@ -147,13 +153,13 @@ def block_cast_rows(x, recipe, fp8_dtype, fp8_max: float, emax: int, margin: int
     _check_fp8_max(fp8_max, emax)
     x3, squeeze = (x[None], True) if x.dim() == 2 else (x, False)
     batches, r, c = x3.shape
-    nb = triton.cdiv(c, recipe.block)
+    nb = _cdiv(c, recipe.block)
     out = torch.empty((batches, r, c), dtype=fp8_dtype, device=x.device)
     storage = torch.empty((batches, nb, r), dtype=recipe.scale_dtype, device=x.device)
     scale = storage.transpose(1, 2)  # [B, R, nb] view of block-major storage
     if batches * r * nb:
         block_r = 32 if recipe.block == 128 else 128
-        _lean["block_cast_rows_kernel"][(triton.cdiv(r, block_r), nb, batches)](
+        _lean["block_cast_rows_kernel"][(_cdiv(r, block_r), nb, batches)](
             x3, out, scale, r, c, x3.stride(0), x3.stride(1), x3.stride(2), scale.stride(0), scale.stride(1),
             scale.stride(2), FP8_MAX=fp8_max, EMAX=emax, MARGIN=margin, MARGIN_FACTOR=2.0 ** -margin, E8M0=recipe.e8m0, POW2=recipe.pow2,
             BLOCK=recipe.block, BLOCK_R=block_r, num_warps=4,
@@ -169,7 +175,7 @@ def block_cast_weight(w, recipe, fp8_dtype, fp8_max: float, margin: int = 0, tra
     b = recipe.block
     out = torch.empty((g, n, k), dtype=fp8_dtype, device=w.device)
     out_t = torch.empty((g, k, n), dtype=fp8_dtype, device=w.device) if transposed else None
-    scale = torch.empty((g, triton.cdiv(n, b), triton.cdiv(k, b)), dtype=torch.float32, device=w.device)
+    scale = torch.empty((g, _cdiv(n, b), _cdiv(k, b)), dtype=torch.float32, device=w.device)
     if scale.numel():
         _lean["block_cast_weight_kernel"][(scale.shape[1], scale.shape[2], g)](
             w, out, out_t if transposed else out, scale, n, k, w.stride(0), w.stride(1), w.stride(2),
@@ -191,7 +197,7 @@ def block_cast_tokens(x, group_offs, recipe, fp8_dtype, fp8_max: float, emax: in
     storage = torch.empty((slots, c), dtype=recipe.scale_dtype, device=x.device)
     if groups * c and m:
         block_c = 64
-        _lean["block_cast_tokens_kernel"][(triton.cdiv(c, block_c), groups)](
+        _lean["block_cast_tokens_kernel"][(_cdiv(c, block_c), groups)](
             x, group_offs, out_t, storage, m, c, x.stride(0), x.stride(1), storage.stride(0), storage.stride(1),
             FP8_MAX=fp8_max, EMAX=emax, MARGIN=margin, MARGIN_FACTOR=2.0 ** -margin, E8M0=recipe.e8m0, POW2=recipe.pow2,
             BLOCK=recipe.block, BLOCK_C=block_c, num_warps=4,

@@ -22,6 +22,12 @@ import triton.language as tl
 from .launch import lean
 
 
+def _cdiv(a: int, b: int) -> int:
+    # Host-side grid math in plain Python: triton.cdiv is a constexpr_function in Triton >= 3.5,
+    # whose call wrapper costs microseconds, several times per fwd+bwd.
+    return -(-a // b)
+
+
 @triton.jit
 def amax_partials_kernel(x_ptr, partials_ptr, numel, chunk, BLOCK: tl.constexpr):
     """Program p writes max |x| over the flat elements [p * chunk, (p + 1) * chunk) of a contiguous
@@ -104,14 +110,14 @@ def fp8_tensorwise_cast(x, fp8_dtype, fp8_max: float, margin: int = 0, write_row
     if numel == 0:
         dequant.fill_(1.0)
     else:
-        num_partials = min(MAX_PARTIALS, triton.cdiv(numel, _AMAX_BLOCK))
-        chunk = triton.cdiv(triton.cdiv(numel, num_partials), _AMAX_BLOCK) * _AMAX_BLOCK
-        num_partials = triton.cdiv(numel, chunk)
+        num_partials = min(MAX_PARTIALS, _cdiv(numel, _AMAX_BLOCK))
+        chunk = _cdiv(_cdiv(numel, num_partials), _AMAX_BLOCK) * _AMAX_BLOCK
+        num_partials = _cdiv(numel, chunk)
         partials = torch.empty((num_partials,), dtype=torch.float32, device=x.device)
         _lean['amax_partials_kernel'][(num_partials,)](x3, partials, numel, chunk, BLOCK=_AMAX_BLOCK, num_warps=8)
         block_r, block_c = 64, 64
         out = rows if rows is not None else trans
-        _lean['fp8_cast_kernel'][(triton.cdiv(r, block_r), triton.cdiv(c, block_c), batches)](
+        _lean['fp8_cast_kernel'][(_cdiv(r, block_r), _cdiv(c, block_c), batches)](
             x3, partials, num_partials, out, trans if trans is not None else out, dequant,
             r, c, x3.stride(0), x3.stride(1), x3.stride(2),
             FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, WRITE_ROWS=write_rows, WRITE_T=write_transposed,
@@ -228,7 +234,7 @@ def fp8_rowwise_cast(x, fp8_dtype, fp8_max: float, margin: int = 0):
     dequant = torch.empty((batches, r), dtype=torch.float32, device=x.device)
     if batches * r:
         block_r, block_c = 16, 128
-        _lean['fp8_rowwise_cast_kernel'][(triton.cdiv(r, block_r), batches)](
+        _lean['fp8_rowwise_cast_kernel'][(_cdiv(r, block_r), batches)](
             x3, out, dequant, r, c, x3.stride(0), x3.stride(1), x3.stride(2),
             FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
         )
@@ -249,7 +255,7 @@ def fp8_colwise_grouped_cast(x, group_offs, fp8_dtype, fp8_max: float, margin: i
     dequant = torch.empty((batches, groups, c), dtype=torch.float32, device=x.device)
     if batches * groups * c:
         block_r, block_c = 64, 64
-        _lean['fp8_colwise_grouped_cast_kernel'][(triton.cdiv(c, block_c), groups, batches)](
+        _lean['fp8_colwise_grouped_cast_kernel'][(_cdiv(c, block_c), groups, batches)](
             x3, x3 if one_group else group_offs, out_t, dequant, r, c, groups, x3.stride(0), x3.stride(1), x3.stride(2),
             FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, BLOCK_R=block_r, BLOCK_C=block_c, ONE_GROUP=one_group,
             num_warps=4,

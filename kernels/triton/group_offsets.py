@@ -55,7 +55,7 @@ def resolve_group_offs(src, num_rows: int, from_lens: bool):
 
     num_groups = src.shape[0] - (0 if from_lens else 1)
     offs = torch.empty(num_groups + 1, dtype=torch.int64, device=src.device)
-    block = triton.next_power_of_2(num_groups + 1)
+    block = 1 << num_groups.bit_length()  # next power of two >= num_groups + 1
     _resolve_launcher[(1,)](src, offs, num_groups, num_rows, FROM_LENS=from_lens, BLOCK=block,
                             num_warps=4 if block <= 1024 else 8, debug=DEVICE_ASSERTS)
     return offs
