@@ -79,6 +79,7 @@ class LeanLauncher:
         self._memo: Dict[tuple, _Memo] = {}
         self._num_runtime = None
         self._check = os.environ.get("TURBO_MOE_LAUNCH_CHECK", "0") not in ("", "0")
+        self._unsupported = False  # set when this Triton's objects do not offer what a lean launch needs
         self.hits = 0
         self.misses = 0
 
@@ -96,8 +97,13 @@ class LeanLauncher:
         if memo is None:
             self.misses += 1
             kernel = self.fn[grid](*args, **kwargs)
-            if kernel is not None and not hasattr(kernel, "result"):  # never memoize an async compile
-                self._memo[key] = _Memo(kernel, self._constexpr_values(args, kwargs))
+            if kernel is not None and not hasattr(kernel, "result") and not self._unsupported:
+                try:  # never memoize an async compile; a Triton whose kernel objects differ keeps its own path
+                    self._memo[key] = _Memo(kernel, self._constexpr_values(args, kwargs))
+                    kernel.run  # noqa: B018  (the launcher this path calls must exist)
+                except (AttributeError, TypeError):
+                    self._memo.pop(key, None)
+                    self._unsupported = True
             return kernel
         self.hits += 1
         if self._check:
