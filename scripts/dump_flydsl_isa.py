@@ -86,9 +86,9 @@ def _compile_fp8_gemm_4wave(checkout: str, arch: str, dump: str, rocm_path: str)
     """FlyDSL's 4-wave FP8 GEMM (M = N = K = 4096, bf16 out) compiled for ``arch`` without a device,
     with the environment compile_only uses; returns its ISA path. Needs torch (CPU tensors as the
     fx.Tensor arguments; nothing runs)."""
-    import os
-
     import torch
+
+    from turbo_moe.kernels.flydsl import compile_only as co
 
     sys.path.insert(0, str(Path(checkout).resolve()))  # its top-level "kernels" package, first
     for name in [m for m in sys.modules if m == "kernels" or m.startswith("kernels.")]:
@@ -98,19 +98,11 @@ def _compile_fp8_gemm_4wave(checkout: str, arch: str, dump: str, rocm_path: str)
     folder = Path(dump) / "fp8_gemm_4wave"
     env = {"COMPILE_ONLY": "1", "ARCH": arch, "FLYDSL_DEBUG_DUMP_ASM": "1", "FLYDSL_DUMP_DIR": str(folder),
            "ROCM_PATH": rocm_path, "FLYDSL_RUNTIME_ENABLE_CACHE": "0"}
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
+    with co.temporary_environ(env):
         m = n = k = 4096
         launch = compile_fp8_gemm_4w(K=k)
         a, b = torch.zeros(m, k, dtype=torch.float8_e4m3fn), torch.zeros(n, k, dtype=torch.float8_e4m3fn)
         launch(a, b, torch.zeros(m, n, dtype=torch.bfloat16), torch.ones(m), torch.ones(n), m, n, 0)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     found = sorted(folder.rglob("22_final_isa.s"))
     if not found:
         raise RuntimeError(f"fp8_gemm_4wave compiled but wrote no ISA under {folder}")

@@ -11,13 +11,11 @@ format's max): no rounding happens, and the test checks layout, masks, strides, 
 handling bit for bit. The compiled GPU test uses arbitrary random data and checks rounding too.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
-import torch
+
+from interpreter_child import assert_prints_ok, run_on_gpu
 
 CHECK = textwrap.dedent(
     """
@@ -74,17 +72,12 @@ CHECK = textwrap.dedent(
 
 
 def test_fp8_cast_kernel_matches_torch_in_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", CHECK.replace("DEVICE", "'cpu'").replace("EXACT", "True")], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    assert_prints_ok(CHECK.replace("DEVICE", "'cpu'").replace("EXACT", "True"))
 
 
 @pytest.mark.gpu
 def test_fp8_cast_kernel_matches_torch_on_gpu():
-    pytest.importorskip("triton")
-    exec(compile(CHECK.replace("DEVICE", "'cuda'").replace("EXACT", "False"), "fp8_cast_check", "exec"), {})
+    run_on_gpu(CHECK.replace("DEVICE", "'cuda'").replace("EXACT", "False"), "fp8_cast_check")
 
 
 ROWWISE_CHECK = textwrap.dedent(
@@ -142,17 +135,12 @@ ROWWISE_CHECK = textwrap.dedent(
 
 
 def test_rowwise_cast_kernels_match_torch_in_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = ROWWISE_CHECK.replace("DEVICE", "'cpu'").replace("EXACT", "True")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    assert_prints_ok(ROWWISE_CHECK.replace("DEVICE", "'cpu'").replace("EXACT", "True"))
 
 
 @pytest.mark.gpu
 def test_rowwise_cast_kernels_match_torch_on_gpu():
-    pytest.importorskip("triton")
-    exec(compile(ROWWISE_CHECK.replace("DEVICE", "'cuda'").replace("EXACT", "False"), "rowwise_check", "exec"), {})
+    run_on_gpu(ROWWISE_CHECK.replace("DEVICE", "'cuda'").replace("EXACT", "False"), "rowwise_check")
 
 
 TINY_CHECK = textwrap.dedent(
@@ -202,14 +190,9 @@ TINY_CHECK = textwrap.dedent(
 
 
 def test_tiny_amax_scale_cap_matches_torch_in_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = TINY_CHECK.replace("DEVICE", "'cpu'")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    assert_prints_ok(TINY_CHECK.replace("DEVICE", "'cpu'"))
 
 
 @pytest.mark.gpu
 def test_tiny_amax_scale_cap_matches_torch_on_gpu():
-    pytest.importorskip("triton")
-    exec(compile(TINY_CHECK.replace("DEVICE", "'cuda'"), "tiny_check", "exec"), {})
+    run_on_gpu(TINY_CHECK.replace("DEVICE", "'cuda'"), "tiny_check")

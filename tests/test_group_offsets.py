@@ -6,13 +6,11 @@ always inside [0, M] and non-decreasing, whatever the routing says. On a GPU (ma
 asserts are live; ``tests/test_autograd_gpu.py`` checks that bad routing fails loudly.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
-import torch
+
+from interpreter_child import assert_prints_ok, run_on_gpu
 
 CHECK = textwrap.dedent(
     """
@@ -46,14 +44,9 @@ CHECK = textwrap.dedent(
 
 
 def test_offsets_kernel_in_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = CHECK.replace("DEVICE", "'cpu'").replace("CLAMP", "True")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    assert_prints_ok(CHECK.replace("DEVICE", "'cpu'").replace("CLAMP", "True"))
 
 
 @pytest.mark.gpu
 def test_offsets_kernel_on_gpu():
-    pytest.importorskip("triton")
-    exec(compile(CHECK.replace("DEVICE", "'cuda'").replace("CLAMP", "False"), "offsets_check", "exec"), {})
+    run_on_gpu(CHECK.replace("DEVICE", "'cuda'").replace("CLAMP", "False"), "offsets_check")

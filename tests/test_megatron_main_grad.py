@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from interpreter_child import results_json  # noqa: E402
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MICRO_BATCHES = [[5, 0, 37, 16, 0, 6], [0, 9, 23, 31, 0, 1], [16, 0, 0, 48, 0, 32]]  # group 4 empty throughout
@@ -180,15 +179,7 @@ def _interpreter_child() -> dict:
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = Path(__file__).parent.parent
-    proc = subprocess.run([sys.executable, __file__, "--interpreter-child"], capture_output=True, text=True,
-                          env=env, timeout=600, cwd=root)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS_JSON ")]
-    if proc.returncode != 0 or not lines:
-        pytest.fail(f"interpreter child failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULTS_JSON "):])
+    return results_json([__file__, "--interpreter-child"])
 
 
 def test_triton_kernels_accumulate_in_fp32_under_interpreter(interpreter_results):

@@ -8,10 +8,7 @@ zero rows, ragged offsets, every granularity and format, and check the FP8 error
 
 import copy
 import io
-import os
 import pickle
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -28,6 +25,7 @@ from turbo_moe.quantize import (MAX_QUANT_SCALE, quantize_columnwise, quantize_r
 
 from fp8_reference import (FP8_HALF_SUBNORMAL, FP8_UNIT_ROUNDOFF, assert_within_fp8_bound, fp8_error_bound,
                            fresh_inputs, grouped_matmul_f64, grouped_wgrad_f64, offsets)
+from interpreter_child import assert_prints_ok
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FLT_MAX = torch.finfo(torch.float32).max
@@ -388,9 +386,4 @@ TRITON_CHECK = textwrap.dedent(
 
 
 def test_triton_interpreter_double_backward_offsets_and_tiny_inputs():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), os.path.dirname(__file__)])}
-    out = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
+    assert_prints_ok(TRITON_CHECK)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import collections
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -20,6 +18,8 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from turbo_moe.kernels import tile_scheduler as ts  # noqa: E402
+
+from interpreter_child import run_interpreted  # noqa: E402
 
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -207,11 +207,7 @@ _TRITON_AGREEMENT_SCRIPT = textwrap.dedent(
 
 
 def test_triton_jitted_functions_agree_with_python_in_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _TRITON_AGREEMENT_SCRIPT], capture_output=True, text=True, env=env, timeout=300
-    )
+    proc = run_interpreted(["-c", _TRITON_AGREEMENT_SCRIPT], timeout=300)
     if proc.returncode != 0 and "only 0-dimensional arrays can be converted" in proc.stderr:
         # triton 3.6's interpreter with numpy >= 2.4 cannot run loops with run-time bounds at
         # all (see tests/triton_interpreter_cases.py); the compiled path is tested below.

@@ -11,9 +11,7 @@ variable is process-wide: setting it here would silently switch every other test
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +22,7 @@ pytest.importorskip("triton")
 
 sys.path.insert(0, str(Path(__file__).parent))
 import triton_interpreter_cases as cases  # noqa: E402
+from interpreter_child import results_json  # noqa: E402
 
 from turbo_moe.backends.base import GemmKind, GroupedGemmProblem  # noqa: E402
 
@@ -39,15 +38,7 @@ _DECLINE_CHECKS = [
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    script = Path(cases.__file__)
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600, cwd=script.parent.parent
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS_JSON ")]
-    if proc.returncode != 0 or not lines:
-        pytest.fail(f"interpreter worker failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-    results = json.loads(lines[-1][len("RESULTS_JSON ") :])
+    results = results_json([cases.__file__])
     if "__unsupported__" in results:
         # A known defect of an old triton interpreter with a new numpy (see
         # triton_interpreter_cases.interpreter_limitation); the compiled kernels are unaffected.

@@ -81,7 +81,8 @@ def lld_shim(directory: Optional[str] = None) -> str:
 
 
 @contextlib.contextmanager
-def _env(values: Dict[str, str]) -> Iterator[None]:
+def temporary_environ(values: Dict[str, str]) -> Iterator[None]:
+    """os.environ with ``values`` set for the duration of the block, then as it was."""
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
     try:
@@ -160,7 +161,7 @@ def compile_for_arch(
         # Always trace and lower (a cached artifact would skip the ISA dump).
         "FLYDSL_RUNTIME_ENABLE_CACHE": "0",
     }
-    with _lock, _env(env):
+    with _lock, temporary_environ(env):
         # Fresh builders: FlyDSL keeps compiled artifacts per launcher object, and a launcher built
         # under one ARCH must not answer for another.
         if kind == "m_grouped":

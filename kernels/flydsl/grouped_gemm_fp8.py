@@ -70,6 +70,9 @@ from .main_loop import (  # noqa: F401 (MFMA_HAZARD_WAIT_STATES: read by the ISA
 
 __all__ = ["KernelConfig", "build_m_grouped", "build_k_grouped", "KERNEL_NAMES"]
 
+BM, BN, BK = host.BLOCK_M, host.BLOCK_N, host.BLOCK_K
+TILE_BYTES = host.LDS_TILE_BYTES
+
 # The names the kernels get in the compiled code object (and in FLYDSL_DUMP_DIR/<name>_0/).
 KERNEL_NAMES = {"m_grouped": "turbo_moe_m_grouped_fp8", "k_grouped": "turbo_moe_k_grouped_fp8"}
 
@@ -199,6 +202,25 @@ def _lds_storage():
     return SharedStorage
 
 
+# Both kernels: 2 waves per SIMD (VGPR + AGPR <= 256, docs/flydsl.md), 256-thread workgroups.
+_KERNEL_ATTRS = {"rocdl.waves_per_eu": 2, "rocdl.flat_work_group_size": "256,256"}
+
+
+def _workgroup_start(SharedStorage, offs_addr, num_groups):
+    """(lds_base, wave_row0, wave_col0, offs_srd): the LDS tiles' base address (readfirstlane: kept
+    in an SGPR), this wave's 64x64 quadrant of the 128x128 tile (4 waves in 2x2) and the buffer
+    descriptor of group_offs (num_groups + 1 int64 values)."""
+    fx = _flydsl().fx
+    lds = fx.SharedAllocator().allocate(SharedStorage).peek()
+    lds_base = _readfirstlane_i32(fx.Int32(fx.ptrtoint(lds.tiles.ptr)))
+    tid = fx.Int32(fx.thread_idx.x)
+    wave = tid // host.WAVE_SIZE
+    wave_row0 = (wave // 2) * 64
+    wave_col0 = (wave % 2) * 64
+    offs_srd = _make_srd(offs_addr, (num_groups + 1) * 8)
+    return lds_base, wave_row0, wave_col0, offs_srd
+
+
 @functools.lru_cache(maxsize=None)
 def build_m_grouped(config: KernelConfig, lds_dma: bool = False):
     """The launcher of the M-grouped kernel for ``config``: ``launch(*addresses, *plan.scalar_args(),
@@ -216,8 +238,6 @@ def build_m_grouped(config: KernelConfig, lds_dma: bool = False):
     group_tiles_fn = on_dsl(sched.m_grouped_group_tiles)
     swizzle_fn = on_dsl(sched.swizzle_group_m)
     cdiv_fn = on_dsl(sched.cdiv)
-    BM, BN, BK = host.BLOCK_M, host.BLOCK_N, host.BLOCK_K
-    TILE_BYTES = host.LDS_TILE_BYTES
 
     @flyc.kernel
     def turbo_moe_m_grouped_fp8(
@@ -228,13 +248,7 @@ def build_m_grouped(config: KernelConfig, lds_dma: bool = False):
         a_extent: fx.Int64, b_extent: fx.Int64, c_extent: fx.Int64,
         num_n_blocks: fx.Int32, tile_bound: fx.Int32, grid: fx.Int32,
     ):
-        lds = fx.SharedAllocator().allocate(SharedStorage).peek()
-        lds_base = _readfirstlane_i32(fx.Int32(fx.ptrtoint(lds.tiles.ptr)))
-        tid = fx.Int32(fx.thread_idx.x)
-        wave = tid // host.WAVE_SIZE
-        wave_row0 = (wave // 2) * 64
-        wave_col0 = (wave % 2) * 64
-        offs_srd = _make_srd(offs_addr, (num_groups + 1) * 8)
+        lds_base, wave_row0, wave_col0, offs_srd = _workgroup_start(SharedStorage, offs_addr, num_groups)
         k_blocks = cdiv_fn(k, BK)
 
         # Forward-only group cursor of kernels/tile_scheduler.py (schedule_m_grouped is its model).
@@ -320,7 +334,7 @@ def build_m_grouped(config: KernelConfig, lds_dma: bool = False):
             a_addr, b_addr, c_addr, sa_addr, sb_addr, offs_addr, sa_numel, sb_numel,
             m, n, k, num_groups, lda, ldb, stride_bg, ldc, a_extent, b_extent, c_extent,
             num_n_blocks, tile_bound, grid,
-            value_attrs={"rocdl.waves_per_eu": 2, "rocdl.flat_work_group_size": "256,256"},
+            value_attrs=_KERNEL_ATTRS,
         ).launch(grid=(grid, 1, 1), block=(host.NUM_THREADS, 1, 1), stream=stream)
 
     return launch
@@ -335,8 +349,6 @@ def build_k_grouped(config: KernelConfig, band_cyclic: bool = True):
     SharedStorage = _lds_storage()
     order_fn = on_dsl(sched.k_grouped_band_cyclic if band_cyclic else sched.k_grouped_group_major)
     cdiv_fn = on_dsl(sched.cdiv)
-    BM, BN, BK = host.BLOCK_M, host.BLOCK_N, host.BLOCK_K
-    TILE_BYTES = host.LDS_TILE_BYTES
 
     @flyc.kernel
     def turbo_moe_k_grouped_fp8(
@@ -347,13 +359,7 @@ def build_k_grouped(config: KernelConfig, band_cyclic: bool = True):
         a_extent: fx.Int64, b_extent: fx.Int64, c_extent: fx.Int64,
         num_m_blocks: fx.Int32, num_n_blocks: fx.Int32, total_tiles: fx.Int32, grid: fx.Int32,
     ):
-        lds = fx.SharedAllocator().allocate(SharedStorage).peek()
-        lds_base = _readfirstlane_i32(fx.Int32(fx.ptrtoint(lds.tiles.ptr)))
-        tid = fx.Int32(fx.thread_idx.x)
-        wave = tid // host.WAVE_SIZE
-        wave_row0 = (wave // 2) * 64
-        wave_col0 = (wave % 2) * 64
-        offs_srd = _make_srd(offs_addr, (num_groups + 1) * 8)
+        lds_base, wave_row0, wave_col0, offs_srd = _workgroup_start(SharedStorage, offs_addr, num_groups)
         for tile in range(fx.Int32(fx.block_idx.x), total_tiles, grid):
             group, m_block, n_block = order_fn(tile, num_groups, num_m_blocks, num_n_blocks, host.GROUP_M)
             lo = _load_group_offset(offs_srd, group)
@@ -399,7 +405,7 @@ def build_k_grouped(config: KernelConfig, band_cyclic: bool = True):
             a_addr, b_addr, c_addr, sa_addr, sb_addr, offs_addr, sa_numel, sb_numel,
             n, k, m, num_groups, lda, ldb, ldc, stride_cg, a_extent, b_extent, c_extent,
             num_m_blocks, num_n_blocks, total_tiles, grid,
-            value_attrs={"rocdl.waves_per_eu": 2, "rocdl.flat_work_group_size": "256,256"},
+            value_attrs=_KERNEL_ATTRS,
         ).launch(grid=(grid, 1, 1), block=(host.NUM_THREADS, 1, 1), stream=stream)
 
     return launch

@@ -25,6 +25,13 @@ from . import scheduler as S
 
 
 @triton.jit
+def _persistent_start(size_0, size_1, BLOCK_0: tl.constexpr, BLOCK_1: tl.constexpr):
+    """A persistent kernel's prologue: (program id, program count, cdiv(size_0, BLOCK_0),
+    cdiv(size_1, BLOCK_1)); the M-grouped kernels pass (N, K), the K-grouped ones (N, K) of out[g]."""
+    return tl.program_id(0), tl.num_programs(0), S.cdiv(size_0, BLOCK_0), S.cdiv(size_1, BLOCK_1)
+
+
+@triton.jit
 def _m_grouped_cursor_start(group_offs_ptr, G, BLOCK_M: tl.constexpr, num_n_blocks):
     """The M-grouped kernels' forward-only group cursor (tile_scheduler's module docstring), on
     group 0: (group, group_first_tile, lo, hi, group_tiles), lo/hi the group's first/end row."""
@@ -57,6 +64,16 @@ def _m_grouped_tile_blocks(tile, group_first_tile, lo, hi, BLOCK_M: tl.constexpr
     rows = hi - lo
     m_block, n_block = S.swizzle_group_m(tile - group_first_tile, S.cdiv(rows, BLOCK_M), num_n_blocks, GROUP_M)
     return rows, m_block, n_block
+
+
+@triton.jit
+def _k_grouped_tile_blocks(tile, G, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr, BAND_CYCLIC: tl.constexpr):
+    """(group, m_block, n_block) of ``tile`` in the K-grouped kernels' tile order."""
+    if BAND_CYCLIC:
+        group, m_block, n_block = S.k_grouped_band_cyclic(tile, G, num_m_blocks, num_n_blocks, GROUP_M)
+    else:
+        group, m_block, n_block = S.k_grouped_group_major(tile, G, num_m_blocks, num_n_blocks, GROUP_M)
+    return group, m_block, n_block
 
 
 @triton.jit
@@ -100,6 +117,35 @@ def _dequantize_and_add(
 
 
 @triton.jit
+def _k_grouped_out_pointers(out_ptr, group_row, offs_m, offs_n, N, K, stride_og, stride_on, stride_ok):
+    """Pointers to the tile (offs_m, offs_n) of out[group_row] and the mask of its elements inside
+    [N, K] (the K-grouped kernels' pointer epilogue)."""
+    out_ptrs = (
+        out_ptr + group_row * stride_og + offs_m[:, None].to(tl.int64) * stride_on
+        + offs_n[None, :].to(tl.int64) * stride_ok
+    )
+    out_mask = (offs_m < N)[:, None] & (offs_n < K)[None, :]
+    return out_ptrs, out_mask
+
+
+@triton.jit
+def _dequantize_and_write(
+    acc, out_ptrs, out_mask, group_has_tokens, a_scale_ptr, a_scale_offsets, b_scale_ptr, b_scale_offsets,
+    A_ROWWISE: tl.constexpr, B_ROWWISE: tl.constexpr, ACCUMULATE: tl.constexpr,
+):
+    """The K-grouped kernels' pointer store: out += (ACCUMULATE) or out = the dequantized tile."""
+    if ACCUMULATE:
+        _dequantize_and_add(
+            acc, out_ptrs, out_mask, group_has_tokens, a_scale_ptr, a_scale_offsets, b_scale_ptr, b_scale_offsets,
+            A_ROWWISE, B_ROWWISE,
+        )
+    else:
+        _dequantize_and_store(
+            acc, out_ptrs, out_mask, a_scale_ptr, a_scale_offsets, b_scale_ptr, b_scale_offsets, A_ROWWISE, B_ROWWISE,
+        )
+
+
+@triton.jit
 def m_grouped_gemm_kernel(
     a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, group_offs_ptr,
     N, K, G,
@@ -113,10 +159,7 @@ def m_grouped_gemm_kernel(
     a: [M, K], b: [G, N, K], out: [M, N]. The tile walk is the scheduler's forward-only cursor
     over group_offs (see tile_scheduler's module docstring); programs stop past the last group.
     """
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    num_n_blocks = S.cdiv(N, BLOCK_N)
-    num_k_blocks = S.cdiv(K, BLOCK_K)
+    pid, num_programs, num_n_blocks, num_k_blocks = _persistent_start(N, K, BLOCK_N, BLOCK_K)
 
     group, group_first_tile, lo, hi, group_tiles = _m_grouped_cursor_start(group_offs_ptr, G, BLOCK_M, num_n_blocks)
     tile = pid.to(tl.int64)
@@ -180,10 +223,7 @@ def k_grouped_gemm_kernel(
     out[g]; the token loop steps BLOCK_K at a time. With ACCUMULATE (float32 out): out[g] += the
     fp32 result, and an empty group's out[g] is left as it was.
     """
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    num_m_blocks = S.cdiv(N, BLOCK_M)
-    num_n_blocks = S.cdiv(K, BLOCK_N)
+    pid, num_programs, num_m_blocks, num_n_blocks = _persistent_start(N, K, BLOCK_M, BLOCK_N)
     total_tiles = G * num_m_blocks * num_n_blocks
 
     arange_m = tl.arange(0, BLOCK_M)
@@ -191,10 +231,7 @@ def k_grouped_gemm_kernel(
     arange_k = tl.arange(0, BLOCK_K)
 
     for tile in range(pid, total_tiles, num_programs):
-        if BAND_CYCLIC:
-            group, m_block, n_block = S.k_grouped_band_cyclic(tile, G, num_m_blocks, num_n_blocks, GROUP_M)
-        else:
-            group, m_block, n_block = S.k_grouped_group_major(tile, G, num_m_blocks, num_n_blocks, GROUP_M)
+        group, m_block, n_block = _k_grouped_tile_blocks(tile, G, num_m_blocks, num_n_blocks, GROUP_M, BAND_CYCLIC)
         lo = tl.load(group_offs_ptr + group)
         hi = tl.load(group_offs_ptr + group + 1)
         offs_m = m_block * BLOCK_M + arange_m
@@ -230,22 +267,12 @@ def k_grouped_gemm_kernel(
         b = tl.load(b_row_ptrs + tail_tokens[None, :] * stride_bm, mask=tail_mask[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(b), acc)
 
-        out_ptrs = (
-            out_ptr + group.to(tl.int64) * stride_og + offs_m[:, None].to(tl.int64) * stride_on
-            + offs_n[None, :].to(tl.int64) * stride_ok
-        )
-        out_mask = (offs_m < N)[:, None] & (offs_n < K)[None, :]
         group_row = group.to(tl.int64)
-        if ACCUMULATE:
-            _dequantize_and_add(
-                acc, out_ptrs, out_mask, hi > lo, a_scale_ptr, group_row * N + load_rows_a, b_scale_ptr,
-                group_row * K + load_rows_b, A_ROWWISE, B_ROWWISE,
-            )
-        else:
-            _dequantize_and_store(
-                acc, out_ptrs, out_mask, a_scale_ptr, group_row * N + load_rows_a, b_scale_ptr,
-                group_row * K + load_rows_b, A_ROWWISE, B_ROWWISE,
-            )
+        out_ptrs, out_mask = _k_grouped_out_pointers(out_ptr, group_row, offs_m, offs_n, N, K, stride_og, stride_on, stride_ok)
+        _dequantize_and_write(
+            acc, out_ptrs, out_mask, hi > lo, a_scale_ptr, group_row * N + load_rows_a, b_scale_ptr,
+            group_row * K + load_rows_b, A_ROWWISE, B_ROWWISE, ACCUMULATE,
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,10 +304,7 @@ def m_grouped_gemm_tma_kernel(
     """Same problem and tile walk as m_grouped_gemm_kernel. a_desc: a [M, K] (K-major); b_desc:
     b as one [G*N, K] matrix (columns past N of a group read the next group's rows, never
     stored, or zeros past the last group)."""
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    num_n_blocks = S.cdiv(N, BLOCK_N)
-    num_k_blocks = S.cdiv(K, BLOCK_K)
+    pid, num_programs, num_n_blocks, num_k_blocks = _persistent_start(N, K, BLOCK_N, BLOCK_K)
 
     group, group_first_tile, lo, hi, group_tiles = _m_grouped_cursor_start(group_offs_ptr, G, BLOCK_M, num_n_blocks)
     tile = pid.to(tl.int64)
@@ -349,19 +373,13 @@ def k_grouped_gemm_tma_kernel(
     TMA_STORE, the copy engine clips rows past N and columns past K of each group). ACCUMULATE
     (float32 out, pointer store only): out[g] += the fp32 result; empty groups left untouched."""
     tl.static_assert(not (TMA_STORE and ACCUMULATE), "ACCUMULATE reads out: it uses the pointer store")
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    num_m_blocks = S.cdiv(N, BLOCK_M)
-    num_n_blocks = S.cdiv(K, BLOCK_N)
+    pid, num_programs, num_m_blocks, num_n_blocks = _persistent_start(N, K, BLOCK_M, BLOCK_N)
     total_tiles = G * num_m_blocks * num_n_blocks
     arange_m = tl.arange(0, BLOCK_M)
     arange_n = tl.arange(0, BLOCK_N)
 
     for tile in range(pid, total_tiles, num_programs):
-        if BAND_CYCLIC:
-            group, m_block, n_block = S.k_grouped_band_cyclic(tile, G, num_m_blocks, num_n_blocks, GROUP_M)
-        else:
-            group, m_block, n_block = S.k_grouped_group_major(tile, G, num_m_blocks, num_n_blocks, GROUP_M)
+        group, m_block, n_block = _k_grouped_tile_blocks(tile, G, num_m_blocks, num_n_blocks, GROUP_M, BAND_CYCLIC)
         lo = tl.load(group_offs_ptr + group).to(tl.int32)
         hi = tl.load(group_offs_ptr + group + 1).to(tl.int32)
         row_a = m_block * BLOCK_M
@@ -404,17 +422,8 @@ def k_grouped_gemm_tma_kernel(
             acc = _dequantize(acc, a_scale_ptr, scale_rows, b_scale_ptr, scale_cols, A_ROWWISE, B_ROWWISE)
             out_desc.store([group, row_a, row_b], acc.to(out_desc.dtype).reshape(1, BLOCK_M, BLOCK_N))
         else:
-            out_ptrs = (
-                out_ptr + group_row * stride_og + offs_m[:, None].to(tl.int64) * stride_on
-                + offs_n[None, :].to(tl.int64) * stride_ok
+            out_ptrs, out_mask = _k_grouped_out_pointers(out_ptr, group_row, offs_m, offs_n, N, K, stride_og, stride_on, stride_ok)
+            _dequantize_and_write(
+                acc, out_ptrs, out_mask, hi > lo, a_scale_ptr, scale_rows, b_scale_ptr, scale_cols,
+                A_ROWWISE, B_ROWWISE, ACCUMULATE,
             )
-            out_mask = (offs_m < N)[:, None] & (offs_n < K)[None, :]
-            if ACCUMULATE:
-                _dequantize_and_add(
-                    acc, out_ptrs, out_mask, hi > lo, a_scale_ptr, scale_rows, b_scale_ptr, scale_cols,
-                    A_ROWWISE, B_ROWWISE,
-                )
-            else:
-                _dequantize_and_store(
-                    acc, out_ptrs, out_mask, a_scale_ptr, scale_rows, b_scale_ptr, scale_cols, A_ROWWISE, B_ROWWISE,
-                )

@@ -7,7 +7,8 @@ your MI355X).
 
 Verification status: the kernels are compiled for gfx950 and checked on their ISA in CI
 (tests/test_flydsl_compile.py), and their host-side arithmetic is tested on CPU
-(tests/test_flydsl_host.py). They have never run on an AMD GPU; see docs/flydsl.md.
+(tests/test_flydsl_host.py, tests/test_flydsl_emulation.py). They have never run on an AMD GPU;
+see docs/flydsl.md.
 """
 
 from __future__ import annotations
