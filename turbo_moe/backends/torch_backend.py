@@ -37,21 +37,27 @@ class TorchBackend(GroupedGemmBackend):
         why = problem.out_reason()
         if why:
             raise ValueError(f"torch backend cannot run {problem.describe()}: {why}")
-        # The FP8 semantics are fixed by the recipe; an enclosing autocast must not recast the math.
-        with torch.autocast(device_type=problem.device.type, enabled=False):
-            result = reference_grouped_gemm(problem)
-        out = problem.out
-        if out is None:
-            return result.to(problem.out_dtype)
-        if not problem.accumulate:
-            return out.copy_(result)
-        # fp32 + fp32, as the kernels' epilogues add; empty groups are skipped so that their
-        # out[g] keeps its bits (adding +0.0 would turn a -0.0 into +0.0).
-        offs = problem.group_offs.tolist()
-        for g in range(problem.num_groups):
-            if offs[g + 1] > offs[g]:
-                out[g].add_(result[g])
-        return out
+        return run_reference(problem, reference_grouped_gemm)
+
+
+def run_reference(problem, reference) -> torch.Tensor:
+    """``reference(problem)`` (the exact semantics, float32) written as the kernels write it:
+    a new ``out_dtype`` tensor, or into ``problem.out``, or added into it (``accumulate``)."""
+    # The FP8 semantics are fixed by the recipe; an enclosing autocast must not recast the math.
+    with torch.autocast(device_type=problem.device.type, enabled=False):
+        result = reference(problem)
+    out = problem.out
+    if out is None:
+        return result.to(problem.out_dtype)
+    if not problem.accumulate:
+        return out.copy_(result)
+    # fp32 + fp32, as the kernels' epilogues add; empty groups are skipped so that their
+    # out[g] keeps its bits (adding +0.0 would turn a -0.0 into +0.0).
+    offs = problem.group_offs.tolist()
+    for g in range(problem.num_groups):
+        if offs[g + 1] > offs[g]:
+            out[g].add_(result[g])
+    return out
 
 
 def reference_grouped_gemm(problem: GroupedGemmProblem, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -145,18 +145,9 @@ def reference_block_scaled_gemm(problem: BlockScaledProblem, compute_dtype: torc
 
 
 def _run_torch(problem: BlockScaledProblem) -> torch.Tensor:
-    with torch.autocast(device_type=problem.device.type, enabled=False):
-        result = reference_block_scaled_gemm(problem)
-    out = problem.out
-    if out is None:
-        return result.to(problem.out_dtype)
-    if not problem.accumulate:
-        return out.copy_(result)
-    offs = problem.group_offs.tolist()
-    for g in range(problem.num_groups):
-        if offs[g + 1] > offs[g]:  # an empty group keeps out[g]'s bits
-            out[g].add_(result[g])
-    return out
+    from ..backends.torch_backend import run_reference
+
+    return run_reference(problem, reference_block_scaled_gemm)
 
 
 def select_block_scaled_backend(problem: BlockScaledProblem, backend: str = "auto") -> str:
