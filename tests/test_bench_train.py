@@ -127,7 +127,9 @@ def test_gpu_only_measurements_say_why_on_cpu():
     res = step_metrics.host_issue_us(lambda: torch.randn(64, 64) @ torch.randn(64, 64), cpu)
     assert res["us"] > 0 and not res["synchronizes"]
     assert [step_metrics.classify_gpu_activity(n) for n in
-            ("Memcpy DtoD (Device -> Device)", "Memset (Device)", "_grouped_gemm_fwd_kernel")] == ["memcpy", "memset", "kernel"]
+            ("Memcpy DtoD (Device -> Device)", "Memset (Device)", "_grouped_gemm_fwd_kernel", "fp8_cast_kernel",
+             "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>(int, ...)")] == [
+        "memcpy", "memset", "gemm", "quant", "kernel"]
 
 
 def test_e2e_records_carry_the_hot_path_columns(tmp_path):

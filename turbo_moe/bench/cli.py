@@ -8,6 +8,7 @@ every case so that a run cut short (``--time-budget``, SIGTERM) still leaves its
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import gc
 import os
@@ -16,11 +17,15 @@ import shlex
 import signal
 import sys
 import time
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from . import data
+from .issue10 import (
+    E2E_BUDGET_SHARE, ISSUE10_BUDGET_S, ISSUE10_GRANULARITIES, ISSUE10_PEERS, ISSUE10_REP_MS, ISSUE10_TRAIN_DEFAULTS,
+    ISSUE10_WARMUP_MS, e2e_targets, issue10_entries,
+)
 from .end_to_end import E2E_EXTRAS, E2E_PEERS, e2e_impls, hot_path_metrics, prepare_e2e, reference_errors
 from .kernel_level import KERNEL_OPS, KERNEL_PEERS, Missing, kernel_impls, prepare_case
 from .report import e2e_hot_path_table, e2e_table, kernel_table, notes, plot, write_outputs
@@ -72,10 +77,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     p.add_argument("--device", default=None, help="cuda (default when a GPU is visible) or cpu (smoke mode, tiny shapes)")
     p.add_argument("--quick", action="store_true", help="a couple of representative shapes (same as --preset quick)")
-    p.add_argument("--preset", choices=["quick", "peers", "full", "train"], default=None,
+    p.add_argument("--preset", choices=["quick", "peers", "full", "train", "issue10"], default=None,
                    help="quick: a couple of shapes; peers: the shapes of PEERS_H100.md x balanced/skewed/dirichlet; "
                         "full (default): every model x layer x experts x routing; train: a Megatron-core MoE GPT "
-                        "trained with each expert implementation (see the --preset train options)")
+                        "trained with each expert implementation (see the --preset train options); issue10: "
+                        "issue 10's closing-note measurements in one run (end to end at the bench shapes with every "
+                        "hot-path measurement, then a shortened training step; ~6 min on an H100)")
     p.add_argument("--models", type=_csv, default=None, help="comma list of deepseek-v3,qwen3-235b,gpt-oss (tiny on cpu)")
     p.add_argument("--layers", type=_csv, default=None, help="comma list of fc1,fc2")
     p.add_argument(
@@ -93,7 +100,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--kernel-scales", choices=["rowwise", "tensorwise"], default="rowwise",
                    help="scale granularity of turbo_moe's kernel-level problems (the peers are rowwise)")
     p.add_argument("--granularity", type=_csv, default=["tensorwise", "tensorwise+wcache", "rowwise"],
-                   help="Float8Config granularities of the end-to-end turbo_moe layer; '+wcache' builds it with "
+                   help="Float8Config granularities of the end-to-end turbo_moe layer (tensorwise, rowwise, blockwise, mxfp8); "
+                        "'+wcache' builds it with "
                         "cache_fp8_weight=True (the weight, unchanged between steps here, is quantized once)")
     p.add_argument("--format", choices=["e4m3", "hybrid"], default=None,
                    help="Float8Config format end to end (default e4m3) and in --preset train (default hybrid)")
@@ -123,12 +131,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible to torch (use --device cpu for the smoke mode)")
+    args.train_format = args.format or "hybrid"  # --preset issue10's training part
     if args.format is None:
         args.format = "hybrid" if args.preset == "train" else "e4m3"
+    if args.preset == "issue10":
+        _issue10_defaults(args, p)
     if args.e2e_extras == ["none"]:
         args.e2e_extras = []
     for name, allowed in (("levels", ("kernel", "e2e")), ("ops", KERNEL_OPS),
-                          ("granularity", ("rowwise", "tensorwise", "rowwise+wcache", "tensorwise+wcache")),
+                          ("granularity", [g + c for g in ("tensorwise", "rowwise", "blockwise", "mxfp8")
+                                           for c in ("", "+wcache")]),
                           ("e2e_extras", E2E_EXTRAS)):
         bad = [v for v in getattr(args, name) if v not in allowed]
         if bad:
@@ -149,13 +161,30 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.rep_ms = 100.0 if on_gpu else 20.0
     if args.preset == "train":
         finish_train_args(args, p)
+    if args.preset == "issue10":
+        finish_train_args(args, p, ISSUE10_TRAIN_DEFAULTS)
     return args
+
+
+def _issue10_defaults(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    """--preset issue10: its own defaults where the command line left the sweep's."""
+    on_gpu = args.device.startswith("cuda")
+    for key, value in (("levels", ["e2e"]), ("granularity", ISSUE10_GRANULARITIES),
+                       ("peers", ISSUE10_PEERS), ("e2e_extras", list(E2E_EXTRAS))):
+        if getattr(args, key) == p.get_default(key):
+            setattr(args, key, list(value))
+    if on_gpu:
+        args.warmup_ms = ISSUE10_WARMUP_MS if args.warmup_ms is None else args.warmup_ms
+        args.rep_ms = ISSUE10_REP_MS if args.rep_ms is None else args.rep_ms
+        args.time_budget = ISSUE10_BUDGET_S if args.time_budget is None else args.time_budget
 
 
 def _preset_entries(args: argparse.Namespace):
     on_gpu = args.device.startswith("cuda")
     if args.preset == "quick":
         return list(QUICK_GPU if on_gpu else QUICK_CPU)
+    if args.preset == "issue10":
+        return issue10_entries(on_gpu)
     if not on_gpu:  # the peers' shapes are GPU-sized; the CPU smoke mode has its tiny ones
         return [("tiny", layer, ex, r) for r in PEERS_ROUTINGS for ex in CPU_EXPERTS for layer in LAYERS]
     tokens = dict(GPU_EXPERTS)
@@ -165,7 +194,7 @@ def _preset_entries(args: argparse.Namespace):
 def select_cases(args: argparse.Namespace) -> List[Case]:
     """The preset's cases; --models/--layers/--experts/--routings narrow a preset, or span the full sweep."""
     on_gpu = args.device.startswith("cuda")
-    if args.preset in ("quick", "peers"):
+    if args.preset in ("quick", "peers", "issue10"):
         cases = []
         for model, layer, (experts, tpe), routing in _preset_entries(args):
             if args.models and model not in args.models:
@@ -341,9 +370,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.preset == "train":
         if args.list:
             return list_train_preset(args)
-        meta = _environment(device)
-        meta["args"] = {k: v for k, v in vars(args).items()}
-        return run_train_preset(args, meta, _progress)
+        return _run_train(args, device)
+    if args.preset == "issue10":
+        return _run_issue10(args, device)
     cases = select_cases(args)
     if args.list:
         for case in cases:
@@ -352,7 +381,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not cases:
         print("no case matches the selection", file=sys.stderr)
         return 2
+    return _run_cases(args, cases, device)[0]
 
+
+def _run_train(args: argparse.Namespace, device: torch.device) -> int:
+    meta = _environment(device)
+    meta["args"] = {k: v for k, v in vars(args).items()}
+    return run_train_preset(args, meta, _progress)
+
+
+def _run_issue10(args: argparse.Namespace, device: torch.device) -> int:
+    """End to end at the bench shapes (``--out``), then the shortened training step (``--out``/train),
+    within one ``--time-budget`` (the end-to-end part starts no case after E2E_BUDGET_SHARE of it)."""
+    started = time.monotonic()
+    e2e_args = copy.copy(args)
+    e2e_args.time_budget = None if args.time_budget is None else args.time_budget * E2E_BUDGET_SHARE
+    train_args = copy.copy(args)
+    train_args.format, train_args.out = args.train_format, os.path.join(args.out, "train")
+    if args.list:
+        for case in select_cases(args):
+            print(f"e2e   {case.name:44s} M={case.m} N={case.n} K={case.k} {case.routing_summary()}")
+        return list_train_preset(train_args)
+    rc, interrupted = _run_cases(e2e_args, select_cases(args), device)
+    if interrupted:
+        return rc
+    if args.time_budget is not None:
+        train_args.time_budget = max(args.time_budget - (time.monotonic() - started), 0.0)
+    _progress(f"\n# training step ({time.monotonic() - started:.0f} s so far) -> {train_args.out}")
+    return max(rc, _run_train(train_args, device))
+
+
+def _run_cases(args: argparse.Namespace, cases: List[Case], device: torch.device) -> Tuple[int, bool]:
+    """Kernel-level and end-to-end cases; returns (exit status, interrupted by a signal)."""
     meta = _environment(device)
     meta["args"] = {k: v for k, v in vars(args).items()}
     meta["timing"] = (
@@ -370,6 +430,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"# {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | {len(cases)} cases -> {args.out}",
           flush=True)
     fatal = None
+    interrupted = False
     try:
         for i, case in enumerate(cases):
             if args.time_budget is not None and time.monotonic() - started > args.time_budget:
@@ -388,6 +449,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             write_outputs(args.out, meta, records)
     except (_Terminated, KeyboardInterrupt) as exc:
         fatal = f"interrupted ({exc or type(exc).__name__}); results so far are kept"
+        interrupted = True
     except Exception as exc:  # e.g. a dead CUDA context: keep what was measured
         fatal = f"{type(exc).__name__}: {exc}"
     finally:
@@ -407,6 +469,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if lines:
             print("\n".join(lines))
             print()
+    if args.preset == "issue10":
+        for line in e2e_targets(records):
+            print(line)
     for line in notes(records):
         print(line)
     if meta.get("note"):
@@ -415,7 +480,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"ABORTED: {fatal}", file=sys.stderr)
     print(f"results: {', '.join(sorted(paths.values()))}" + ("" if meta.get("plot") else f", {os.path.join(args.out, 'results.png')}"))
     wrong = [r for r in records if r["status"] in ("wrong", "error")]
-    return 1 if fatal or wrong else 0
+    return (1 if fatal or wrong else 0), interrupted
 
 
 if __name__ == "__main__":

@@ -163,19 +163,22 @@ def _reference_errors(inputs: E2EInputs, y: torch.Tensor, dx: torch.Tensor, dw: 
 
 
 # The hot-path measurements the benchmark adds to each end-to-end record (``--e2e-extras``).
-E2E_EXTRAS = ("host", "launches", "graph", "microbatch")
+E2E_EXTRAS = ("host", "launches", "graph", "microbatch", "gpusplit")
 MICRO_BATCHES = 4
 
 
 def hot_path_metrics(name: str, step: Step, inputs: E2EInputs, device: torch.device, extras: List[str],
                      ms: Optional[float], warmup_ms: float, rep_ms: float) -> Dict[str, object]:
-    """Host µs to issue a step, GPU launches per step, CUDA-graph ms, and ms per micro-batch.
+    """Host µs to issue a step, GPU launches per step, CUDA-graph ms, ms per micro-batch, and the
+    profiler's split of the GPU time into quantization, GEMM and other kernels.
 
     ``mb4_ms``: per micro-batch of a ``MICRO_BATCHES``-micro-batch optimizer step (the weight's
     version bumped once per step, so ``+wcache`` layers quantize it once per step); ``mb1_ms``: one
     micro-batch per optimizer step (measured for ``+wcache`` layers; for the others the work is the
-    same as every timed call, so it is ``ms``). What cannot be measured here gets its reason in
-    ``hot_path_notes``.
+    same as every timed call, so it is ``ms``). ``gpusplit``: one profiled optimizer step of
+    ``MICRO_BATCHES`` micro-batches and one of 1 (:func:`step_metrics.gpu_time_breakdown`), per
+    micro-batch: ``{gpu,quant,gemm,other}_mb4_ms``, ``quant_share_mb4`` and the same with ``mb1``.
+    What cannot be measured here gets its reason in ``hot_path_notes``.
     """
     from . import step_metrics as sm
 
@@ -215,6 +218,16 @@ def hot_path_metrics(name: str, step: Step, inputs: E2EInputs, device: torch.dev
             else:
                 out["mb1_ms"] = ms
         attempt("microbatch", microbatch)
+    if "gpusplit" in extras:
+        def gpusplit():
+            for label, micro in (("mb4", MICRO_BATCHES), ("mb1", 1)):
+                split = sm.gpu_time_breakdown(sm.optimizer_step(step, inputs.w, micro), device, calls=micro)
+                out.update({f"gpu_{label}_ms": split["total_ms"], f"quant_{label}_ms": split["quant_ms"],
+                            f"gemm_{label}_ms": split["gemm_ms"], f"other_{label}_ms": split["other_ms"],
+                            f"quant_share_{label}": split["quant_share"],
+                            f"quant_launches_{label}": split["quant_launches"],
+                            f"gemm_launches_{label}": split["gemm_launches"]})
+        attempt("gpusplit", gpusplit)
     if why:
         out["hot_path_notes"] = "; ".join(why)
     return out

@@ -17,6 +17,7 @@ CSV_FIELDS = [
     "group_sizes_min", "group_sizes_max", "empty_groups", "op", "impl", "status", "ms", "tflops",
     "rel_err", "err_y", "err_dx", "err_dw", "peak_mb", "extra_mb",
     "host_us", "launches", "graph_ms", "mb4_ms", "mb1_ms",  # end-to-end hot path
+    "gpu_mb4_ms", "quant_mb4_ms", "gemm_mb4_ms", "quant_share_mb4", "gpu_mb1_ms", "quant_mb1_ms", "quant_share_mb1",
     "config", "experts", "steps", "step_ms", "host_ms", "gpu_ms", "expert_gpu_ms", "expert_share",  # train
     "train_loss", "val_loss", "reason",
 ]
@@ -141,26 +142,53 @@ def _ms(value: Optional[float]) -> str:
     return "" if value is None else (f"{value:.3f}" if value < 10 else f"{value:.2f}")
 
 
+def _pct(value: Optional[float]) -> str:
+    return "" if value is None else f"{100 * value:.0f}%"
+
+
+def _gpu_split(r: dict, label: str) -> str:
+    """``GPU ms (quant/gemm/other)`` per micro-batch from the profiled ``gpusplit`` step."""
+    total = r.get(f"gpu_{label}_ms")
+    if total is None:
+        return "n/a" if "gpusplit:" in (r.get("hot_path_notes") or "") else ""
+    parts = "/".join(_ms(r.get(f"{k}_{label}_ms")) for k in ("quant", "gemm", "other"))
+    return f"{_ms(total)} ({parts})"
+
+
 def e2e_hot_path_table(records: Sequence[dict]) -> List[str]:
-    """Per case and implementation: ms per call, per micro-batch of a 4-micro-batch step, per
-    1-micro-batch step, CUDA-graph replay, host µs to issue a step, GPU launches per step."""
+    """Per case and implementation: ms per call, per micro-batch of a 4-micro-batch step (and its
+    TFLOPS), per 1-micro-batch step, CUDA-graph replay, host µs to issue a step, GPU launches per
+    step, the profiled GPU time per micro-batch split into quantization/GEMM/other kernels and the
+    quantization share (4 and 1 micro-batches), peak memory."""
     records = [r for r in records if r["level"] == "e2e" and r["status"] in ("ok", "wrong")]
-    if not any(any(r.get(k) is not None for k in ("host_us", "launches", "graph_ms", "mb4_ms")) for r in records):
+    if not any(any(r.get(k) is not None for k in ("host_us", "launches", "graph_ms", "mb4_ms", "gpu_mb4_ms"))
+               for r in records):
         return []
-    bf16 = {r["case"]: r for r in records if r["impl"] == "bf16"}
-    rows = [["case", "impl", "ms", "ms/µb of 4", "ms/µb of 1", "µb of 4 vs bf16", "graph ms", "eager/graph",
-             "host µs", "launches", "peak MB"]]
+    peers = {name: {r["case"]: r for r in records if r["impl"] == name} for name in ("bf16", "torchao_fp8")}
+    rows = [["case", "impl", "ms", "ms/µb of 4", "TF/µb of 4", "ms/µb of 1", "µb of 4 vs bf16", "µb of 4 vs torchao",
+             "graph ms", "eager/graph", "host µs", "launches", "GPU ms/µb of 4 (quant/gemm/other)",
+             "quant % µb of 4 / of 1", "peak MB"]]
     for r in records:
-        peer = bf16.get(r["case"])
-        vs = (peer["mb4_ms"] / r["mb4_ms"]) if peer and peer.get("mb4_ms") and r.get("mb4_ms") else None
+        vs = []
+        for name in ("bf16", "torchao_fp8"):
+            peer = peers[name].get(r["case"])
+            vs.append((peer["mb4_ms"] / r["mb4_ms"]) if peer and peer.get("mb4_ms") and r.get("mb4_ms") else None)
         graph = r.get("graph_ms")
         host = r.get("host_us")
+        mb4 = r.get("mb4_ms")
+        flops = 6.0 * r["M"] * r["N"] * r["K"] if all(r.get(k) for k in ("M", "N", "K")) else None
+        share = ""  # the peers' own quantization kernels (torchao's) are not in QUANT_KERNELS: theirs is "other"
+        if r["impl"].startswith("turbo:") and (r.get("quant_share_mb4") is not None or r.get("quant_share_mb1") is not None):
+            share = f"{_pct(r.get('quant_share_mb4'))} / {_pct(r.get('quant_share_mb1'))}"
         rows.append([
-            r["case"], r["impl"], _ms(r["ms"]), _ms(r.get("mb4_ms")), _ms(r.get("mb1_ms")), _fmt_ratio(vs),
+            r["case"], r["impl"], _ms(r["ms"]), _ms(mb4),
+            _fmt_tflops(flops / (mb4 * 1e-3) / 1e12) if flops and mb4 else "", _ms(r.get("mb1_ms")),
+            _fmt_ratio(vs[0]), _fmt_ratio(vs[1]),
             _ms(graph) if graph is not None else ("n/a" if "graph:" in (r.get("hot_path_notes") or "") else ""),
             f"{r['ms'] / graph:.2f}" if graph and r.get("ms") else "",
             "" if host is None else f"{host:.0f}" + (" (syncs)" if r.get("host_sync") else ""),
             str(r["launches"]) if r.get("launches") is not None else ("n/a" if "launches:" in (r.get("hot_path_notes") or "") else ""),
+            _gpu_split(r, "mb4"), share,
             "" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}",
         ])
     return _align(rows)
@@ -290,7 +318,14 @@ def markdown_report(meta: dict, records: Sequence[dict]) -> str:
     h = e2e_hot_path_table(records)
     if h:
         lines += ["", "## End to end: hot path (ms per fwd+bwd; µb = micro-batch, the weight changing once per "
-                  "optimizer step; host µs to issue one fwd+bwd; GPU launches per fwd+bwd)", ""] + h
+                  "optimizer step; host µs to issue one fwd+bwd; GPU launches per fwd+bwd; GPU ms per µb from one "
+                  "profiled optimizer step, split into quantization/GEMM/other kernels)", ""] + h
+    if (meta.get("args") or {}).get("preset") == "issue10":
+        from .issue10 import e2e_targets
+
+        targets = e2e_targets(records)
+        if targets:
+            lines += ["", "### Issue 10 targets (end to end)", ""] + targets
     t = train_table(records)
     if t:
         for key in ("corpus", "configs"):

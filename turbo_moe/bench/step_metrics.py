@@ -1,5 +1,6 @@
 """Hot-path measurements of one forward+backward step: host time, GPU launches, CUDA-graph time,
-and the micro-batch mode (the weight changes once per optimizer step, not once per call).
+the micro-batch mode (the weight changes once per optimizer step, not once per call), and where
+the GPU time goes (quantization kernels, GEMM kernels, the rest).
 
 Each function takes ``step``, a callable that issues one fwd+bwd and returns its outputs. The
 GPU-only ones raise :class:`NotAvailable` with the reason on a CPU or when the step cannot be
@@ -10,9 +11,10 @@ reason as ``n/a: ...``.
 from __future__ import annotations
 
 import gc
+import re
 import statistics
 import time
-from typing import Callable, Dict, Iterable, Optional
+from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
@@ -24,7 +26,12 @@ __all__ = [
     "count_kernel_launches",
     "gpu_activity_counts",
     "classify_gpu_activity",
+    "GPU_TIME_CLASSES",
+    "QUANT_KERNELS",
+    "gpu_time_by_class",
+    "gpu_time_breakdown",
     "cuda_graph_ms",
+    "optimizer_step",
     "microbatch_ms",
 ]
 
@@ -107,24 +114,78 @@ def host_issue_us(step: Step, device: torch.device, target_ms: float = 60.0, max
 # ------------------------------------------------------------------------------- launches
 
 
+# turbo_moe's quantization kernels, by the name the profiler shows (Triton names a kernel after its
+# jitted function): the fused tensorwise/rowwise casts (kernels/triton/fp8_cast.py), the group
+# offsets of every call (kernels/triton/group_offsets.py: part of preparing the operands, so it is
+# counted with them) and the fine-grained casts (kernels/triton/blockwise_cast.py).
+QUANT_KERNELS = (
+    "amax_partials_kernel", "fp8_cast_kernel", "fp8_rowwise_cast_kernel", "fp8_colwise_grouped_cast_kernel",
+    "resolve_group_offs_kernel",
+    "block_cast_rows_kernel", "block_cast_weight_kernel", "block_cast_tokens_kernel",
+)
+# GEMM kernels: turbo_moe's Triton grouped GEMMs (kernels/triton/grouped_gemm.py, blockwise_gemm.py)
+# and the library GEMMs of the peers and of torch (CUTLASS, cuBLAS/cuBLASLt incl. Hopper's nvjet).
+_GEMM_MARKERS = ("gemm", "grouped_mm", "block_scaled_kernel", "cutlass", "cublas", "nvjet", "xmma", "wgmma")
+_QUANT_NAME = re.compile(r"(?<![A-Za-z0-9_])(" + "|".join(QUANT_KERNELS) + r")(?![A-Za-z0-9_])")
+
+# What classify_gpu_activity returns; "kernel" is any kernel that is neither quantization nor a GEMM.
+GPU_TIME_CLASSES = ("quant", "gemm", "kernel", "memset", "memcpy")
+_KERNEL_CLASSES = ("quant", "gemm", "kernel")
+
+
 def classify_gpu_activity(name: str) -> str:
-    """``memcpy``, ``memset`` or ``kernel`` for a CUPTI device activity's name."""
+    """What a CUPTI device activity is, by its name: ``memcpy``, ``memset``, ``quant`` (one of
+    :data:`QUANT_KERNELS`, matched as a whole identifier so that ``fp8_cast_kernel`` is not found
+    inside ``fp8_rowwise_cast_kernel``), ``gemm`` (turbo_moe's grouped GEMMs, CUTLASS, cuBLAS), or
+    ``kernel`` (every other kernel: torch's elementwise and reduction kernels, the optimizer...).
+    Quantization is tested first: no quantization kernel name contains ``gemm``.
+    """
     lowered = name.lower()
     if lowered.startswith("memcpy"):
         return "memcpy"
     if lowered.startswith("memset"):
         return "memset"
+    if _QUANT_NAME.search(name):
+        return "quant"
+    if any(marker in lowered for marker in _GEMM_MARKERS):
+        return "gemm"
     return "kernel"
 
 
-def _count_device_events(events: Iterable) -> Dict[str, int]:
-    from torch.autograd import DeviceType
-
-    counts = {"kernel": 0, "memset": 0, "memcpy": 0}
+def _device_activities(events: Iterable) -> Iterable[Tuple[str, float]]:
+    """``(name, µs)`` of every GPU activity among torch.profiler's events."""
     for evt in events:
-        if evt.device_type == DeviceType.CUDA:
-            counts[classify_gpu_activity(evt.name)] += 1
+        if getattr(evt.device_type, "name", None) == "CUDA":
+            yield evt.name, evt.time_range.elapsed_us()
+
+
+def _count_device_events(events: Iterable) -> Dict[str, int]:
+    counts = {"kernel": 0, "memset": 0, "memcpy": 0}
+    for name, _ in _device_activities(events):
+        kind = classify_gpu_activity(name)
+        counts["kernel" if kind in _KERNEL_CLASSES else kind] += 1
     return counts
+
+
+def gpu_time_by_class(activities: Iterable[Tuple[str, float]]) -> Dict[str, float]:
+    """Sums ``(name, µs)`` GPU activities by :func:`classify_gpu_activity`, in milliseconds.
+
+    Returns ``{"quant_ms", "gemm_ms", "other_ms", "total_ms", "quant_share", "quant_launches",
+    "gemm_launches", "other_launches"}``: ``other`` is every other kernel plus memsets and copies;
+    ``quant_share`` is ``quant_ms / total_ms`` (None when nothing ran).
+    """
+    ms = {"quant": 0.0, "gemm": 0.0, "other": 0.0}
+    launches = {"quant": 0, "gemm": 0, "other": 0}
+    for name, us in activities:
+        kind = classify_gpu_activity(name)
+        kind = kind if kind in ("quant", "gemm") else "other"
+        ms[kind] += us / 1e3
+        launches[kind] += 1
+    total = sum(ms.values())
+    out = {f"{k}_ms": v for k, v in ms.items()}
+    out.update({f"{k}_launches": v for k, v in launches.items()})
+    out.update(total_ms=total, quant_share=ms["quant"] / total if total > 0 else None)
+    return out
 
 
 def gpu_activity_counts(step: Step, device: Optional[torch.device] = None) -> Dict[str, int]:
@@ -151,6 +212,34 @@ def gpu_activity_counts(step: Step, device: Optional[torch.device] = None) -> Di
 def count_kernel_launches(step: Step, device: Optional[torch.device] = None) -> int:
     """Kernel launches (memsets and device copies included) of one call of ``step`` on the GPU."""
     return gpu_activity_counts(step, device)["total"]
+
+
+def gpu_time_breakdown(step: Step, device: Optional[torch.device] = None, calls: int = 1) -> Dict[str, float]:
+    """GPU time of ``step`` split by :func:`gpu_time_by_class`, per call, from one profiled run.
+
+    ``step`` is called once under torch.profiler (CUPTI activities, kernel durations as the GPU
+    ran them, back to back with no L2 flush between kernels) and the sums are divided by ``calls``:
+    pass ``optimizer_step(step, weight, 4)`` with ``calls=4`` for the per-micro-batch split of a
+    4-micro-batch optimizer step. Call it after a warm-up.
+    """
+    device = torch.device("cuda") if device is None else device
+    _require_cuda(device, "the profiler's GPU-time breakdown")
+    if calls < 1:
+        raise ValueError(f"calls must be >= 1, got {calls}")
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        outs = step()
+        torch.cuda.synchronize(device)
+    del outs
+    split = gpu_time_by_class(_device_activities(prof.events()))
+    for key in list(split):
+        if key.endswith("_ms"):
+            split[key] /= calls
+        elif key.endswith("_launches"):
+            split[key] = split[key] / calls
+    return split
 
 
 # ------------------------------------------------------------------------------- CUDA graph
@@ -207,22 +296,27 @@ def cuda_graph_ms(step: Step, device: torch.device, warmup_ms: float = 25.0, rep
 # ------------------------------------------------------------------------------- micro-batches
 
 
-def microbatch_ms(step: Step, weight: torch.Tensor, micro_batches: int, device: torch.device,
-                  warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
-    """Median ms per micro-batch of an optimizer step made of ``micro_batches`` calls of ``step``.
-
-    Before each group of calls the weight's version counter is bumped (what ``optimizer.step()``'s
-    in-place update does, without its kernel), so a layer that caches its FP8 weight re-quantizes
-    once per group, as under gradient accumulation; a layer without a cache does the same work on
-    every call. ``micro_batches=1`` is the one-micro-batch-per-optimizer-step case.
-    """
+def optimizer_step(step: Step, weight: torch.Tensor, micro_batches: int) -> Step:
+    """A callable that runs one optimizer step's worth of ``step``: the weight's version counter
+    bumped (what ``optimizer.step()``'s in-place update does, without its kernel), then
+    ``micro_batches`` calls. A layer that caches its FP8 weight re-quantizes once per such call,
+    as under gradient accumulation; a layer without a cache does the same work on every call."""
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
 
-    def optimizer_step():
+    def run():
         torch.autograd.graph.increment_version(weight)
         for _ in range(micro_batches):
             step()
 
+    return run
+
+
+def microbatch_ms(step: Step, weight: torch.Tensor, micro_batches: int, device: torch.device,
+                  warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
+    """Median ms per micro-batch of an optimizer step made of ``micro_batches`` calls of ``step``
+    (:func:`optimizer_step`). ``micro_batches=1`` is the one-micro-batch-per-optimizer-step case.
+    """
+    run = optimizer_step(step, weight, micro_batches)
     synchronize(device)
-    return median_ms(optimizer_step, device, warmup_ms, rep_ms) / micro_batches
+    return median_ms(run, device, warmup_ms, rep_ms) / micro_batches

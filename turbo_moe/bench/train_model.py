@@ -23,7 +23,7 @@ import torch
 
 from .text_corpus import VOCAB_SIZE
 
-__all__ = ["TrainConfig", "GPU_CONFIGS", "CPU_CONFIGS", "TRAIN_VARIANTS", "apply_overrides", "megatron_world",
+__all__ = ["TrainConfig", "GPU_CONFIGS", "CPU_CONFIGS", "TRAIN_VARIANTS", "DEFAULT_TRAIN_VARIANTS", "apply_overrides", "megatron_world",
            "build_model", "experts_of", "canonical_state", "load_canonical_state", "MasterWeightAdam"]
 
 
@@ -70,7 +70,12 @@ TRAIN_VARIANTS = {
     "fp8-tensorwise": (True, "tensorwise"),
     "fp8-rowwise": (True, "rowwise"),
     "megatron": (False, None),
+    # The fine-grained recipes (turbo_moe.fine_grained; Megatron's fp8_recipe "blockwise"/"mxfp8"):
+    # opt-in (--variants), so the default run keeps its GPU time.
+    "fp8-blockwise": (True, "blockwise"),
+    "fp8-mxfp8": (True, "mxfp8"),
 }
+DEFAULT_TRAIN_VARIANTS = ("turbo-bf16", "fp8-tensorwise", "fp8-rowwise", "megatron")
 
 
 def apply_overrides(configs: Dict[str, TrainConfig], overrides: List[str]) -> Dict[str, TrainConfig]:

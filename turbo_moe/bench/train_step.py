@@ -284,12 +284,14 @@ def _summary(rec: dict) -> str:
 
 
 def add_train_arguments(parser) -> None:
-    from .train_model import TRAIN_VARIANTS
+    from .train_model import DEFAULT_TRAIN_VARIANTS, TRAIN_VARIANTS
 
     g = parser.add_argument_group("--preset train (a Megatron-core MoE GPT trained on one device)")
     g.add_argument("--train-configs", type=_csv, default=["expert-dominated", "moderate"],
                    help="comma list of expert-dominated,moderate (see docs/benchmarks.md)")
-    g.add_argument("--variants", type=_csv, default=list(TRAIN_VARIANTS), help=f"comma list of {','.join(TRAIN_VARIANTS)}")
+    g.add_argument("--variants", "--train-variants", dest="variants", type=_csv, default=list(DEFAULT_TRAIN_VARIANTS),
+                   help=f"comma list of {','.join(TRAIN_VARIANTS)} (default {','.join(DEFAULT_TRAIN_VARIANTS)}; "
+                        "the fine-grained fp8-blockwise and fp8-mxfp8 are opt-in)")
     g.add_argument("--train-steps", type=int, default=None,
                    help="optimizer steps of the loss-curve configs (moderate); default 200 (cpu 4)")
     g.add_argument("--timed-steps", type=int, default=None, help="timed steps of the other configs; default 30 (cpu 2)")
@@ -309,12 +311,17 @@ def _csv(value: str) -> List[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def finish_train_args(args, parser) -> None:
+# (GPU, CPU) defaults of the step counts and corpus size; --preset issue10 passes shorter ones.
+TRAIN_DEFAULTS = dict(train_steps=(200, 4), timed_steps=(30, 2), warmup_steps=(5, 1), eval_interval=(50, 2),
+                      eval_batches=(8, 1), corpus_bytes=(16 << 20, 1 << 20))
+
+
+def finish_train_args(args, parser, defaults: Optional[dict] = None) -> None:
+    """Fill the unset step counts from ``defaults`` (:data:`TRAIN_DEFAULTS`) and check the values."""
     from .train_model import CPU_CONFIGS, TRAIN_VARIANTS
 
     on_gpu = args.device.startswith("cuda")
-    defaults = dict(train_steps=(200, 4), timed_steps=(30, 2), warmup_steps=(5, 1), eval_interval=(50, 2),
-                    eval_batches=(8, 1), corpus_bytes=(16 << 20, 1 << 20))
+    defaults = TRAIN_DEFAULTS if defaults is None else defaults
     for key, (gpu, cpu) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, gpu if on_gpu else cpu)
