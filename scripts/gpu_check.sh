@@ -8,7 +8,7 @@
 #   results.md / results.json / results.csv / results.png   (python -m turbo_moe.bench --out $OUT)
 #
 # Usage, from anywhere (it works in the repository root):
-#   scripts/gpu_check.sh [quick|peers|full|train|none]      default: quick (or $BENCH)
+#   scripts/gpu_check.sh [quick|peers|full|train|issue10|none]      default: quick (or $BENCH)
 # STEPS (default "pytest bench") picks what runs, in this order:
 #   pytest    pytest -m gpu (the fuzz cases are left to the fuzz step)
 #   fuzz      scripts/gpu_fuzz.py: the issue-16 failure-mode table (gpu_fuzz.md)
@@ -45,8 +45,9 @@ case "$MODE" in
   peers) BENCH_PRESET=(--preset peers) ;;
   full) BENCH_PRESET=(--preset full) ;;
   train) BENCH_PRESET=(--preset train) ;;
+  issue10) BENCH_PRESET=(--preset issue10) ;;
   none) BENCH_PRESET=() ;;
-  *) echo "gpu_check.sh: mode must be quick, peers, full, train or none, got '$MODE'" >&2; exit 2 ;;
+  *) echo "gpu_check.sh: mode must be quick, peers, full, train, issue10 or none, got '$MODE'" >&2; exit 2 ;;
 esac
 
 # 1. Install: carried wheels into /tmp/site, then the repository itself (editable, no network).
