@@ -62,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--loss-tol", type=float, default=0.05, help="relative loss gap EP=2 vs EP=1 allowed per step")
     p.add_argument("--etp", action="store_true", help="also train at expert-tensor-parallel 2 (EP=1)")
+    p.add_argument("--overlap", action="store_true",
+                   help="also train at EP=2 with overlap_moe_expert_parallel_comm + delay_wgrad_compute "
+                        "(Megatron's combined 1F1B schedule) and num_cu='comm' for the experts")
     p.add_argument("--num-cu", default=None, help="turbo_moe num_cu for the experts: an int or 'comm'")
     args = p.parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
@@ -153,19 +156,64 @@ def load(model, path):
     model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), path), strict=True)
 
 
+_plain_forward_step = proof.forward_step
+CALLS = {"schedule_plans": 0, "backward_dw": 0}  # evidence that the overlap run took Megatron's overlap path
+
+
+def _count_backward_dw():
+    from turbo_moe.megatron import TurboGroupedLinear
+
+    real = TurboGroupedLinear.backward_dw
+
+    def backward_dw(self, *a, **k):
+        CALLS["backward_dw"] += 1
+        return real(self, *a, **k)
+
+    TurboGroupedLinear.backward_dw = backward_dw
+
+
+def forward_step(data_iterator, model, return_schedule_plan=False):
+    """proof.forward_step, plus the schedule-plan form that Megatron's combined 1F1B schedule
+    (``overlap_moe_expert_parallel_comm``) asks for: it hands over the unwrapped GPTModel."""
+    if not return_schedule_plan:
+        return _plain_forward_step(data_iterator, model)
+    CALLS["schedule_plans"] += 1
+    tokens, positions, mask, labels = next(data_iterator)
+    plan = model.build_schedule_plan(tokens, positions, mask, labels=labels)
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}  # a copy: the schedule scales it in place
+
+    return plan, loss_func
+
+
+proof.forward_step = forward_step  # proof.train_step looks it up at call time
+
+
 def batches_for(step, args, device):
     # Different data per rank (data-parallel 2), the same in every run.
     return proof.micro_batches(step * dist.get_world_size() + dist.get_rank(), args, device)
 
 
-def train(model, config, args, device, turbo=True):
+STEP_MS = {}  # run name -> mean ms per optimizer step (steps after the first)
+
+
+def train(model, config, args, device, turbo=True, name=""):
+    import time
+
     ddp, opt = proof.prepare_training(model, config, args, turbo=turbo)
-    losses = []
+    losses, t0 = [], None
     for step in range(args.steps):
+        if step == 1:
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            t0 = time.perf_counter()
         loss, _ = proof.train_step(ddp, opt, batches_for(step, args, device), args)
         t = torch.tensor([loss], dtype=torch.float64, device=device)
         dist.all_reduce(t)
         losses.append(float(t) / dist.get_world_size())
+    if t0 is not None:  # the float() above synchronized with the device
+        STEP_MS[name] = 1e3 * (time.perf_counter() - t0) / (args.steps - 1)
     return ddp, losses
 
 
@@ -193,8 +241,8 @@ class Checks:
 
 
 @contextlib.contextmanager
-def split_sizes_as_lists():
-    """CPU run only: Megatron's alltoall dispatcher passes its split sizes as CPU tensors, which
+def cpu_stand_ins():
+    """CPU run only, beside proof.cuda_assumptions_on_cpu. Megatron's alltoall dispatcher passes its split sizes as CPU tensors, which
     the c10d binding rejects while proof.cuda_assumptions_on_cpu's TorchFunctionMode is active
     (each element reaches it as a tensor); hand it lists, as it gets outside that mode."""
     real = dist.all_to_all_single
@@ -204,10 +252,23 @@ def split_sizes_as_lists():
         return real(output, input, as_list(output_split_sizes), as_list(input_split_sizes), **kw)
 
     dist.all_to_all_single = all_to_all_single
+    # The combined 1F1B schedule (overlap run) makes CUDA events and records tensors on its streams.
+    real_event, real_record_stream = torch.cuda.Event, torch.Tensor.record_stream
+    torch.cuda.Event = _NoEvent
+    torch.Tensor.record_stream = lambda self, stream: None
     try:
         yield
     finally:
         dist.all_to_all_single = real
+        torch.cuda.Event, torch.Tensor.record_stream = real_event, real_record_stream
+
+
+class _NoEvent(proof._NoStream):
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
 
 
 def main(argv=None) -> int:
@@ -231,7 +292,7 @@ def main(argv=None) -> int:
     cpu_ctx = contextlib.ExitStack()
     if not use_gpu:
         cpu_ctx.enter_context(proof.cuda_assumptions_on_cpu())
-        cpu_ctx.enter_context(split_sizes_as_lists())
+        cpu_ctx.enter_context(cpu_stand_ins())
     with cpu_ctx:
         # The starting weights: EP=1 turbo_moe model, saved once.
         with parallel(use_gpu) as par:
@@ -241,14 +302,14 @@ def main(argv=None) -> int:
             init_experts = expert_weights(model)
             del model
 
-        def run(name, ep=1, etp=1, fp8=args.fp8):
+        def run(name, ep=1, etp=1, fp8=args.fp8, extra=None, num_cu=args.num_cu):
             run_args = copy.copy(args)
-            run_args.fp8 = fp8
+            run_args.fp8, run_args.num_cu = fp8, num_cu
             with parallel(use_gpu, ep, etp) as par:
-                model, config = proof.build_model(run_args, use_gpu, turbo=True, parallel=par)
+                model, config = proof.build_model(run_args, use_gpu, turbo=True, parallel=dict(par, **(extra or {})))
                 load(model, ckpt("init"))
                 loaded = expert_weights(model) if etp == 1 else None
-                ddp, curves[name] = train(model, config, run_args, device)
+                ddp, curves[name] = train(model, config, run_args, device, name=name)
                 log(f"{name}: losses " + " ".join(f"{x:.4f}" for x in curves[name]))
                 result = dict(loaded=loaded)
                 if name == "ep2":
@@ -262,6 +323,10 @@ def main(argv=None) -> int:
         ep2 = run("ep2", ep=2)
         if args.etp:
             run("etp2", etp=2)
+        if args.overlap:
+            _count_backward_dw()
+            run("ep2_overlap", ep=2, num_cu="comm",
+                extra=dict(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
 
         checks.run("ckpt_ep1_to_ep2", lambda: (not same(init_experts, ep2["loaded"]),
                                                f"differing: {same(init_experts, ep2['loaded']) or 'none'}"))
@@ -275,9 +340,14 @@ def main(argv=None) -> int:
                                                    f"FP8 noise floor (EP1 FP8 vs bf16) {noise:.4f}; losses fall {falls}")
 
         checks.run("loss_ep2", loss_check)
-        if args.etp:
-            checks.run("loss_etp2", lambda: (lambda g: (g < args.loss_tol, f"max relative gap ETP2 vs EP1 {g:.4f}"))(
-                max(abs(x - y) / abs(x) for x, y in zip(curves["ep1"], curves["etp2"]))))
+        if "ep2_overlap" in curves:
+            checks.run("overlap_path_taken", lambda: (
+                CALLS["schedule_plans"] > 0 and CALLS["backward_dw"] > 0,
+                f"combined-1F1B schedule plans built {CALLS['schedule_plans']}, turbo_moe delayed-wgrad "
+                f"backward_dw calls {CALLS['backward_dw']}"))
+        for name in [n for n in ("etp2", "ep2_overlap") if n in curves]:
+            checks.run(f"loss_{name}", lambda name=name: (lambda g: (g < args.loss_tol, f"max relative gap {name} vs ep1 {g:.4f}"))(
+                max(abs(x - y) / abs(x) for x, y in zip(curves["ep1"], curves[name]))))
 
         def round_trip():
             with parallel(use_gpu, 1) as par:
@@ -333,6 +403,8 @@ def write_outputs(args, curves, results, ok):
              "", "| step | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
     for s in range(args.steps):
         lines.append(f"| {s} | " + " | ".join(f"{curves[n][s]:.4f}" for n in names) + " |")
+    lines += ["", "ms per optimizer step (after the first; small shapes): "
+              + ", ".join(f"{n} {STEP_MS[n]:.1f}" for n in names if n in STEP_MS)]
     lines += [""] + [f"- CHECK {k} {'PASS' if v[0] else 'FAIL'}: {v[1]}" for k, v in results.items()]
     lines += ["", f"EP_TRAIN {'PASS' if ok else 'FAIL'}"]
     text = "\n".join(lines) + "\n"
@@ -340,7 +412,7 @@ def write_outputs(args, curves, results, ok):
     with open(os.path.join(args.out, "ep_train.md"), "w") as f:
         f.write(text)
     with open(os.path.join(args.out, "ep_train.json"), "w") as f:
-        json.dump({"curves": curves, "checks": {k: list(v) for k, v in results.items()}, "ok": ok}, f, indent=1)
+        json.dump({"curves": curves, "step_ms": STEP_MS, "checks": {k: list(v) for k, v in results.items()}, "ok": ok}, f, indent=1)
     try:
         import matplotlib
 
