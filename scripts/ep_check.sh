@@ -92,7 +92,7 @@ has_step train && run_step ep_train "${TRAIN_S:-180}" "${TORCHRUN[@]}" scripts/e
 has_step overlap && run_step ep_overlap "${OVERLAP_S:-150}" "${TORCHRUN[@]}" scripts/ep_overlap_bench.py --out "$OUT" \
   ${OVERLAP_ARGS:-}
 # Megatron's local CUDA graphs around a turbo_moe layer (prints step times with -s) + the cap rule's unit tests.
-has_step pytest && run_step pytest "${PYTEST_S:-90}" "$PY" -m pytest -q -rs -s -p no:cacheprovider \
+has_step pytest && run_step pytest "${PYTEST_S:-120}" "$PY" -m pytest -q -rs -s -p no:cacheprovider \
   tests/test_megatron_cuda_graph_gpu.py tests/test_comm_cap.py
 if has_step scaling; then
   run_step cap_scaling "${SCALING_S:-60}" env CUDA_VISIBLE_DEVICES=0 TURBO_MOE_TRITON_AUTOTUNE=0 "$PY" scripts/cap_scaling.py \

@@ -115,18 +115,18 @@ class Workload:
     """One size: chunks of tokens, their offsets, the FP8-cached weight, all-to-all buffers."""
 
     def __init__(self, args, a2a_mb: float, device, world: int):
-        gen = torch.Generator(device="cpu").manual_seed(1234 + dist.get_rank())
+        gen = torch.Generator(device=device).manual_seed(1234 + dist.get_rank())  # drawn on the device: fast
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.config = Float8Config()
-        self.w = (torch.randn(args.experts, args.n, args.k, generator=gen) * 0.02).to(device, dtype)
+        self.w = torch.randn(args.experts, args.n, args.k, generator=gen, device=device).mul_(0.02).to(dtype)
         self.w_fp8 = quantize_weight(self.w, self.config, transposed=False)
         rows = args.tokens // args.chunks
-        self.xs = [torch.randn(rows, args.k, generator=gen).to(device, dtype) for _ in range(args.chunks)]
+        self.xs = [torch.randn(rows, args.k, generator=gen, device=device).to(dtype) for _ in range(args.chunks)]
         per_expert = torch.full((args.experts,), rows // args.experts, dtype=torch.int64)
         per_expert[-1] += rows - int(per_expert.sum())
         self.offs = torch.cat([torch.zeros(1, dtype=torch.int64), per_expert.cumsum(0)]).to(device)
         elems = max(world, int(a2a_mb * 2**20 / 2 / args.chunks) // world * world)  # bf16 elements per chunk
-        self.send = [torch.randn(elems, generator=gen).to(device, torch.bfloat16) for _ in range(args.chunks)]
+        self.send = [torch.randn(elems, generator=gen, device=device).to(torch.bfloat16) for _ in range(args.chunks)]
         self.recv = [torch.empty_like(s) for s in self.send]
         self.backend, self.chunks = args.backend, args.chunks
 
