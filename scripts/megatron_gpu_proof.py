@@ -165,8 +165,9 @@ def megatron_process(use_gpu: bool):
         yield
 
 
-def build_config(args, use_gpu: bool):
-    """The same on both devices except where parameters are initialised."""
+def build_config(args, use_gpu: bool, parallel=None):
+    """The same on both devices except where parameters are initialised. ``parallel``: extra
+    TransformerConfig fields (e.g. ``expert_model_parallel_size``; scripts/ep_train.py)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -178,23 +179,23 @@ def build_config(args, use_gpu: bool):
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=not use_gpu,
-        params_dtype=torch.bfloat16, bf16=True,
+        params_dtype=torch.bfloat16, bf16=True, **(parallel or {}),
     )
 
 
-def build_model(args, use_gpu: bool, turbo: bool):
+def build_model(args, use_gpu: bool, turbo: bool, parallel=None):
     """Megatron's GPT in bf16, wrapped in Float16Module as Megatron's ``get_model`` wraps it."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
 
-    config = build_config(args, use_gpu)
+    config = build_config(args, use_gpu, parallel)
     spec = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=True)
     if turbo:
         from turbo_moe.megatron import use_turbo_moe_experts
 
         spec = use_turbo_moe_experts(spec, fp8=args.fp8, granularity=args.granularity, backend=args.backend,
-                                     cache_fp8_weight=True)
+                                     cache_fp8_weight=True, num_cu=getattr(args, "num_cu", None))
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
                      max_sequence_length=args.seq, position_embedding_type="rope")
     if use_gpu:

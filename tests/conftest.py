@@ -1,7 +1,8 @@
 """Shared test configuration.
 
 Tests marked ``gpu`` need a CUDA/ROCm device and are skipped, with the reason, where none is
-present (the CPU CI); ``scripts/gpu_check.sh`` runs them on the lent GPU.
+present (the CPU CI); ``scripts/gpu_check.sh`` runs them on the lent GPU. Tests marked
+``multigpu`` need two devices (skipped with fewer); ``scripts/ep_check.sh`` runs them.
 """
 
 import pytest
@@ -9,12 +10,14 @@ import torch
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA/ROCm GPU (none visible to torch)")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA/ROCm GPU (none visible to torch)")
+    skip_multi = pytest.mark.skip(reason=f"needs 2 CUDA/ROCm GPUs ({gpus} visible to torch)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and gpus == 0:
+            item.add_marker(skip_gpu)
+        elif "multigpu" in item.keywords and gpus < 2:
+            item.add_marker(skip_multi)
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,7 @@ needs torch alone; the backend libraries are optional and loaded on first use.
 
 from .autograd import GroupedGemmFP8Function, grouped_gemm, grouped_gemm_fp8
 from .backends import BackendUnavailable, available_backends, recent_dispatches
+from .comm_cap import num_cu_for_comm
 from .config import Float8Config, Float8Format, ScalingGranularity, ScalingStrategy
 from .module import GroupedLinearFP8
 
@@ -25,5 +26,6 @@ __all__ = [
     "BackendUnavailable",
     "available_backends",
     "recent_dispatches",
+    "num_cu_for_comm",
     "__version__",
 ]

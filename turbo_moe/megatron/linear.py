@@ -21,7 +21,7 @@ from .main_grad import (
     fp8_weight_cache_is_safe,
     fp8_weight_generation,
 )
-from .options import TurboMoEOptions, resolve_fp8_config
+from .options import TurboMoEOptions, resolve_fp8_config, resolve_num_cu
 
 __all__ = ["TurboGroupedLinear", "TurboColumnParallelGroupedLinear", "TurboRowParallelGroupedLinear"]
 
@@ -117,6 +117,8 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
             or getattr(config, "overlap_dispatch_backward_with_experts_wgrad", False)
         )
         self._pending_wgrads: List[tuple] = []
+        # options.num_cu="comm": the cap that leaves the expert-parallel all-to-all its SMs.
+        self.num_cu = resolve_num_cu(self.options.num_cu, get_pg_size(getattr(pg_collection, "ep", None)))
         self._fp8_weight_cache = None  # (key, Float8Weight) under options.cache_fp8_weight
         self._wgrad_accumulation_and_reduce_hooks: List[Callable[[], None]] = []
 
@@ -198,7 +200,7 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
         if self.fp8_config is None:
             return grouped_gemm(x, weight, group_offs=offs, out_dtype=out_dtype)
         return _grouped_gemm_fp8_resolved(  # offs resolved (checked) once in forward
-            x, weight, offs, config=self.fp8_config, num_cu=self.options.num_cu,
+            x, weight, offs, config=self.fp8_config, num_cu=self.num_cu,
             backend=self.options.backend, out_dtype=out_dtype, w_fp8=self._cached_fp8_weight(),
         )
 
@@ -297,7 +299,7 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
                     dw[e] = (dy[lo:hi].t() @ x[lo:hi]).to(out_dtype)
             return dw
         # Quantized exactly as the FP8 autograd function's backward quantizes its wgrad GEMM.
-        return _grouped_wgrad_fp8_resolved(dy, x, offs, config=cfg, num_cu=self.options.num_cu,
+        return _grouped_wgrad_fp8_resolved(dy, x, offs, config=cfg, num_cu=self.num_cu,
                                            backend=self.options.backend, out_dtype=out_dtype)
 
     def _accumulate_wgrad(self, x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> Optional[torch.Tensor]:
@@ -314,7 +316,7 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
         main_grad = _main_grad_of(weight)
         cfg = self.fp8_config
         if cfg is not None and main_grad.dtype == torch.float32:
-            _grouped_wgrad_fp8_resolved(dy, x, offs, config=cfg, num_cu=self.options.num_cu,
+            _grouped_wgrad_fp8_resolved(dy, x, offs, config=cfg, num_cu=self.num_cu,
                                         backend=self.options.backend, main_grad=main_grad)
         else:
             main_grad.add_(self._wgrad(x, dy, offs, main_grad.dtype))

@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 from ..config import Float8Config, ScalingGranularity
 
-__all__ = ["TurboMoEOptions", "resolve_fp8_config", "Fp8Setting", "FP8_RECIPES", "RecipeMapping"]
+__all__ = ["TurboMoEOptions", "resolve_fp8_config", "resolve_num_cu", "Fp8Setting", "FP8_RECIPES", "RecipeMapping"]
 
 Fp8Setting = Union[None, str, Float8Config]
 
@@ -24,7 +24,9 @@ class TurboMoEOptions:
     ``"e4m3"``, ``"hybrid"`` or a ``Float8Config``. ``granularity``: ``"tensorwise"``,
     ``"rowwise"``, ``"blockwise"`` or ``"mxfp8"`` when ``fp8`` is a format name (``None``: derived from ``config.fp8_recipe`` under
     ``"megatron"``, else tensorwise). ``backend``: ``"auto"``, ``"triton"``, ``"flydsl"``,
-    ``"torch"``. ``num_cu``: cap on the SMs/CUs the FP8 kernels occupy. ``cache_fp8_weight``:
+    ``"torch"``. ``num_cu``: cap on the SMs/CUs the FP8 kernels occupy (an int), None for all, or
+    ``"comm"``: chosen by ``turbo_moe.num_cu_for_comm`` from what the expert-parallel all-to-all
+    needs (docs/expert_parallel.md). ``cache_fp8_weight``:
     quantize each weight once per optimizer step instead of once per micro-batch (the FP8 copy is
     kept between micro-batches; needs ``invalidate_fp8_weight_cache_on_step(optimizer)``, see
     docs/megatron.md).
@@ -33,7 +35,7 @@ class TurboMoEOptions:
     fp8: Fp8Setting = "megatron"
     granularity: Optional[str] = None
     backend: str = "auto"
-    num_cu: Optional[int] = None
+    num_cu: Union[None, int, str] = None
     cache_fp8_weight: bool = False
 
     def __post_init__(self) -> None:
@@ -47,12 +49,27 @@ class TurboMoEOptions:
                 raise ValueError(f"granularity={self.granularity!r} is not one of None, {allowed}")
             if isinstance(self.fp8, Float8Config):
                 raise ValueError("granularity must be None when fp8 is a Float8Config (set it in the Float8Config)")
-        if self.num_cu is not None and (isinstance(self.num_cu, bool) or not isinstance(self.num_cu, int) or self.num_cu < 1):
-            raise ValueError(f"num_cu must be None or a positive int, got {self.num_cu!r}")
+        if self.num_cu is not None and self.num_cu != "comm" and (
+                isinstance(self.num_cu, bool) or not isinstance(self.num_cu, int) or self.num_cu < 1):
+            raise ValueError(f"num_cu must be None, a positive int or 'comm', got {self.num_cu!r}")
         if not isinstance(self.cache_fp8_weight, bool):
             raise TypeError(f"cache_fp8_weight must be a bool, got {self.cache_fp8_weight!r}")
         if not isinstance(self.backend, str):
             raise TypeError(f"backend must be a string, got {type(self.backend).__name__}")
+
+
+def resolve_num_cu(num_cu: Union[None, int, str], ep_size: int) -> Optional[int]:
+    """``TurboMoEOptions.num_cu`` -> the cap the kernels get. ``"comm"``: ``num_cu_for_comm`` for
+    this expert-parallel size on the current GPU (no GPU: None, the torch backend has no grid)."""
+    if num_cu != "comm":
+        return num_cu
+    import torch
+
+    from ..comm_cap import num_cu_for_comm
+
+    if not torch.cuda.is_available():
+        return None
+    return num_cu_for_comm(ep_size=ep_size)
 
 
 # Megatron's config.fp8_recipe -> how turbo_moe's experts run it: the one table where recipes plug

@@ -1,0 +1,86 @@
+"""Issue 11: Megatron EP=2 with turbo_moe experts (scripts/ep_train.py), the EP overlap benchmark
+(scripts/ep_overlap_bench.py) and the capped-kernel scaling check (scripts/cap_scaling.py).
+
+Each script is run as its user runs it (torchrun, two ranks):
+
+* ``multigpu``: two GPUs, NCCL, FP8 "hybrid" on the Triton backend -- the issue's proof;
+* ``gpu``: the scaling check on one GPU;
+* unmarked / ``slow``: the same scripts on two gloo CPU ranks with the torch backend -- the logic
+  (checkpoint reshard, loss comparison, pipeline bookkeeping, reports), not the speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _torchrun(script, *args, timeout=600):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "scripts", script), *args]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _check(proc, verdict):
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, tail
+    assert verdict in proc.stdout, tail
+
+
+@pytest.mark.slow
+def test_ep_train_two_gloo_ranks(tmp_path):
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    proc = _torchrun("ep_train.py", "--cpu", "--steps", "2", "--overlap", "--out", str(tmp_path), timeout=280)
+    _check(proc, "EP_TRAIN PASS")
+    result = json.loads((tmp_path / "ep_train.json").read_text())
+    assert set(result["curves"]) == {"ep1_bf16", "ep1", "ep2", "ep2_overlap"}
+    assert set(result["checks"]) == {"ckpt_ep1_to_ep2", "loss_ep2", "ckpt_ep2_to_ep1_and_back", "ckpt_sequential",
+                                     "overlap_path_taken", "loss_ep2_overlap"}
+
+
+def test_ep_overlap_bench_two_gloo_ranks(tmp_path):
+    proc = _torchrun("ep_overlap_bench.py", "--cpu", "--caps", "all,100", "--out", str(tmp_path), timeout=200)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    result = json.loads((tmp_path / "ep_overlap.json").read_text())
+    assert [r["cap"] for r in result["rows"]] == [None, 100]  # 100 is also the rule's cap for 132 SMs
+    for r in result["rows"]:
+        assert all(r[k] > 0 for k in ("gemm_ms", "a2a_ms", "serial_ms", "overlap_ms"))
+    assert "best cap" in (tmp_path / "ep_overlap.md").read_text()
+
+
+@pytest.mark.multigpu
+def test_ep2_matches_ep1_and_checkpoints_reshard_on_two_gpus(tmp_path):
+    """Megatron GPT, alltoall dispatcher, FP8 hybrid, Triton: EP=2, ETP=2 and EP=2 with
+    overlap_moe_expert_parallel_comm + delay_wgrad_compute (num_cu="comm") loss vs EP=1, and
+    distributed checkpoints EP=1 -> EP=2 -> EP=1 -> EP=2 and across SequentialMLP, bit-exact."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    proc = _torchrun("ep_train.py", "--steps", "8", "--etp", "--overlap", "--out", str(tmp_path), timeout=400)
+    _check(proc, "EP_TRAIN PASS")
+
+
+@pytest.mark.multigpu
+def test_ep_overlap_bench_runs_on_two_gpus(tmp_path):
+    """The benchmark's machinery on NCCL (one small size, two caps); the targets are judged by the
+    full run in scripts/ep_check.sh, not here."""
+    proc = _torchrun("ep_overlap_bench.py", "--a2a-mb", "64", "--caps", "all,100", "--reps", "3",
+                     "--tokens", "4096", "--out", str(tmp_path), timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = json.loads((tmp_path / "ep_overlap.json").read_text())["rows"]
+    assert len(rows) == 2 and all(r["overlap_ms"] > 0 for r in rows)
+
+
+@pytest.mark.gpu
+def test_capped_kernels_scale(tmp_path):
+    """Issue 11 item 3: time(cap) monotone within 5% and <= 1.1 x time(all) x SMs/k for k >= SMs/2,
+    fwd, dgrad and wgrad (a measurement: it fails while the tuning does not follow the cap)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "cap_scaling.py"), "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert "CAP_SCALING" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, proc.stdout[-4000:]
