@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from . import scheduler as S
-from .grouped_gemm import _m_grouped_cursor_advance, _m_grouped_cursor_start, _m_grouped_tile_blocks
+from .grouped_gemm import _m_grouped_cursor_advance, _m_grouped_cursor_start, _m_grouped_tile_blocks, _persistent_start
 
 
 @triton.jit
@@ -77,10 +77,7 @@ def m_grouped_block_scaled_kernel(
     KS: tl.constexpr = BLOCK_K // SCALE_BLOCK
     tl.static_assert(USE_DOT_SCALED or KS == 1, "the promotion loop takes one scale block per K step")
     tl.static_assert(not USE_DOT_SCALED or (E8M0 and B_ROW_BLOCK == 1), "dot_scaled is for MXFP8 operands")
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    num_n_blocks = S.cdiv(N, BLOCK_N)
-    num_k_blocks = S.cdiv(K, BLOCK_K)
+    pid, num_programs, num_n_blocks, num_k_blocks = _persistent_start(N, K, BLOCK_N, BLOCK_K)
     num_scale_blocks = S.cdiv(K, SCALE_BLOCK)
     group, group_first_tile, lo, hi, group_tiles = _m_grouped_cursor_start(group_offs_ptr, G, BLOCK_M, num_n_blocks)
     tile = pid.to(tl.int64)
@@ -149,10 +146,7 @@ def k_grouped_block_scaled_kernel(
     An empty group writes zeros (ACCUMULATE: leaves out[g] as it was)."""
     KS: tl.constexpr = BLOCK_K // SCALE_BLOCK
     tl.static_assert(USE_DOT_SCALED or KS == 1, "the promotion loop takes one scale block per K step")
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    num_m_blocks = S.cdiv(N, BLOCK_M)
-    num_n_blocks = S.cdiv(K, BLOCK_N)
+    pid, num_programs, num_m_blocks, num_n_blocks = _persistent_start(N, K, BLOCK_M, BLOCK_N)
     total_tiles = G * num_m_blocks * num_n_blocks
     arange_m = tl.arange(0, BLOCK_M)
     arange_n = tl.arange(0, BLOCK_N)
