@@ -5,9 +5,10 @@ What is checked where (no check may add a host sync on a GPU, or CUDA-graph capt
 * shapes, dtypes, devices, contiguity: always, on the host (metadata only);
 * the *values* of ``group_lens`` / ``group_offs`` (non-negative, summing to ``M``):
   - CPU tensors: on the host, raising ``ValueError``;
-  - GPU tensors: on the device with ``torch._assert_async`` (a device-side assert: the error
-    surfaces at the next synchronization and leaves the CUDA context unusable, as every device
-    assert does). Before the kernels see them, the offsets are clamped into ``[0, M]`` and made
+  - GPU tensors: on the device, by the device asserts of the one-launch offsets kernel
+    (``kernels/triton/group_offsets.py``; ``torch._assert_async`` when triton is missing): the
+    error surfaces at the next synchronization and leaves the CUDA context unusable, as every
+    device assert does. Before the kernels see them, the offsets are clamped into ``[0, M]`` and made
     non-decreasing, so a bad routing can never make a kernel read or write out of bounds.
     Set ``TURBO_MOE_SYNC_CHECKS=1`` to check on the host instead (a sync per call, a clean
     ``ValueError``; not capturable);
