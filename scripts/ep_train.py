@@ -69,12 +69,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
         p.error("no CUDA device: run with --cpu")
-    shape = dict(layers=1, hidden=32, ffn=48, experts=4, vocab=64, seq=16, mbs=2) if args.cpu else \
-        dict(layers=2, hidden=256, ffn=512, experts=8, vocab=512, seq=256, mbs=4)
-    for k, v in shape.items():
-        setattr(args, k, v)
-    args.steps = args.steps or (3 if args.cpu else 20)
-    args.backend = "torch" if args.cpu else "triton"
+    proof.apply_model_shape(args, cpu_steps=3, gpu_steps=20)
     args.skip_float16_module = False
     if args.num_cu is not None and args.num_cu != "comm":
         args.num_cu = int(args.num_cu)

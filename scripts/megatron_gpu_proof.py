@@ -358,11 +358,16 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
         parser.error("no CUDA device: run with --cpu")
+    return apply_model_shape(args, cpu_steps=4, gpu_steps=30)
+
+
+def apply_model_shape(args, cpu_steps: int, gpu_steps: int):
+    """The model's shape, default step count and backend for ``args.cpu`` (shared with ep_train.py)."""
     shape = dict(layers=1, hidden=32, ffn=48, experts=4, vocab=64, seq=16, mbs=2) if args.cpu else \
         dict(layers=2, hidden=256, ffn=512, experts=8, vocab=512, seq=256, mbs=4)
     for k, v in shape.items():
         setattr(args, k, v)
-    args.steps = args.steps or (4 if args.cpu else 30)
+    args.steps = args.steps or (cpu_steps if args.cpu else gpu_steps)
     args.backend = "torch" if args.cpu else "triton"
     return args
 
