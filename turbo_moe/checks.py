@@ -25,6 +25,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from ._triton_kernels import triton_kernels
+
 __all__ = ["HIGH_PRECISION_DTYPES", "check_operands", "check_wgrad_operands", "check_group_offs", "resolve_group_offs"]
 
 HIGH_PRECISION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -133,24 +135,15 @@ def check_group_offs(
     return _assert_total_and_clamp(offs, num_rows)
 
 
-_offsets_module = None  # turbo_moe.kernels.triton.group_offsets once imported; False without triton
-
-
 def _offsets_kernel(t: torch.Tensor):
     """The one-launch offsets kernel for CUDA tensors checked on the device, or None (CPU, meta,
     TURBO_MOE_SYNC_CHECKS, no triton, more groups than one program holds)."""
-    global _offsets_module
     if not t.is_cuda or _sync_checks():
         return None
-    if _offsets_module is None:
-        try:
-            from turbo_moe.kernels.triton import group_offsets
-        except ImportError:
-            group_offsets = False
-        _offsets_module = group_offsets
-    if not _offsets_module or t.shape[0] > _offsets_module.MAX_GROUPS:
+    module = triton_kernels("group_offsets")
+    if module is None or t.shape[0] > module.MAX_GROUPS:
         return None
-    return _offsets_module
+    return module
 
 
 def _assert_total_and_clamp(offs: torch.Tensor, num_rows: int) -> torch.Tensor:

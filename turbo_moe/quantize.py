@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from ._triton_kernels import triton_kernels
 from .config import fp8_max
 
 __all__ = [
@@ -72,21 +73,11 @@ def _amax(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t, float("inf")) if t.numel() else t.new_zeros(())
 
 
-_fp8_cast_module = None  # turbo_moe.kernels.triton.fp8_cast once imported; False if triton is missing
-
-
 def _cast_kernels(t: torch.Tensor):
     """``turbo_moe.kernels.triton.fp8_cast`` for 2-D/3-D GPU tensors, or None (CPU, or no triton)."""
-    global _fp8_cast_module
     if not t.is_cuda or t.dim() not in (2, 3):
         return None
-    if _fp8_cast_module is None:
-        try:
-            from turbo_moe.kernels.triton import fp8_cast
-        except ImportError:
-            fp8_cast = False
-        _fp8_cast_module = fp8_cast
-    return _fp8_cast_module or None
+    return triton_kernels("fp8_cast")
 
 
 def quantize_tensorwise(t: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0):
