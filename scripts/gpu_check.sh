@@ -19,7 +19,10 @@
 # Environment:
 #   OUT         output folder (default ./gpu_check_out)
 #   BUDGET_S    wall-clock seconds the whole script may take (default 540: one 10-minute device call)
-#   PYTEST_S    cap on the pytest step (default 240); PYTEST_ARGS extra pytest arguments
+#   PYTEST_S    cap on the pytest step (default 240); PYTEST_ARGS extra pytest arguments;
+#               PYTEST_WORKERS pytest-xdist processes when a carried xdist wheel is installed (default 6;
+#               `pip download pytest-xdist execnet --no-deps -d .whl` before the call: 3.5 -> ~3 min)
+#   FUZZ_S, FUZZ_ARGS, HOTPATH_S, HOTPATH_ARGS, MEGATRON_S   caps and arguments of those steps
 #   BENCH_ARGS  extra benchmark arguments (e.g. "--levels kernel --num-cu 66")
 # Wheels in .whl/ (carried with the call) are installed into /tmp/site first; nothing is downloaded.
 # The benchmark is given what is left of BUDGET_S: it starts no new case after its --time-budget,
@@ -116,14 +119,31 @@ if has_step pytest; then
 PYTEST_CAP=$(( PYTEST_S < $(left) - 60 ? PYTEST_S : $(left) - 60 ))
 log "pytest -m gpu (cap ${PYTEST_CAP}s)"
 # TURBO_MOE_LAUNCH_CHECK: every lean Triton launch is checked against Triton's own dispatch.
-TURBO_MOE_LAUNCH_CHECK=${TURBO_MOE_LAUNCH_CHECK:-1} timeout --signal=TERM --kill-after=10 "$PYTEST_CAP" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider \
-  --deselect tests/test_fuzz_gpu.py::test_gpu_fuzz_case ${PYTEST_ARGS:-} tests \
-  2>&1 | tee "$OUT/pytest.log" | tail -n 40
-PYTEST_RC=${PIPESTATUS[0]}
+# With pytest-xdist (a carried wheel) the tests run in PYTEST_WORKERS processes: most of their time
+# is Triton compiling on the CPU. Tests marked serial measure time and run alone afterwards.
+PYTEST_PAR=()
+if "$PY" -c "import xdist" 2>/dev/null; then PYTEST_PAR=(-n "${PYTEST_WORKERS:-6}"); fi
+pytest_gpu() {  # pytest_gpu MARKEXPR CAP LOGFILE [extra...]
+  local expr=$1 cap=$2 logf=$3; shift 3
+  TURBO_MOE_LAUNCH_CHECK=${TURBO_MOE_LAUNCH_CHECK:-1} timeout --signal=TERM --kill-after=10 "$cap" "$PY" -m pytest -m "$expr" -q -rs \
+    -p no:cacheprovider --deselect tests/test_fuzz_gpu.py::test_gpu_fuzz_case "$@" ${PYTEST_ARGS:-} tests \
+    2>&1 | tee "$logf" | tail -n 40
+  return "${PIPESTATUS[0]}"
+}
+pytest_gpu "gpu and not serial" "$PYTEST_CAP" "$OUT/pytest.log" "${PYTEST_PAR[@]}"
+PYTEST_RC=$?
+SERIAL_CAP=$(( $(left) - 60 < 120 ? $(left) - 60 : 120 ))
+if [ "$SERIAL_CAP" -ge 20 ]; then
+  pytest_gpu "gpu and serial" "$SERIAL_CAP" "$OUT/pytest_serial.log"
+  SERIAL_RC=$?
+  log "pytest (serial tests) exit status $SERIAL_RC ($(tail -n 1 "$OUT/pytest_serial.log"))"
+  # exit 5 (no serial test selected, e.g. PYTEST_ARGS named one file) is not a failure here
+  [ "$PYTEST_RC" = 0 ] && [ "$SERIAL_RC" != 0 ] && [ "$SERIAL_RC" != 5 ] && PYTEST_RC=$SERIAL_RC
+fi
 [ "$PYTEST_RC" = 124 ] && log "pytest hit its ${PYTEST_CAP}s cap"
 log "pytest exit status $PYTEST_RC ($(grep -E '^(=+ )?[0-9]+ (passed|failed|error|skipped)|(passed|failed|error).* in [0-9.]+s' "$OUT/pytest.log" | tail -n 1))"
 fi
-has_step fuzz && run_step fuzz "${FUZZ_S:-200}" "$PY" scripts/gpu_fuzz.py --out "$OUT"
+has_step fuzz && run_step fuzz "${FUZZ_S:-200}" "$PY" scripts/gpu_fuzz.py --out "$OUT" ${FUZZ_ARGS:-}
 if has_step hotpath; then
   HOT_ARGS=${HOTPATH_ARGS:---shapes tiny-8x128-256x256,qwen3-fc2-32x512,dsv3-fc1-32x512,dsv3-fc1-128x128,dsv3-fc1-8x4096}
   if [ -d .old/before/turbo_moe ]; then

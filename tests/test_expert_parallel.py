@@ -77,6 +77,7 @@ def test_ep_overlap_bench_runs_on_two_gpus(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.serial
 def test_capped_kernels_scale(tmp_path):
     """Issue 11 item 3: time(cap) monotone within 5% and <= 1.1 x time(all) x SMs/k for k >= SMs/2,
     fwd, dgrad and wgrad (a measurement: it fails while the tuning does not follow the cap)."""

@@ -68,7 +68,15 @@ def test_gemms_match_block_scaled_reference(name, dot_scaled, lens, monkeypatch)
         out = triton_gemm.run(dataclasses.replace(on_gpu, out=out), cfg).cpu().double()
         contraction = k if kind == "m" else max(lens)
         tol = (128 + contraction // 32 + 3) * 2.0**-24 * 1.2 * mag + ref.abs() * 2.0**-24
-        assert not torch.isnan(out).any() and ((out - ref).abs() <= tol).all(), (kind, float((out - ref).abs().max()))
+        if torch.cuda.get_device_capability()[0] == 9:
+            # Hopper's FP8 wgmma adds into a narrower accumulator (about 14 mantissa bits, DeepSeek-V3
+            # section 3.3.2) and Triton leaves that on for FP8 dots on sm_90; promotion to fp32 happens
+            # once per K block, as DeepGEMM does. So each block's partial sum may be off by ~2**-14
+            # per addition: at most one block of additions, relative to the magnitudes summed.
+            tol = tol + min(recipe.block if recipe.block > 32 else 128, contraction) * 2.0**-14 * mag
+        err = (out - ref).abs()
+        assert not torch.isnan(out).any() and (err <= tol).all(), (
+            kind, float(err.max()), "worst relative to the summed magnitudes", float((err / mag.clamp_min(1e-30)).max()))
 
 
 @pytest.mark.parametrize("granularity", ["blockwise", "mxfp8"])

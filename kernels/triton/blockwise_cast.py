@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fp8_cast import _quant_scales
+from .fp8_cast import _quant_scales, clamp_keep_nan
 from .launch import lean
 
 
@@ -63,8 +63,7 @@ def _block_scales(amax, FP8_MAX: tl.constexpr, EMAX: tl.constexpr, MARGIN: tl.co
 
 @triton.jit
 def _cast(x, quant, FP8_MAX: tl.constexpr, dtype: tl.constexpr):
-    q = tl.clamp(x * quant, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-    return q.to(dtype, fp_downcast_rounding="rtne")
+    return clamp_keep_nan(x * quant, FP8_MAX).to(dtype, fp_downcast_rounding="rtne")
 
 
 @triton.jit
@@ -109,8 +108,12 @@ def block_cast_weight_kernel(
     tl.store(scale_ptr + group * stride_sg + nb * stride_sn + kb * stride_sk, stored)
     q = _cast(w, quant, FP8_MAX, out_ptr.dtype.element_ty)
     tl.store(out_ptr + group * N * K + rows[:, None] * K + cols[None, :], q, mask=mask)
-    if WRITE_T:
-        tl.store(out_t_ptr + group * N * K + cols[:, None] * N + rows[None, :], tl.trans(q), mask=tl.trans(mask))
+    if WRITE_T:  # from its own transposed load of the block (fp8_cast's module docstring)
+        mask_t = (cols[:, None] < K) & (rows[None, :] < N)
+        w_t = tl.load(w_ptr + group * stride_wg + cols[:, None] * stride_wk + rows[None, :] * stride_wn,
+                      mask=mask_t, other=0.0).to(tl.float32)
+        tl.store(out_t_ptr + group * N * K + cols[:, None] * N + rows[None, :],
+                 _cast(w_t, quant, FP8_MAX, out_t_ptr.dtype.element_ty), mask=mask_t)
 
 
 @triton.jit
@@ -136,8 +139,11 @@ def block_cast_tokens_kernel(
         x = x.to(tl.float32)
         quant, stored = _block_scales(_nan_max(tl.abs(x), 0), FP8_MAX, EMAX, MARGIN, MARGIN_FACTOR, E8M0, POW2)
         tl.store(scale_ptr + slot * stride_ss + cols * stride_sc, stored, mask=col_ok)
-        q = _cast(x, quant[None, :], FP8_MAX, out_t_ptr.dtype.element_ty)
-        tl.store(out_t_ptr + cols[:, None] * M + tokens[None, :], tl.trans(q), mask=tl.trans(mask))
+        # the cast reads the block again, transposed (fp8_cast's module docstring)
+        mask_t = col_ok[:, None] & (tokens[None, :] < hi)
+        x_t = tl.load(x_ptr + tokens[None, :] * stride_xm + cols[:, None] * stride_xc, mask=mask_t, other=0.0)
+        q_t = _cast(x_t.to(tl.float32), quant[:, None], FP8_MAX, out_t_ptr.dtype.element_ty)
+        tl.store(out_t_ptr + cols[:, None] * M + tokens[None, :], q_t, mask=mask_t)
         slot += 1
 
 

@@ -11,7 +11,21 @@ owns whole rows, or whole (group, column) slices, so it finds their amax and cas
 
 ``out[b, r, c] = fp8(clamp(x[b, r, c] * scale, -max, max))`` and ``out_t[b, c, r]`` the same value;
 the multiply is in float32 and the cast rounds to nearest even, bit-for-bit what
-``turbo_moe.quantize`` does in torch. NaN propagates (``propagate_nan=ALL``), as torch's clamp does.
+``turbo_moe.quantize`` does in torch. NaN propagates, as torch's clamp does.
+
+How the transposed copies are written is dictated by a Hopper miscompilation. On an H100 (Triton
+3.6 with its bundled ptxas 12.9), a kernel that loads one float32 tile and stores it both
+row-major and transposed got about a quarter of the transposed bytes wrong once the grid had more
+than one row block, whatever the form of the transposed store (``tl.trans`` of the float32 or of
+the FP8 tile, transposed addresses, a uint8 bitcast, a barrier between the two stores, the
+transposed store first); bf16 sources and kernels with a single store were right. The row-major
+copy was always right (related: triton-lang/triton#11111, fixed in ptxas 13.3). It garbled x^T and
+dy^T of float32 activations and so dW, silently. So every transposed copy here comes from its own
+transposed load of the source -- the tile is read twice, the second read hits L2, and the kernel
+measured as fast as the single-load form -- never from a value that is also stored row-major.
+Clamps and amaxes are compare-and-select (:func:`clamp_keep_nan`, :func:`abs_max_keep_nan`), not
+NaN-propagating min/max, #11111's trigger; the arithmetic is the same. The reproducer, with the
+variants tried and their timings, is ``scripts/probe_dual_store_cast.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +43,23 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @triton.jit
+def clamp_keep_nan(x, FP8_MAX: tl.constexpr):
+    """``clamp(x, -FP8_MAX, FP8_MAX)`` with NaN kept (torch's clamp), as compare-and-select: see the
+    module docstring for why not ``tl.clamp(..., propagate_nan=ALL)``. Comparisons with NaN are
+    false, so NaN passes through both selects."""
+    x = tl.where(x > FP8_MAX, FP8_MAX, x)
+    return tl.where(x < -FP8_MAX, -FP8_MAX, x)
+
+
+@triton.jit
+def abs_max_keep_nan(acc, v):
+    """``max(acc, |v|)`` elementwise, NaN once either is NaN, as compare-and-select (see
+    :func:`clamp_keep_nan`)."""
+    a = tl.abs(v)
+    return tl.where((a > acc) | (a != a), a, acc)
+
+
+@triton.jit
 def amax_partials_kernel(x_ptr, partials_ptr, numel, chunk, BLOCK: tl.constexpr):
     """Program p writes max |x| over the flat elements [p * chunk, (p + 1) * chunk) of a contiguous
     tensor to partials[p] (NaN if any of them is NaN). Every program writes its slot, so the
@@ -40,7 +71,7 @@ def amax_partials_kernel(x_ptr, partials_ptr, numel, chunk, BLOCK: tl.constexpr)
     for off in range(0, chunk, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + idx, mask=idx < numel, other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, tl.abs(v), propagate_nan=tl.PropagateNan.ALL)
+        acc = abs_max_keep_nan(acc, v)
     amax = tl.max(acc, axis=0)
     amax = tl.where(tl.sum((acc != acc).to(tl.int32), axis=0) > 0, float("nan"), amax)
     tl.store(partials_ptr + pid, amax)
@@ -75,15 +106,17 @@ def fp8_cast_kernel(
         tl.store(dequant_ptr, dequant)
     rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = pid_c.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows[:, None] < R) & (cols[None, :] < C)
-    x = tl.load(x_ptr + batch * stride_xb + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask)
-    q = tl.clamp(x.to(tl.float32) * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    x_tile = x_ptr + batch * stride_xb
     if WRITE_ROWS:
-        q_rows = q.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-        tl.store(out_ptr + batch * R * C + rows[:, None] * C + cols[None, :], q_rows, mask=mask)
-    if WRITE_T:
-        q_t = tl.trans(q).to(out_t_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-        tl.store(out_t_ptr + batch * R * C + cols[:, None] * R + rows[None, :], q_t, mask=tl.trans(mask))
+        mask = (rows[:, None] < R) & (cols[None, :] < C)
+        x = tl.load(x_tile + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask)
+        q = clamp_keep_nan(x.to(tl.float32) * scale, FP8_MAX).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(out_ptr + batch * R * C + rows[:, None] * C + cols[None, :], q, mask=mask)
+    if WRITE_T:  # out_t[b, c, r] from its own transposed load of the tile (module docstring)
+        mask_t = (cols[:, None] < C) & (rows[None, :] < R)
+        x_t = tl.load(x_tile + cols[:, None] * stride_xc + rows[None, :] * stride_xr, mask=mask_t)
+        q_t = clamp_keep_nan(x_t.to(tl.float32) * scale, FP8_MAX).to(out_t_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(out_t_ptr + batch * R * C + cols[:, None] * R + rows[None, :], q_t, mask=mask_t)
 
 
 # Most amax partials (programs of amax_partials_kernel); the cast kernels reduce them in one block.
@@ -171,7 +204,7 @@ def fp8_rowwise_cast_kernel(
         cols = c0 + tl.arange(0, BLOCK_C)
         mask = row_ok[:, None] & (cols[None, :] < C)
         x = tl.load(x_rows + cols[None, :] * stride_xc, mask=mask).to(tl.float32)
-        q = tl.clamp(x * scale[:, None], -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        q = clamp_keep_nan(x * scale[:, None], FP8_MAX)
         tl.store(out_rows + cols[None, :], q.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
@@ -210,14 +243,15 @@ def fp8_colwise_grouped_cast_kernel(
     amax = tl.where(nan, float("nan"), amax)  # tl.max drops NaN; torch's amax keeps it
     scale, dequant = _quant_scales(amax, FP8_MAX, MARGIN_FACTOR)
     tl.store(dequant_ptr + (batch * G + group) * C + cols, dequant, mask=col_ok)
+    # The cast reads the slice again as a transposed [BLOCK_C, BLOCK_R] tile (module docstring).
+    x_t_base = x_ptr + batch * stride_xb + cols[:, None] * stride_xc
     out_base = out_t_ptr + batch * R * C + cols[:, None] * R
     for r0 in range(lo, hi, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
-        mask = (rows[:, None] < hi) & col_ok[None, :]
-        x = tl.load(x_base + rows[:, None] * stride_xr, mask=mask).to(tl.float32)
-        q = tl.clamp(x * scale[None, :], -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-        q_t = tl.trans(q).to(out_t_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-        tl.store(out_base + rows[None, :], q_t, mask=tl.trans(mask))
+        mask_t = col_ok[:, None] & (rows[None, :] < hi)
+        x_t = tl.load(x_t_base + rows[None, :] * stride_xr, mask=mask_t).to(tl.float32)
+        q_t = clamp_keep_nan(x_t * scale[:, None], FP8_MAX).to(out_t_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(out_base + rows[None, :], q_t, mask=mask_t)
 
 
 def _as_3d(x):

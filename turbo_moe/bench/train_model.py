@@ -175,8 +175,15 @@ def build_model(cfg: TrainConfig, variant: str, device: torch.device, fp8_format
             spec = use_turbo_moe_experts(spec, fp8=None)
         else:
             spec = use_turbo_moe_experts(spec, fp8=fp8_format, granularity=granularity, backend=backend)
-    model = GPTModel(config=_transformer_config(cfg, device), transformer_layer_spec=spec, vocab_size=VOCAB_SIZE,
+    config = _transformer_config(cfg, device)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB_SIZE,
                      max_sequence_length=cfg.seq, position_embedding_type="rope")
+    if config.bf16:
+        # As Megatron's get_model does: Float16Module casts the whole model to bf16 (the torch
+        # LayerNorms, which ignore params_dtype, included) and returns the loss in float32.
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
     return model.to(device)
 
 

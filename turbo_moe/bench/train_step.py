@@ -22,6 +22,7 @@ from typing import Dict, Iterable, Iterator, List, Optional
 
 import torch
 
+from .step_metrics import gpu_activities
 from .text_corpus import BatchSampler, TextCorpus
 from .train_model import (
     TrainConfig, MasterWeightAdam, build_model, canonical_state, experts_of, load_canonical_state,
@@ -105,7 +106,7 @@ def expert_time_split(events, on_gpu: bool, range_name: str = EXPERTS_RANGE) -> 
     cpu = [e for e in events if e.device_type.name == "CPU" and not e.is_async]
     launches = expert_launches = None
     if on_gpu:
-        device = [e for e in events if e.device_type.name == "CUDA"]
+        device = gpu_activities(events)
         total = sum(e.time_range.elapsed_us() for e in device)
         linked = sum(e.self_device_time_total for e in cpu)
         expert = sum(e.self_device_time_total for e in mine)
