@@ -73,9 +73,8 @@ def resolve_num_cu(num_cu: Union[None, int, str], ep_size: int) -> Optional[int]
 
 
 # Megatron's config.fp8_recipe -> how turbo_moe's experts run it: the one table where recipes plug
-# in (the fine-grained-recipe work maps "blockwise" and "mxfp8" to its Float8Config granularities
-# here, replacing the refusals). A recipe that is not run as Megatron/TE define it is refused
-# with the reason, never substituted silently.
+# in. A recipe that is not run as Megatron/TE define it is refused with the reason, never
+# substituted silently.
 @dataclasses.dataclass(frozen=True)
 class RecipeMapping:
     granularity: Optional[ScalingGranularity] = None  # the Float8Config granularity it runs as
