@@ -49,6 +49,18 @@ def _arg_fact(arg):
     return (type(arg),)
 
 
+_RUNTIME_KNOBS = []
+
+
+def _runtime_knobs():
+    """``triton.knobs.runtime``, imported once (an import statement costs microseconds per launch)."""
+    if not _RUNTIME_KNOBS:
+        from triton import knobs
+
+        _RUNTIME_KNOBS.append(knobs.runtime)
+    return _RUNTIME_KNOBS[0]
+
+
 def _hook_active(hook) -> bool:
     """Triton >= 3.5 keeps launch hooks in a ``HookChain`` (never None; empty when unused)."""
     return hook is not None and bool(getattr(hook, "calls", True))
@@ -87,12 +99,15 @@ class LeanLauncher:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid, args, kwargs):
-        from triton import knobs
-
-        if _hook_active(knobs.runtime.launch_enter_hook) or _hook_active(knobs.runtime.launch_exit_hook):
+        runtime = _runtime_knobs()
+        if _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook):
             return self.fn[grid](*args, **kwargs)
-        device = torch.cuda.current_device()
-        key = (device, tuple(map(_arg_fact, args)), tuple(sorted(kwargs.items())))
+        # torch.cuda.current_device() without its lazy-init checks: a lean launch only ever
+        # follows Triton's own first launch of the kernel, so CUDA is initialized.
+        device = torch._C._cuda_getDevice()
+        # kwargs in call order: a call site always passes them in one order, and another order
+        # only makes another key (one more miss), never a wrong hit.
+        key = (device, tuple(map(_arg_fact, args)), tuple(kwargs.items()))
         memo = self._memo.get(key)
         if memo is None:
             self.misses += 1

@@ -1,0 +1,140 @@
+"""Where the host time of one GroupedLinearFP8 forward+backward goes (GPU machine).
+
+scripts/hotpath.py gives the total issue cost; this splits it by switching parts off, each row
+measured the same way (the GPU kept busy by a long ``torch.cuda._sleep`` so the host never waits):
+
+* ``full``: the real fwd+bwd;
+* ``no triton launcher``: every lean launch does all its own work (key, memo lookup) but skips
+  Triton's launcher call (``CompiledKernel.run``): what remains is turbo_moe's Python, torch's
+  allocations and autograd;
+* ``no GEMM launch``: the three GEMMs' launch plans return at once (no descriptors, no launch);
+* components: a small and a large ``torch.empty`` on the GPU, one host TMA descriptor, an empty
+  ``autograd.Function`` forward+backward, and the bf16 ``torch._grouped_mm`` fwd+bwd.
+
+Outputs are garbage in the switched-off rows (kernels do not run): only their time is read.
+Usage: ``python scripts/host_breakdown.py [--shape tiny|dsv3]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+
+
+def _issue_us(fn, steps=20, reps=5):
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e8))
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        out.append((time.perf_counter() - t0) / steps * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+@contextlib.contextmanager
+def _patched(obj, name, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+def main(argv=None):
+    import turbo_moe
+    from turbo_moe.backends import triton_backend
+    from turbo_moe.kernels.triton import launch as lean_launch
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="tiny", choices=["tiny", "dsv3"])
+    args = p.parse_args(argv)
+    g, t, n, k = {"tiny": (8, 128, 256, 256), "dsv3": (32, 512, 4096, 7168)}[args.shape]
+    dev = torch.device("cuda")
+    x = torch.randn(g * t, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(g, n, k, device=dev, dtype=torch.bfloat16) * k**-0.5)
+    dy = torch.randn(g * t, n, device=dev, dtype=torch.bfloat16)
+    lens = torch.full((g,), t, dtype=torch.int64, device=dev)
+    layer = turbo_moe.GroupedLinearFP8(g, k, n, device="meta", dtype=torch.bfloat16, cache_fp8_weight=False)
+    layer.weight = w
+
+    def step():
+        return torch.autograd.grad(layer(x, lens), (x, w), dy)
+
+    ends = torch.cumsum(lens, 0).to(torch.int32)
+
+    def bf16_step():
+        return torch.autograd.grad(torch._grouped_mm(x, w.transpose(-2, -1), offs=ends), (x, w), dy)
+
+    for _ in range(5):
+        step()
+        bf16_step()
+    torch.cuda.synchronize()
+    rows = [("full fwd+bwd", _issue_us(step)), ("bf16 _grouped_mm fwd+bwd", _issue_us(bf16_step))]
+
+    real_launch = lean_launch.LeanLauncher.launch
+
+    class _NoLaunch:  # what a lean launch reads of a compiled kernel, with a launcher that does nothing
+        def __init__(self, kernel):
+            self.function, self.packed_metadata = kernel.function, kernel.packed_metadata
+
+        def run(self, *unused):
+            return None
+
+    def no_run(self, grid, a, kw):
+        saved = dict(self._memo)
+        for key, memo in saved.items():
+            self._memo[key] = lean_launch._Memo(_NoLaunch(memo.kernel), memo.constexpr_values)
+        try:
+            return real_launch(self, grid, a, kw)
+        finally:
+            self._memo.update(saved)
+
+    with _patched(lean_launch.LeanLauncher, "launch", no_run):
+        rows.append(("no triton launcher call (patch cost included)", _issue_us(step)))
+    with _patched(triton_backend._LaunchPlan, "launch", lambda self, problem, out: None):
+        rows.append(("no GEMM launch (plan returns at once)", _issue_us(step)))
+
+    def many(fn, n=2000):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e8))
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        us = (time.perf_counter() - t0) / n * 1e6
+        torch.cuda.synchronize()
+        return us
+
+    rows.append(("torch.empty((), float32) on GPU", many(lambda: torch.empty((), dtype=torch.float32, device=dev))))
+    rows.append(("torch.empty(16384x7168 fp8) on GPU",
+                 many(lambda: torch.empty((16384, 7168), dtype=torch.float8_e4m3fn, device=dev))))
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    a8 = torch.empty((g * t, k), dtype=torch.float8_e4m3fn, device=dev)
+    rows.append(("TensorDescriptor(...) construction", many(lambda: TensorDescriptor(a8, [g * t, k], [k, 1], [128, 128]))))
+
+    class Nop(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a.view_as(a)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    rows.append(("empty autograd.Function fwd + autograd.grad", many(lambda: torch.autograd.grad(Nop.apply(x), x, dy[:, :1].expand(-1, k)), 500)))
+    print(f"shape {args.shape}: G={g} tokens/expert={t} N={n} K={k}")
+    for name, us in rows:
+        print(f"{name:55s} {us:9.1f} us")
+    print("lean launches (hits, misses):", lean_launch.launch_stats())
+
+
+if __name__ == "__main__":
+    main()
