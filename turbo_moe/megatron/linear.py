@@ -120,6 +120,19 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
         # options.num_cu="comm": the cap that leaves the expert-parallel all-to-all its SMs.
         self.num_cu = resolve_num_cu(self.options.num_cu, get_pg_size(getattr(pg_collection, "ep", None)))
         self._fp8_weight_cache = None  # (key, Float8Weight) under options.cache_fp8_weight
+        # Transformer Engine's micro-batch contract, which Megatron's schedules drive: they call
+        # model.set_is_first_microbatch() at the first micro-batch of every step (only under
+        # config.fp8 / fp4 / kitchen / quant_recipe), setting this flag True on every module that
+        # has it; the layer sets it False after each forward. True: the weight may have changed
+        # since the last forward (refresh the FP8 copy); False: same step, reuse it.
+        self.is_first_microbatch = True
+        # "auto" trusts a False flag only once it has seen the flag come back True after its own
+        # forward set it False: proof that something (a schedule) drives it. A layer run outside
+        # Megatron's schedules keeps False forever, which must not read as "same step".
+        self._cleared_first_microbatch = False
+        self._first_microbatch_driven = False
+        # As TE's linears: no FP8 weight kept across micro-batches under this setting.
+        self._no_parameter_cache = bool(getattr(config, "disable_parameter_transpose_cache", False))
         self._wgrad_accumulation_and_reduce_hooks: List[Callable[[], None]] = []
 
         if getattr(config, "use_cpu_initialization", False) or not torch.cuda.is_available():
@@ -216,19 +229,33 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
         ``invalidate_fp8_weight_cache_on_step`` bumps after each optimizer step: Megatron's DDP
         makes parameters views of its buffers through ``.data``, and its (distributed) optimizer
         writes them through those buffers, which bumps no version counter of the Parameter.
+        ``"auto"`` caches only where one of these signals is sound (see ``TurboMoEOptions``).
         """
-        if not self.options.cache_fp8_weight:
+        mode = self.options.cache_fp8_weight
+        if mode is False:
             return None
         w = self.weight
         if w.is_cuda and torch.cuda.is_current_stream_capturing():
             return None  # the quantization must be part of the captured graph
-        if not fp8_weight_cache_is_safe(w):
-            raise RuntimeError(
-                "cache_fp8_weight=True on a Megatron DDP parameter needs "
-                "turbo_moe.megatron.invalidate_fp8_weight_cache_on_step(optimizer): Megatron's optimizer "
-                "updates the weights through DDP's buffers, which the cache could not see otherwise")
+        refresh = False
+        if mode is True:
+            if not fp8_weight_cache_is_safe(w):
+                raise RuntimeError(
+                    "cache_fp8_weight=True on a Megatron DDP parameter needs "
+                    "turbo_moe.megatron.invalidate_fp8_weight_cache_on_step(optimizer): Megatron's optimizer "
+                    "updates the weights through DDP's buffers, which the cache could not see otherwise")
+        else:  # "auto"
+            if self._no_parameter_cache:
+                return None
+            # A driven flag covers what the key cannot see (an optimizer writing DDP's buffers):
+            # True refreshes, False means no step since. Else the key must be sound alone: the
+            # step hook bumps the generation, and a parameter without main_grad is updated in
+            # place by torch optimizers (a version bump). Neither: quantize in every forward.
+            if not (self._first_microbatch_driven or fp8_weight_cache_is_safe(w)):
+                return None
+            refresh = self.is_first_microbatch
         key = (w._version, w.data_ptr(), w.dtype, w.device, fp8_weight_generation(), self.fp8_config)
-        if self._fp8_weight_cache is None or self._fp8_weight_cache[0] != key:
+        if refresh or self._fp8_weight_cache is None or self._fp8_weight_cache[0] != key:
             self._fp8_weight_cache = None  # release the stale copies before making new ones
             with torch.no_grad():
                 self._fp8_weight_cache = (key, _autograd.quantize_weight(w.detach(), self.fp8_config, transposed=True))
@@ -257,6 +284,8 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
             offs = self.group_offsets(x, m_splits)
         else:
             offs = resolve_group_offs(None, group_offs, self.num_gemms, x.shape[0], x.device)
+        if self.is_first_microbatch and self._cleared_first_microbatch:
+            self._first_microbatch_driven = True  # set True again since our last forward: driven
         weight = self.weight
         wants_wgrad = torch.is_grad_enabled() and weight.requires_grad
         fuse_main_grad = wants_wgrad and self._fuses_main_grad()
@@ -271,6 +300,8 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
             y = self._gemm(x, _AccumulateWgradIntoMainGrad.apply(weight), offs)
         else:
             y = self._gemm(x, weight, offs)
+        self.is_first_microbatch = False  # as TE's linears: later micro-batches of this step reuse
+        self._cleared_first_microbatch = True
         if self.bias is None:
             return y, None
         if self.skip_bias_add:

@@ -33,7 +33,7 @@ def invalidate_fp8_weight_caches() -> None:
 
 def invalidate_fp8_weight_cache_on_step(optimizer):
     """Make each optimizer step invalidate the FP8 weight caches of
-    ``TurboMoEOptions(cache_fp8_weight=True)`` layers; returns ``optimizer``.
+    ``TurboMoEOptions(cache_fp8_weight=True / "auto")`` layers; returns ``optimizer``.
 
     Needed because Megatron's optimizers update parameters through DDP's flat buffers (the
     parameters are ``.data`` views of them; the distributed optimizer copies its fp32 shards into

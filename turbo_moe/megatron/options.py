@@ -26,17 +26,25 @@ class TurboMoEOptions:
     ``"megatron"``, else tensorwise). ``backend``: ``"auto"``, ``"triton"``, ``"flydsl"``,
     ``"torch"``. ``num_cu``: cap on the SMs/CUs the FP8 kernels occupy (an int), None for all, or
     ``"comm"``: chosen by ``turbo_moe.num_cu_for_comm`` from what the expert-parallel all-to-all
-    needs (docs/expert_parallel.md). ``cache_fp8_weight``:
-    quantize each weight once per optimizer step instead of once per micro-batch (the FP8 copy is
-    kept between micro-batches; needs ``invalidate_fp8_weight_cache_on_step(optimizer)``, see
-    docs/megatron.md).
+    needs (docs/expert_parallel.md).
+
+    ``cache_fp8_weight``: keep each weight's FP8 copies (rows + transposed: 2 bytes per weight
+    element, for as long as the layer lives) and quantize once per optimizer step instead of once
+    per micro-batch. ``"auto"`` (the default) caches only where a stale copy cannot go unseen:
+    (1) Megatron's schedule drives the layer's ``is_first_microbatch`` flag (Transformer Engine's
+    contract: refresh at the first micro-batch of each step; needs ``config.fp8`` set, and none of
+    it under ``config.disable_parameter_transpose_cache``), (2)
+    ``invalidate_fp8_weight_cache_on_step(optimizer)`` is installed, or (3) the weight is not a
+    Megatron-DDP parameter (no ``main_grad``: its in-place updates bump its version counter);
+    otherwise it quantizes in every forward. ``True``: always cache (raises for a DDP parameter
+    without ``invalidate_fp8_weight_cache_on_step``); ``False``: never. See docs/megatron.md.
     """
 
     fp8: Fp8Setting = "megatron"
     granularity: Optional[str] = None
     backend: str = "auto"
     num_cu: Union[None, int, str] = None
-    cache_fp8_weight: bool = False
+    cache_fp8_weight: Union[bool, str] = "auto"
 
     def __post_init__(self) -> None:
         if not (self.fp8 is None or isinstance(self.fp8, (str, Float8Config))):
@@ -52,8 +60,9 @@ class TurboMoEOptions:
         if self.num_cu is not None and self.num_cu != "comm" and (
                 isinstance(self.num_cu, bool) or not isinstance(self.num_cu, int) or self.num_cu < 1):
             raise ValueError(f"num_cu must be None, a positive int or 'comm', got {self.num_cu!r}")
-        if not isinstance(self.cache_fp8_weight, bool):
-            raise TypeError(f"cache_fp8_weight must be a bool, got {self.cache_fp8_weight!r}")
+        cache = self.cache_fp8_weight
+        if not (isinstance(cache, bool) or (isinstance(cache, str) and cache == "auto")):
+            raise ValueError(f"cache_fp8_weight must be True, False or 'auto', got {cache!r}")
         if not isinstance(self.backend, str):
             raise TypeError(f"backend must be a string, got {type(self.backend).__name__}")
 
@@ -130,7 +139,7 @@ def _check_megatron_quantization(config, fp8_on: bool) -> None:
         return
     if getattr(config, "fp8_param", False):
         warn_once("fp8_param", "config.fp8_param=True: turbo_moe's experts keep their weights in params_dtype "
-                  "and quantize them to FP8 for each GEMM (cache_fp8_weight=True: once per optimizer step)")
+                  "and quantize them to FP8 for each GEMM (once per step where cache_fp8_weight caches)")
     if not getattr(config, "fp8_wgrad", True):
         warn_once("fp8_wgrad", "config.fp8_wgrad=False: turbo_moe's experts compute the weight gradient in FP8 "
                   "too (pass fp8=None for high-precision experts)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Optional, Union
 
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -22,7 +22,7 @@ def _make_options(fp8, granularity, backend, num_cu, cache_fp8_weight) -> TurboM
 
 def get_turbo_moe_experts_spec(*, fp8: Fp8Setting = "megatron", granularity: Optional[str] = None,
                                backend: str = "auto", num_cu: Optional[int] = None,
-                               cache_fp8_weight: bool = False):
+                               cache_fp8_weight: Union[bool, str] = "auto"):
     """The experts builder (``MoESubmodules.experts``) for turbo_moe's grouped experts."""
     options = _make_options(fp8, granularity, backend, num_cu, cache_fp8_weight)
     return functools.partial(TurboMoEGroupedMLP, submodules=_turbo_submodules(options), options=options)
@@ -31,7 +31,7 @@ def get_turbo_moe_experts_spec(*, fp8: Fp8Setting = "megatron", granularity: Opt
 def get_turbo_moe_module_spec(*, use_te: bool = False, num_experts: Optional[int] = None,
                               fp8: Fp8Setting = "megatron", granularity: Optional[str] = None,
                               backend: str = "auto", num_cu: Optional[int] = None,
-                              cache_fp8_weight: bool = False):
+                              cache_fp8_weight: Union[bool, str] = "auto"):
     """``MoELayer`` builder as Megatron's ``get_moe_module_spec`` makes it, with turbo_moe experts.
 
     ``use_te`` picks TE or local modules for the router-side pieces Megatron builds (shared
@@ -46,7 +46,7 @@ def get_turbo_moe_module_spec(*, use_te: bool = False, num_experts: Optional[int
 
 def use_turbo_moe_experts(spec, *, fp8: Fp8Setting = "megatron", granularity: Optional[str] = None,
                           backend: str = "auto", num_cu: Optional[int] = None,
-                          cache_fp8_weight: bool = False):
+                          cache_fp8_weight: Union[bool, str] = "auto"):
     """Return a copy of ``spec`` whose MoE layers use turbo_moe's experts.
 
     ``spec``: a GPT layer spec (``ModuleSpec``), a decoder block spec (``TransformerBlockSubmodules``
