@@ -19,7 +19,8 @@
 # Environment:
 #   OUT         output folder (default ./gpu_check_out)
 #   BUDGET_S    wall-clock seconds the whole script may take (default 540: one 10-minute device call)
-#   PYTEST_S    cap on the pytest step (default 240); PYTEST_ARGS extra pytest arguments (split on
+#   PYTEST_S    cap on the pytest step (default 300: the whole GPU suite with cold compile caches took
+#               more than 230 s with 6 workers); PYTEST_ARGS extra pytest arguments (split on
 #               spaces); PYTEST_K a -k expression (kept whole: PYTEST_K="fp32 or cast");
 #               PYTEST_WORKERS pytest-xdist processes when a carried xdist wheel is installed (default 6;
 #               `pip download pytest-xdist execnet --no-deps -d .whl` before the call: 3.5 -> ~3 min)
@@ -35,7 +36,7 @@ OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
 MODE=${1:-${BENCH:-quick}}
 BUDGET_S=${BUDGET_S:-540}
-PYTEST_S=${PYTEST_S:-240}
+PYTEST_S=${PYTEST_S:-300}
 PY=${PYTHON:-python3}
 LOG="$OUT/gpu_check.log"
 export PYTHONUNBUFFERED=1
@@ -170,5 +171,14 @@ if has_step bench && [ "${#BENCH_PRESET[@]}" -gt 0 ]; then
     BENCH_RC=${PIPESTATUS[0]}
   fi
 fi
-log "done: pytest $PYTEST_RC, benchmark $BENCH_RC; files: $(cd "$OUT" && ls | tr '\n' ' ')"
+log "done: pytest $PYTEST_RC, benchmark $BENCH_RC; files: $(cd "$OUT" && find . -type f | sed 's|^./||' | tr '\n' ' ')"
+# The device tool brings back at most 8 files (no deeper than two folders): past 7, everything
+# also goes into one archive, and the loose copies of all but the summaries are dropped.
+if [ "$(find "$OUT" -type f | wc -l)" -gt 7 ]; then
+  tar czf /tmp/gpu_check_all.tar.gz -C "$OUT" . && mv /tmp/gpu_check_all.tar.gz "$OUT/all.tar.gz"
+  find "$OUT" -type f ! -name all.tar.gz ! -name gpu_check.log ! -name pytest.log ! -name bench.log \
+    ! -path "$OUT/results.md" -delete
+  find "$OUT" -mindepth 1 -type d -empty -delete
+  log "more than 7 files: all of them are in all.tar.gz (kept beside it: the logs and results.md)"
+fi
 { [ "$PYTEST_RC" = 0 ] || [ "$PYTEST_RC" = skipped ]; } && { [ "$BENCH_RC" = 0 ] || [ "$BENCH_RC" = skipped ]; }

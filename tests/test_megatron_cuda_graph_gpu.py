@@ -93,6 +93,14 @@ def cuda_world():
     from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
 
     delete_cuda_graphs()
+    # The graph-safe tracker swapped the default CUDA generator's state for one that a capture
+    # may have left mid-capture (a failed capture never runs its epilogue); later tests in this
+    # process then fail in torch.randn ("Offset increment outside graph capture"). Give the
+    # default generator a fresh state.
+    device = torch.cuda.current_device()
+    torch.cuda.default_generators[device].graphsafe_set_state(
+        torch.Generator(device=f"cuda:{device}").graphsafe_get_state())
+    torch.cuda.manual_seed(0)
 
 
 def _inputs(seed):
