@@ -76,6 +76,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="folder to write <variant>.ttgir / .ptx into")
     parser.add_argument("--kernel", default=None, help="only the kernels whose name contains this")
+    parser.add_argument("--promote-acc", action="store_true",
+                        help="the Float8Config(accumulation='promoted') variants (PROMOTE_ACC=True)")
     args = parser.parse_args(argv)
 
     import triton
@@ -89,10 +91,15 @@ def main(argv=None) -> int:
     for name, signature, constexprs in variants():
         if args.kernel and args.kernel not in name:
             continue
+        fn = getattr(grouped_gemm, name)
+        if any(param.name == "PROMOTE_ACC" for param in fn.params):  # absent from trees before it existed
+            constexprs = dict(constexprs, PROMOTE_ACC=args.promote_acc)
         signature = dict(signature, **{key: "constexpr" for key in constexprs})
-        compiled = triton.compile(ASTSource(fn=getattr(grouped_gemm, name), signature=signature, constexprs=constexprs),
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
-        tag = name + "".join(f"_{key}{int(value)}" for key, value in constexprs.items() if isinstance(value, bool))
+        # PROMOTE_ACC=False is left out of the name: the same file names as trees without it.
+        tag = name + "".join(f"_{key}{int(value)}" for key, value in constexprs.items()
+                             if isinstance(value, bool) and (key != "PROMOTE_ACC" or value))
         for kind in ("ttgir", "ptx"):
             (out / f"{tag}.{kind}").write_text(strip_locations(compiled.asm[kind]))
         digest = hashlib.sha256((out / f"{tag}.ptx").read_bytes()).hexdigest()[:16]

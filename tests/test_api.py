@@ -225,6 +225,30 @@ def test_float8_config_validation():
         Float8Config(strategy="delayed")
     with pytest.raises(ValueError, match="margin"):
         Float8Config(margin=-1)
+    assert not Float8Config().promotes_accumulation
+    assert Float8Config(accumulation="promoted").promotes_accumulation
+    with pytest.raises(ValueError, match="Float8Config.accumulation"):
+        Float8Config(accumulation="exact")
+
+
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+def test_promoted_accumulation_reaches_every_gemm_and_changes_no_fp32_result(granularity):
+    """accumulation="promoted" is carried to the fwd, dgrad and wgrad problems (their dispatch
+    records say so), and where products accumulate in fp32 anyway (the torch reference) the results
+    are bit-identical to "fast"."""
+    x, w, lens = fresh_inputs([5, 0, 9], 24, 16, seed=3)
+    dy = torch.randn(x.shape[0], 24, generator=torch.Generator().manual_seed(4))
+    results = {}
+    for mode in ("fast", "promoted"):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        turbo_moe.backends.clear_recent_dispatches()
+        y = turbo_moe.grouped_gemm_fp8(xx, ww, lens, config=Float8Config(granularity=granularity, accumulation=mode))
+        y.backward(dy)
+        problems = [r.problem for r in turbo_moe.recent_dispatches()]
+        assert len(problems) == 3 and all(("promoted-acc" in p) == (mode == "promoted") for p in problems), problems
+        results[mode] = (y, xx.grad, ww.grad)
+    for fast, promoted in zip(results["fast"], results["promoted"]):
+        assert torch.equal(fast, promoted)
 
 
 # ---------------------------------------------------------------- dispatch

@@ -12,6 +12,7 @@ variable is process-wide: setting it here would silently switch every other test
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -127,10 +128,14 @@ def test_tma_eligibility_reasons():
     assert "token-major" in _tma_reason(transposed)
 
 
+@pytest.mark.parametrize("promote", [False, True], ids=["fast_acc", "promoted_acc"])
 @pytest.mark.parametrize("kernel", ["m_grouped_gemm_tma_kernel", "k_grouped_gemm_tma_kernel", "m_grouped_gemm_kernel"])
-def test_kernels_compile_for_hopper_with_wgmma(kernel):
+def test_kernels_compile_for_hopper_with_wgmma(kernel, promote):
     """Compile (no GPU needed) each kernel for sm_90 and check that the FP8 dot became a Hopper
-    warpgroup MMA and the TMA kernels use the copy engine: a regression to a slow path fails here."""
+    warpgroup MMA and the TMA kernels use the copy engine: a regression to a slow path fails here.
+    Float8Config(accumulation="promoted") must reach the compiler (maxNumImpreciseAcc = the dot's K:
+    128, and 32 for the wgrad kernel's narrow token chunks) and become fp32 adds of each dot's
+    partial sum; "fast" keeps Triton's sm_90 default (2**30: the whole K in the tensor core)."""
     import triton
 
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -158,6 +163,7 @@ def test_kernels_compile_for_hopper_with_wgmma(kernel):
         signature = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "out_ptr": "*fp32", **scales,
                      **{name: "i32" for name in ("stride_am", "stride_ak", "stride_bg", "stride_bn", "stride_bk", "stride_om", "stride_on")}}
         constexprs = dict(blocks, EVEN_K=True)
+    constexprs["PROMOTE_ACC"] = promote
     signature.update({name: "constexpr" for name in constexprs})
     try:
         compiled = triton.compile(
@@ -170,6 +176,14 @@ def test_kernels_compile_for_hopper_with_wgmma(kernel):
         raise
     ttgir = compiled.asm["ttgir"]
     assert "warp_group_dot" in ttgir, "the FP8 dot is not a Hopper wgmma"
+    imprecise = set(re.findall(r"maxNumImpreciseAcc = (\d+)", ttgir))
+    fp32_adds = len(re.findall(r"^\s*add\.f32\b", compiled.asm["ptx"], flags=re.M))
+    if promote:
+        assert imprecise == ({"128", "32"} if kernel == "k_grouped_gemm_tma_kernel" else {"128"}), imprecise
+        assert fp32_adds >= 64, f"no per-K-block fp32 promotion in the PTX ({fp32_adds} add.f32)"
+    else:
+        assert imprecise == {str(2**30)}, imprecise
+        assert fp32_adds == 0, f"{fp32_adds} add.f32 in the fast-accumulation PTX"
     if "tma" in kernel:
         assert "async_tma_copy_global_to_local" in ttgir
         assert "async_tma_copy_local_to_global" in ttgir

@@ -250,3 +250,41 @@ def test_autograd_forward_backward_in_cuda_graph():
         eager = step()
         for got, want in zip(outs, eager):
             assert torch.equal(got, want), f"graph replay differs from eager for group_lens={new}"
+
+
+@pytest.mark.parametrize("kind", ["m_grouped", "k_grouped"])
+def test_promoted_accumulation_is_closer_to_float64_at_long_contractions(kind):
+    """Float8Config(accumulation="promoted") on Hopper: each 128-deep dot's partial sum is added
+    into fp32, where "fast" keeps the whole contraction (16384 here) in the tensor core's narrower
+    accumulator. Against a float64 reference of the same FP8 operands, promoted must be closer."""
+    backend = _backend_or_skip()
+    g = torch.Generator(device="cuda").manual_seed(7)
+    if kind == "m_grouped":
+        lens, K, N = [512, 0, 1536], 16384, 1024
+        M, G = sum(lens), len(lens)
+        a, b = _fp8((M, K), E4M3, g), _fp8((G, N, K), E4M3, g)
+        scales = (torch.tensor(0.5, device="cuda"), torch.tensor(0.25, device="cuda"))
+        gemm = GemmKind.M_GROUPED
+    else:
+        lens, N, K = [16384, 0, 3000], 512, 768
+        M, G = sum(lens), len(lens)
+        a, b = _fp8((N, M), E5M2, g), _fp8((K, M), E4M3, g)
+        scales = (torch.tensor(0.5, device="cuda"), torch.tensor(0.25, device="cuda"))
+        gemm = GemmKind.K_GROUPED
+    offs = _offs(lens)
+    errors = {}
+    for promote in (False, True):
+        prob = GroupedGemmProblem(gemm, a, b, *scales, offs, torch.float32, promote_accumulation=promote)
+        out = backend.run(prob)
+        err = []
+        for gi, (lo, hi) in enumerate(zip(offs[:-1].tolist(), offs[1:].tolist())):
+            if lo == hi:
+                continue
+            if kind == "m_grouped":
+                ref, got = (a[lo:hi].double() @ b[gi].double().T) * 0.125, out[lo:hi]
+            else:
+                ref, got = (a[:, lo:hi].double() @ b[:, lo:hi].double().T) * 0.125, out[gi]
+            err.append(_rel_err(got, ref))
+        errors[promote] = max(err)
+    assert errors[True] < REAL_DATA_REL_TOL
+    assert errors[True] < errors[False], f"promoted {errors[True]:.3e} vs fast {errors[False]:.3e}"

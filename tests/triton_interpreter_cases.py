@@ -74,6 +74,9 @@ CASES: List[Case] = [
     Case("m_num_cu_7_big_tiles", "m", [17, 0, 33], 40, 64, num_cu=7, block=(32, 32, 32), group_m=3),
     Case("m_all_groups_empty", "m", [0, 0, 0], 16, 32),
     Case("m_offset_past_2_31", "m", [1, 1], 32, 64, extra={"huge_stride": True}),
+    # Float8Config(accumulation="promoted"): the PROMOTE_ACC dots (fp32 either way here).
+    Case("m_promoted_accumulation_real", "m", [5, 0, 37, 16], 45, 70, data="real",
+         extra={"promote_accumulation": True}),
     # K-grouped (variable-K wgrad)
     Case("k_ragged_empty_groups_int", "k", [5, 0, 37, 16, 0, 1], 45, 70),
     Case("k_ragged_empty_groups_real", "k", [5, 0, 37, 16, 0, 1], 45, 70, data="real", out_dtype=torch.bfloat16),
@@ -85,6 +88,8 @@ CASES: List[Case] = [
     # boundaries (masked first chunk), end inside chunks (masked last chunk), or span exact chunks.
     Case("k_long_group_unaligned", "k", [3, 101, 17, 7], 20, 33, tma=True),
     Case("k_group_spans_exact_chunks", "k", [16, 32, 5, 59, 32], 24, 40, tma=True),
+    Case("k_promoted_accumulation_unaligned", "k", [3, 101, 17, 7], 20, 33, data="real",
+         extra={"promote_accumulation": True}),
     Case("k_strided_operands", "k", [6, 0, 21], 24, 20, layout="strided", tma=False),
     Case("k_skewed", "k", [100, 1, 2, 0, 9], 16, 16),
     Case("k_group_major_order", "k", [5, 0, 37, 22], 40, 40, band_cyclic=False, group_m=1),
@@ -149,7 +154,8 @@ def _build(case: Case):
         a_scale = torch.rand(G, case.n, generator=gen) + 0.5 if case.rowwise else torch.tensor(0.75)
         b_scale = torch.rand(G, case.k, generator=gen) + 0.5 if case.rowwise else torch.tensor(1.5)
         kind = GemmKind.K_GROUPED
-    return GroupedGemmProblem(kind, a, b, a_scale, b_scale, offs, case.out_dtype, num_cu=case.num_cu)
+    return GroupedGemmProblem(kind, a, b, a_scale, b_scale, offs, case.out_dtype, num_cu=case.num_cu,
+                              promote_accumulation=bool(case.extra.get("promote_accumulation", False)))
 
 
 def _reference64(problem):

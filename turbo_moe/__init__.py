@@ -9,7 +9,7 @@ needs torch alone; the backend libraries are optional and loaded on first use.
 from .autograd import GroupedGemmFP8Function, grouped_gemm, grouped_gemm_fp8
 from .backends import BackendUnavailable, available_backends, recent_dispatches
 from .comm_cap import num_cu_for_comm
-from .config import Float8Config, Float8Format, ScalingGranularity, ScalingStrategy
+from .config import Float8Accumulation, Float8Config, Float8Format, ScalingGranularity, ScalingStrategy
 from .module import GroupedLinearFP8
 
 __version__ = "0.1.0"
@@ -23,6 +23,7 @@ __all__ = [
     "Float8Format",
     "ScalingGranularity",
     "ScalingStrategy",
+    "Float8Accumulation",
     "BackendUnavailable",
     "available_backends",
     "recent_dispatches",

@@ -54,8 +54,10 @@ def _autocast_out_dtype(x: torch.Tensor, out_dtype: Optional[torch.dtype]) -> to
     return x.dtype
 
 
-def _run(kind, a, b, a_scale, b_scale, offs, out_dtype, num_cu, backend, role, out=None, accumulate=False) -> torch.Tensor:
-    problem = GroupedGemmProblem(kind, a, b, a_scale, b_scale, offs, out_dtype, num_cu, role, out, accumulate)
+def _run(kind, a, b, a_scale, b_scale, offs, out_dtype, num_cu, backend, role, config: Float8Config, out=None,
+         accumulate=False) -> torch.Tensor:
+    problem = GroupedGemmProblem(kind, a, b, a_scale, b_scale, offs, out_dtype, num_cu, role, out, accumulate,
+                                 config.promotes_accumulation)
     if a.device.type == "meta":  # shape inference: no values, no kernel
         return out if out is not None else torch.empty(problem.out_shape, dtype=out_dtype, device=a.device)
     return select_backend(problem, backend).run(problem)
@@ -148,7 +150,7 @@ class GroupedGemmFP8Function(torch.autograd.Function):
                 x_km, x_km_scale = _token_major_operand(x, group_offs, dtype, margin, rowwise=True)
         if not need_dx:
             w_kn = w_kn_scale = None
-        y = _run(GemmKind.M_GROUPED, x_fp8, w_q, x_scale, w_scale, group_offs, out_dtype, num_cu, backend, "fwd")
+        y = _run(GemmKind.M_GROUPED, x_fp8, w_q, x_scale, w_scale, group_offs, out_dtype, num_cu, backend, "fwd", config)
         # W^T in FP8 is dgrad's alone: held on ctx (not saved) so backward can drop it before the
         # wgrad output is allocated -- unless it belongs to the caller's cache, which keeps it anyway.
         # w itself is saved (a live parameter: no memory) to re-derive it if backward runs again
@@ -184,12 +186,12 @@ class GroupedGemmFP8Function(torch.autograd.Function):
             dy_t_scale = dy_scale
         if need_dx:
             dx = _run(GemmKind.M_GROUPED, dy_fp8, w_kn, dy_scale, w_kn_scale, group_offs,
-                      ctx.x_dtype, ctx.num_cu, ctx.backend, "dgrad")
+                      ctx.x_dtype, ctx.num_cu, ctx.backend, "dgrad", config)
         # dgrad's operands are dead: release them before wgrad allocates dW (the peak of the step).
         del w_kn, dy_fp8
         if need_dw:
             dw = _run(GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs,
-                      ctx.w_dtype, ctx.num_cu, ctx.backend, "wgrad")
+                      ctx.w_dtype, ctx.num_cu, ctx.backend, "wgrad", config)
         return dx, dw, None, None, None, None, None, None
 
 
@@ -326,7 +328,7 @@ def _grouped_wgrad_fp8_resolved(dy, x, group_offs, *, config=None, num_cu=None, 
     dy_t, dy_scale = _token_major_operand(dy, group_offs, config.grad_dtype, config.margin, rowwise)
     x_t, x_scale = _token_major_operand(x, group_offs, config.forward_dtype, config.margin, rowwise)
     result = _run(GemmKind.K_GROUPED, dy_t, x_t, dy_scale, x_scale, group_offs,
-                  dy.dtype if out_dtype is None else out_dtype, num_cu, backend, "wgrad",
+                  dy.dtype if out_dtype is None else out_dtype, num_cu, backend, "wgrad", config,
                   out=main_grad, accumulate=main_grad is not None)
     if main_grad is not None and result is not main_grad:
         raise RuntimeError(f"backend={backend!r} returned a new tensor instead of accumulating into main_grad")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Float8Format", "ScalingGranularity", "ScalingStrategy", "Float8Config", "fp8_max"]
+__all__ = ["Float8Format", "ScalingGranularity", "ScalingStrategy", "Float8Accumulation", "Float8Config", "fp8_max"]
 
 
 class Float8Format(str, enum.Enum):
@@ -52,6 +52,23 @@ class ScalingStrategy(str, enum.Enum):
     DELAYED = "delayed"
 
 
+class Float8Accumulation(str, enum.Enum):
+    """How the tensorwise/rowwise GEMMs accumulate FP8 products on Hopper (sm_90).
+
+    ``FAST``: the tensor core's accumulator over the whole contraction. Hopper's FP8 MMA keeps
+    fewer than fp32's mantissa bits there (DeepSeek-V3 measured about 14); this is CUTLASS's and
+    ``torch._scaled_mm``'s ``use_fast_accum=True``, and Triton's default on sm_90.
+    ``PROMOTED``: each 128-deep (or shorter) slice of the contraction is summed by the tensor core,
+    then added into a true fp32 accumulator, as DeepSeek-V3 does and Transformer Engine does for
+    dgrad and wgrad ("split accumulator"). A few more instructions per K block.
+    Elsewhere (AMD MFMA, the torch reference) products accumulate in fp32 and both give the same
+    result; the blockwise and MXFP8 kernels always promote per scale block.
+    """
+
+    FAST = "fast"
+    PROMOTED = "promoted"
+
+
 _FP8_DTYPES = {
     "e4m3": torch.float8_e4m3fn,
     "e5m2": torch.float8_e5m2,
@@ -84,6 +101,7 @@ class Float8Config:
     ``power_of_two_scales`` (blockwise only): round every quantization scale down to a power of
     two (DeepSeek-V3, TE's ``Float8BlockScaling(power_2_scale=True)``), so that scaling is exact;
     MXFP8 scales are powers of two by definition.
+    ``accumulation``: ``"fast"`` (default) or ``"promoted"``, see ``Float8Accumulation``.
     """
 
     format: Float8Format = Float8Format.E4M3
@@ -92,12 +110,14 @@ class Float8Config:
     margin: int = 0
     amax_history_len: int = field(default=1)
     power_of_two_scales: bool = False
+    accumulation: Float8Accumulation = Float8Accumulation.FAST
 
     def __post_init__(self) -> None:
         for name, enum_type in (
             ("format", Float8Format),
             ("granularity", ScalingGranularity),
             ("strategy", ScalingStrategy),
+            ("accumulation", Float8Accumulation),
         ):
             value = getattr(self, name)
             try:
@@ -126,6 +146,11 @@ class Float8Config:
     def fine_grained(self) -> bool:
         """Whether the recipe is blockwise or MXFP8 (run by ``turbo_moe.fine_grained``)."""
         return self.granularity in (ScalingGranularity.BLOCKWISE, ScalingGranularity.MXFP8)
+
+    @property
+    def promotes_accumulation(self) -> bool:
+        """Whether the GEMMs add partial sums into fp32 every K block (``accumulation="promoted"``)."""
+        return self.accumulation is Float8Accumulation.PROMOTED
 
     @property
     def forward_dtype(self) -> torch.dtype:

@@ -146,13 +146,30 @@ def _dequantize_and_write(
 
 
 @triton.jit
+def _dot_nt(acc, a, b, K_DOT: tl.constexpr, PROMOTE_ACC: tl.constexpr):
+    """acc + a @ b.T, a [BM, K_DOT] and b [BN, K_DOT] contiguous along K.
+
+    On sm_90 Triton accumulates FP8 products in Hopper's reduced-precision tensor-core accumulator
+    for the whole contraction unless told otherwise (``max_num_imprecise_acc_default = 2**30``:
+    "fast accumulation"). PROMOTE_ACC adds each dot's partial sum into the fp32 accumulator
+    (``max_num_imprecise_acc = K_DOT``): promotion every K_DOT (<= 128) products, as DeepSeek-V3
+    and Transformer Engine's split accumulator do. Other targets accumulate in fp32 either way.
+    """
+    if PROMOTE_ACC:
+        acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=K_DOT)
+    else:
+        acc = tl.dot(a, tl.trans(b), acc)
+    return acc
+
+
+@triton.jit
 def m_grouped_gemm_kernel(
     a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, group_offs_ptr,
     N, K, G,
     stride_am, stride_ak, stride_bg, stride_bn, stride_bk, stride_om, stride_on,
     A_ROWWISE: tl.constexpr, B_ROWWISE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PROMOTE_ACC: tl.constexpr = False,
 ):
     """out[offs[g]:offs[g+1]] = a[offs[g]:offs[g+1]] @ b[g].T * scales, for every group g.
 
@@ -194,7 +211,7 @@ def m_grouped_gemm_kernel(
                     k_mask = arange_k < K - k_block * BLOCK_K
                     a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
                     b = tl.load(b_ptrs, mask=k_mask[None, :], other=0.0)
-                acc = tl.dot(a, tl.trans(b), acc)
+                acc = _dot_nt(acc, a, b, BLOCK_K, PROMOTE_ACC)
                 a_ptrs += BLOCK_K * stride_ak
                 b_ptrs += BLOCK_K * stride_bk
             out_rows = lo + offs_m
@@ -214,7 +231,7 @@ def k_grouped_gemm_kernel(
     stride_an, stride_am, stride_bk, stride_bm, stride_og, stride_on, stride_ok,
     A_ROWWISE: tl.constexpr, B_ROWWISE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    BAND_CYCLIC: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BAND_CYCLIC: tl.constexpr, ACCUMULATE: tl.constexpr, PROMOTE_ACC: tl.constexpr = False,
 ):
     """out[g] = a[:, offs[g]:offs[g+1]] @ b[:, offs[g]:offs[g+1]].T * scales, for every group g.
 
@@ -253,19 +270,19 @@ def k_grouped_gemm_kernel(
         head_mask = (head_tokens >= lo) & (head_tokens < hi)
         a = tl.load(a_row_ptrs + head_tokens[None, :] * stride_am, mask=head_mask[None, :], other=0.0)
         b = tl.load(b_row_ptrs + head_tokens[None, :] * stride_bm, mask=head_mask[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc)
+        acc = _dot_nt(acc, a, b, BLOCK_K, PROMOTE_ACC)
 
         for chunk in range(start + BLOCK_K, last_full, BLOCK_K):
             tokens = chunk + arange_k
             a = tl.load(a_row_ptrs + tokens[None, :] * stride_am)
             b = tl.load(b_row_ptrs + tokens[None, :] * stride_bm)
-            acc = tl.dot(a, tl.trans(b), acc)
+            acc = _dot_nt(acc, a, b, BLOCK_K, PROMOTE_ACC)
 
         tail_tokens = last_full + arange_k
         tail_mask = (tail_tokens >= start + BLOCK_K) & (tail_tokens < hi)
         a = tl.load(a_row_ptrs + tail_tokens[None, :] * stride_am, mask=tail_mask[None, :], other=0.0)
         b = tl.load(b_row_ptrs + tail_tokens[None, :] * stride_bm, mask=tail_mask[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc)
+        acc = _dot_nt(acc, a, b, BLOCK_K, PROMOTE_ACC)
 
         group_row = group.to(tl.int64)
         out_ptrs, out_mask = _k_grouped_out_pointers(out_ptr, group_row, offs_m, offs_n, N, K, stride_og, stride_on, stride_ok)
@@ -299,7 +316,7 @@ def m_grouped_gemm_tma_kernel(
     stride_om, stride_on,
     A_ROWWISE: tl.constexpr, B_ROWWISE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    TMA_STORE: tl.constexpr,
+    TMA_STORE: tl.constexpr, PROMOTE_ACC: tl.constexpr = False,
 ):
     """Same problem and tile walk as m_grouped_gemm_kernel. a_desc: a [M, K] (K-major); b_desc:
     b as one [G*N, K] matrix (columns past N of a group read the next group's rows, never
@@ -323,7 +340,7 @@ def m_grouped_gemm_tma_kernel(
             for k_block in range(num_k_blocks):
                 a = a_desc.load([row0, k_block * BLOCK_K])
                 b = b_desc.load([col0, k_block * BLOCK_K])
-                acc = tl.dot(a, tl.trans(b), acc)
+                acc = _dot_nt(acc, a, b, BLOCK_K, PROMOTE_ACC)
             offs_m = m_block * BLOCK_M + arange_m
             offs_n = n_block.to(tl.int32) * BLOCK_N + arange_n
             scale_rows = lo + tl.where(offs_m < rows, offs_m, 0)
@@ -347,7 +364,8 @@ def m_grouped_gemm_tma_kernel(
 
 
 @triton.jit
-def _masked_token_chunk_dot(acc, a_desc, b_desc, row_a, row_b, chunk, lo, hi, BLOCK_K: tl.constexpr):
+def _masked_token_chunk_dot(acc, a_desc, b_desc, row_a, row_b, chunk, lo, hi, BLOCK_K: tl.constexpr,
+                            PROMOTE_ACC: tl.constexpr):
     """acc += a[:, chunk:chunk+BK] @ b[:, chunk:chunk+BK].T over the tokens in [lo, hi) only."""
     tokens = chunk + tl.arange(0, BLOCK_K)
     valid = (tokens >= lo) & (tokens < hi)
@@ -355,7 +373,7 @@ def _masked_token_chunk_dot(acc, a_desc, b_desc, row_a, row_b, chunk, lo, hi, BL
     b = b_desc.load([row_b, chunk])
     a = tl.where(valid[None, :], a, tl.zeros_like(a))
     b = tl.where(valid[None, :], b, tl.zeros_like(b))
-    return tl.dot(a, tl.trans(b), acc)
+    return _dot_nt(acc, a, b, BLOCK_K, PROMOTE_ACC)
 
 
 @triton.jit
@@ -366,6 +384,7 @@ def k_grouped_gemm_tma_kernel(
     A_ROWWISE: tl.constexpr, B_ROWWISE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     BAND_CYCLIC: tl.constexpr, TMA_STORE: tl.constexpr, TAIL_K: tl.constexpr, ACCUMULATE: tl.constexpr,
+    PROMOTE_ACC: tl.constexpr = False,
 ):
     """Same problem and tile order as k_grouped_gemm_kernel. a_desc: a [N, M], b_desc: b [K, M]
     (token-major) with BLOCK_K-token boxes; a_tail_desc / b_tail_desc: the same operands with
@@ -392,14 +411,14 @@ def k_grouped_gemm_tma_kernel(
         # in both operands); every other chunk goes from the copy engine to the tensor cores.
         start = lo // 16 * 16
         if (start < lo) & (hi > lo):
-            acc = _masked_token_chunk_dot(acc, a_tail_desc, b_tail_desc, row_a, row_b, start, lo, hi, TAIL_K)
+            acc = _masked_token_chunk_dot(acc, a_tail_desc, b_tail_desc, row_a, row_b, start, lo, hi, TAIL_K, PROMOTE_ACC)
         first = tl.where(start < lo, start + TAIL_K, lo)
         num_full = tl.maximum(hi - first, 0) // BLOCK_K
         for i in range(0, num_full):
             chunk = first + i * BLOCK_K
             a = a_desc.load([row_a, chunk])
             b = b_desc.load([row_b, chunk])
-            acc = tl.dot(a, tl.trans(b), acc)
+            acc = _dot_nt(acc, a, b, BLOCK_K, PROMOTE_ACC)
         tail = first + num_full * BLOCK_K
         num_narrow = tl.maximum(hi - tail, 0) // TAIL_K
         # Two stages: at most BLOCK_K / TAIL_K - 1 chunks. Unpipelined, groups of a few dozen
@@ -409,10 +428,10 @@ def k_grouped_gemm_tma_kernel(
             chunk = tail + j * TAIL_K
             a = a_tail_desc.load([row_a, chunk])
             b = b_tail_desc.load([row_b, chunk])
-            acc = tl.dot(a, tl.trans(b), acc)
+            acc = _dot_nt(acc, a, b, TAIL_K, PROMOTE_ACC)
         rest = tail + num_narrow * TAIL_K
         if rest < hi:
-            acc = _masked_token_chunk_dot(acc, a_tail_desc, b_tail_desc, row_a, row_b, rest, lo, hi, TAIL_K)
+            acc = _masked_token_chunk_dot(acc, a_tail_desc, b_tail_desc, row_a, row_b, rest, lo, hi, TAIL_K, PROMOTE_ACC)
         offs_m = row_a + arange_m
         offs_n = row_b + arange_n
         group_row = group.to(tl.int64)

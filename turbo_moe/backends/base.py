@@ -72,11 +72,14 @@ class GroupedGemmProblem:
     role: str = ""
     out: Optional[torch.Tensor] = None      # write the result into this tensor (shape out_shape)
     accumulate: bool = False                # K_GROUPED only: out += result (out must be float32)
+    # Float8Config(accumulation="promoted"): add partial sums into fp32 every K block where the
+    # hardware's FP8 accumulator is narrower (Hopper); a no-op where products accumulate in fp32.
+    promote_accumulation: bool = False
 
     def signature(self) -> tuple:
         """Everything a backend's ``can_handle`` and launch plan depend on, as a hashable key: the
         kind, dtypes, devices, shapes, strides and 16-byte alignment of every tensor, the cap, the
-        role, and whether a CUDA graph is being captured. Two problems with one signature get the
+        role, the accumulation mode, and whether a CUDA graph is being captured. Two problems with one signature get the
         same dispatch decision and the same kernel configuration, so both are cached on it.
         Computed once per problem object: treat a problem as a value once it was dispatched (to
         change a field, build a new one with ``dataclasses.replace``, which recomputes it)."""
@@ -91,7 +94,7 @@ class GroupedGemmProblem:
             b.dtype, b.device, b.shape, b.stride(), b.data_ptr() % 16,
             sa.dtype, sa.device, sa.shape, sb.dtype, sb.device, sb.shape,
             offs.dtype, offs.device, offs.shape,
-            self.accumulate, None if self.out is None else
+            self.accumulate, self.promote_accumulation, None if self.out is None else
             (self.out.dtype, self.out.device, self.out.shape, self.out.stride(), self.out.data_ptr() % 16),
         )
         return signature
@@ -148,8 +151,8 @@ class GroupedGemmProblem:
         return (
             f"{self.role or self.kind.value} G={g} M={m} N={n} K={k} "
             f"{str(self.a.dtype).replace('torch.', '')}x{str(self.b.dtype).replace('torch.', '')} "
-            f"{scales} -> {'+= ' if self.accumulate else ''}{str(self.out_dtype).replace('torch.', '')} "
-            f"on {self.device.type}"
+            f"{scales}{' promoted-acc' if self.promote_accumulation else ''} -> "
+            f"{'+= ' if self.accumulate else ''}{str(self.out_dtype).replace('torch.', '')} on {self.device.type}"
         )
 
 

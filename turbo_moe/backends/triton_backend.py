@@ -238,7 +238,7 @@ class TritonBackend(GroupedGemmBackend):
             kind=problem.kind, config=config, grid=(ts.persistent_grid_size(bound, limit),), use_tma=use_tma,
             # Accumulating reads out back: the pointer epilogue does the load-add-store.
             tma_store=use_tma and config.tma_store and _tma_store_ok(out) and not problem.accumulate,
-            accumulate=problem.accumulate,
+            accumulate=problem.accumulate, promote_accumulation=problem.promote_accumulation,
             a_rowwise=problem.a_scale.dim() > 0, b_rowwise=problem.b_scale.dim() > 0,
             extra={} if _interpreting() else {"num_warps": config.num_warps, "num_stages": config.num_stages},
         )
@@ -250,7 +250,7 @@ class TritonBackend(GroupedGemmBackend):
         return (
             problem.kind, N, K, _pow2_class(M), _pow2_class(max(M // max(G, 1), 1)), G if G <= 8 else _pow2_class(G) + 100,
             problem.a.dtype, problem.b.dtype, problem.a_scale.dim(), problem.b_scale.dim(), problem.out_dtype,
-            str(problem.device), problem.num_cu, problem.accumulate,
+            str(problem.device), problem.num_cu, problem.accumulate, problem.promote_accumulation,
         )
 
     def _is_tuned(self, problem: GroupedGemmProblem) -> bool:
@@ -307,6 +307,7 @@ class _LaunchPlan:
     a_rowwise: bool
     b_rowwise: bool
     accumulate: bool
+    promote_accumulation: bool
     extra: dict
 
     def launch(self, problem: GroupedGemmProblem, out: torch.Tensor) -> None:
@@ -316,7 +317,8 @@ class _LaunchPlan:
         a_scale, b_scale = problem.a_scale.contiguous(), problem.b_scale.contiguous()
         M, N, K = problem.mnk
         G = offs.shape[0] - 1
-        tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)
+        tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                     PROMOTE_ACC=self.promote_accumulation)
         if self.use_tma:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
