@@ -24,6 +24,9 @@ from turbo_moe.kernels.flydsl import host  # noqa: E402
 MAX_VGPRS = 256
 MAX_SGPRS = 102
 MAX_LDS = 160 * 1024 // 2
+# The MX variant's two scale descriptors cost 2 SGPRs over that budget (sgpr_count 104:
+# .amdhsa_next_free_sgpr 98 + VCC/XNACK/flat-scratch; no SGPR spill). Not tuned yet.
+MX_EXTRA_SGPRS = 2
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +63,10 @@ def test_fp8_mfma_present_with_the_operand_formats(compiled, name):
     # blocks) and the last steps (exactly masked blocks) are three copies of one step. LDS-DMA:
     # unrolled by two (static buffers) plus the odd last block.
     assert len(mfmas) == 48, mfmas
-    assert all(l.startswith("v_mfma_f32_16x16x128_f8f6f4 ") for l in mfmas), mfmas
+    if co.variant(name)[1].mx:
+        _check_scaled_mfmas(mfmas)
+    else:
+        assert all(l.startswith("v_mfma_f32_16x16x128_f8f6f4 ") for l in mfmas), mfmas
     a_fmt, b_fmt = co.VARIANTS[name][1:3]
     # cbsz / blgp encode the format of the MFMA's A / B slot: 0 = fp8 e4m3 (printed only when
     # non-zero), 1 = bf8 e5m2. The kernels put the GEMM's b operand in the A slot (C^T = B A^T,
@@ -68,6 +74,38 @@ def test_fp8_mfma_present_with_the_operand_formats(compiled, name):
     for line in mfmas:
         assert ("cbsz:1" in line) == (b_fmt == "e5m2"), line
         assert ("blgp:1" in line) == (a_fmt == "e5m2"), line
+
+
+def _scale_byte(line, operand):
+    """The byte (op_sel) a scaled MFMA picks from scale operand 0 or 1: op_sel bit + 2 * op_sel_hi bit."""
+    def bit(field):
+        match = re.search(rf"\b{field}:\[(\d),(\d),\d\]", line)
+        return int(match.group(1 + operand)) if match else 0
+
+    return bit("op_sel") + 2 * bit("op_sel_hi")
+
+
+def _check_scaled_mfmas(mfmas):
+    """MX variant: every MFMA is the scaled one with both scale operands in VGPRs (the unscaled
+    variants' zero scales select v_mfma_f32_16x16x128_f8f6f4, no scale operands), and each group
+    of 16 (one K block of the wave's 4x4 tiles) uses b's VGPR with bytes j and a's with bytes i
+    for all 16 (i, j) (mx_host.scale_opsel: fragment i's scale is byte i of the packed VGPR)."""
+    assert all(l.startswith("v_mfma_scale_f32_16x16x128_f8f6f4 ") for l in mfmas), mfmas
+    for start in range(0, len(mfmas), 16):
+        pairs, regs = set(), set()
+        for line in mfmas[start:start + 16]:
+            operands = [x.strip() for x in line.split(None, 1)[1].split(",")]
+            scale_b, scale_a = operands[4], operands[5].split()[0]
+            assert re.fullmatch(r"v\d+", scale_b) and re.fullmatch(r"v\d+", scale_a), line
+            regs.add((scale_b, scale_a))
+            pairs.add((_scale_byte(line, 1), _scale_byte(line, 0)))
+        assert len(regs) == 1, regs  # one packed VGPR per operand and block
+        assert pairs == {(i, j) for i in range(4) for j in range(4)}, sorted(pairs)
+
+
+def test_scale_byte_decoding():
+    line = "v_mfma_scale_f32_16x16x128_f8f6f4 v[0:3], v[4:11], v[12:19], v[0:3], v20, v21 op_sel:[1,0,0] op_sel_hi:[1,1,0]"
+    assert (_scale_byte(line, 0), _scale_byte(line, 1)) == (3, 2)
 
 
 @pytest.mark.parametrize("name", VARIANT_NAMES)
@@ -78,7 +116,7 @@ def test_no_scratch_and_within_occupancy_budget(compiled, name):
     assert not re.search(r"\bscratch_(load|store)", text), "scratch instructions in the ISA"
     assert report.total_vgprs <= MAX_VGPRS, report.summary()
     assert report.occupancy_waves_per_simd() >= 2, report.summary()
-    assert report.sgprs <= MAX_SGPRS, report.summary()
+    assert report.sgprs <= MAX_SGPRS + (MX_EXTRA_SGPRS if co.variant(name)[1].mx else 0), report.summary()
     assert report.lds_bytes == host.LDS_BYTES <= MAX_LDS, report.summary()
 
 
@@ -250,7 +288,24 @@ def test_lld_shim_runs_an_lld(tmp_path):
 # MFMA share of the main loop's instructions, and the register budget of the occupancy claimed
 # (2 waves/SIMD: 512 / 2 unified VGPR + AGPR per lane).
 MIN_MFMA_SHARE = 1 / 6
+# MX: + 8 scale byte loads, their address and packing arithmetic per K block (106 instructions
+# per block, 16 MFMAs). Not tuned yet.
+MIN_MFMA_SHARE_MX = 1 / 7
 MAX_VGPR_PLUS_AGPR = 256
+
+
+def _waits_for(body, i, j):
+    """Whether line j is an s_waitcnt that waits for the memory load issued at line i: vmcnt(n)
+    lets the n most recent loads stay in flight (they return in order)."""
+    match = re.match(r"s_waitcnt\s+.*vmcnt\((\d+)\)", body[j])
+    issued = sum(l.startswith("buffer_load") for l in body[i:j])  # load i and those after it
+    return bool(match) and issued > int(match.group(1))
+
+
+def test_waits_for_counts_the_loads_left_in_flight():
+    body = ["buffer_load_dwordx4 v[0:3], v4, s[0:3], 0 offen", "buffer_load_ubyte v5, v6, s[4:7], 0 offen",
+            "s_waitcnt vmcnt(1)", "s_waitcnt vmcnt(0)"]
+    assert _waits_for(body, 0, 2) and not _waits_for(body, 1, 2) and _waits_for(body, 1, 3)
 
 
 @pytest.mark.parametrize("name", VARIANT_NAMES)
@@ -262,17 +317,20 @@ def test_main_loop_budget(compiled, name):
     assert k_blocks >= 1, stats
     # At most one full drain of the memory counter per K block (the old register loop had 8).
     assert stats["vmcnt0"] <= k_blocks, stats
-    assert stats["mfma"] >= MIN_MFMA_SHARE * stats["instrs"], stats
+    mx = co.variant(name)[1].mx
+    assert stats["mfma"] >= (MIN_MFMA_SHARE_MX if mx else MIN_MFMA_SHARE) * stats["instrs"], stats
     # No per-byte masking and no byte loads in the main loop: whole blocks only (the tail is
-    # masked in its own loop).
-    assert not any(l.startswith("buffer_load_ubyte") for l in body), "byte loads in the main loop"
+    # masked in its own loop). MX: 8 byte loads per K block are the e8m0 scales (4 fragments of
+    # a and b), not masks.
+    ubytes = sum(l.startswith("buffer_load_ubyte") for l in body)
+    assert ubytes == (8 * k_blocks if co.variant(name)[1].mx else 0), ("byte loads in the main loop", ubytes)
     assert not any(re.match(r"v_(lshlrev_b32|not_b32|and_b32)\b", l) for l in body), "byte masks in the main loop"
     # Every prefetch load has a whole K block of MFMAs between it and the first wait on vmcnt
     # after it: the loads overlap the MFMAs instead of being waited for at once.
-    loads = [i for i, l in enumerate(body) if l.startswith("buffer_load")]
+    loads = [i for i, l in enumerate(body) if l.startswith("buffer_load_dwordx4")]
     assert loads, "no prefetch in the main loop"
     for i in loads:
-        wait = next((j for j in range(i + 1, len(body)) if re.match(r"s_waitcnt\s+.*vmcnt", body[j])), len(body))
+        wait = next((j for j in range(i + 1, len(body)) if _waits_for(body, i, j)), len(body))
         between = sum(l.startswith("v_mfma") for l in body[i:wait])
         assert between >= 16, (body[i], between)
     assert report.scratch_bytes == 0 and report.vgpr_spills == 0, report.summary()
@@ -298,6 +356,8 @@ def _mfma_source_rewrites(lines, window):
             continue
         operands = [x.strip() for x in line.split(None, 1)[1].split(",")]
         sources = _vgprs(operands[1]) | _vgprs(operands[2])
+        if line.startswith("v_mfma_scale"):  # the scale operands are sources too
+            sources |= _vgprs(operands[4]) | _vgprs(operands[5].split()[0])
         waited = 0
         for later in lines[i + 1:]:
             if waited >= window:
@@ -400,3 +460,12 @@ def test_accumulate_is_refused_where_it_does_not_apply():
         kernels.KernelConfig(out_dtype="bf16", accumulate=True)
     with pytest.raises(ValueError, match="K-grouped"):
         kernels.build_m_grouped(kernels.KernelConfig(out_dtype="f32", accumulate=True))
+
+
+def test_mx_is_refused_where_it_does_not_apply():
+    with pytest.raises(ValueError, match="register-staged"):
+        kernels.build_m_grouped(kernels.KernelConfig(mx=True), True)
+    with pytest.raises(ValueError, match="M-grouped"):
+        kernels.build_k_grouped(kernels.KernelConfig(mx=True))
+    with pytest.raises(ValueError, match="rowwise"):
+        kernels.KernelConfig(mx=True, a_rowwise=True)

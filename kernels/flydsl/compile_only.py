@@ -96,7 +96,7 @@ def temporary_environ(values: Dict[str, str]) -> Iterator[None]:
 
 
 # Every variant the backend can launch: (kind, a_format, b_format, out_dtype, a_rowwise, b_rowwise,
-# lds_dma, accumulate, vec_store). Hybrid FP8 feeds e5m2 gradients as operand a of dgrad (a = dy) and wgrad (a = dy^T).
+# lds_dma, accumulate, vec_store[, mx]). Hybrid FP8 feeds e5m2 gradients as operand a of dgrad (a = dy) and wgrad (a = dy^T).
 # lds_dma: the M-grouped main loop that fills LDS with buffer_load ... lds (K % 16 == 0, aligned).
 VARIANTS = {
     "m_grouped_e4m3_bf16_tensorwise": ("m_grouped", "e4m3", "e4m3", "bf16", False, False, False, False, True),
@@ -105,6 +105,8 @@ VARIANTS = {
     "m_grouped_e4m3_f32_tensorwise": ("m_grouped", "e4m3", "e4m3", "f32", False, False, False, False, True),
     # Output column count % 4 != 0: one store per element.
     "m_grouped_e4m3_bf16_tensorwise_scalar_store": ("m_grouped", "e4m3", "e4m3", "bf16", False, False, False, False, False),
+    # MXFP8 forward: e8m0 scales per 32 K elements in the scaled MFMA's scale operands (last field: mx).
+    "m_grouped_mx_e4m3_bf16": ("m_grouped", "e4m3", "e4m3", "bf16", False, False, False, False, True, True),
     "m_grouped_dma_e4m3_bf16_tensorwise": ("m_grouped", "e4m3", "e4m3", "bf16", False, False, True, False, True),
     "m_grouped_dma_e5m2xe4m3_bf16_rowwise": ("m_grouped", "e5m2", "e4m3", "bf16", True, True, True, False, True),
     "k_grouped_e4m3_bf16_tensorwise": ("k_grouped", "e4m3", "e4m3", "bf16", False, False, False, False, True),

@@ -58,14 +58,14 @@ Structure (both kernels)
 import functools
 
 from .. import tile_scheduler as sched
-from . import host
+from . import host, mx_host
 from .dsl import (
     _dsl_max, _dsl_min, _flydsl, _load_group_offset, _make_srd, _opaque_zero, _raw, _readfirstlane_i32,
     _rebased_srd, _scalar_load_i32, on_dsl,
 )
 from .main_loop import (  # noqa: F401 (MFMA_HAZARD_WAIT_STATES: read by the ISA tests)
-    MFMA_HAZARD_WAIT_STATES, _dma_issue, _DmaLoader, _fence_lds, _fence_lds_dma, _mfma_block, _OperandLoader,
-    _register_last_step, _register_pair, _register_prologue, _zero_acc,
+    MFMA_HAZARD_WAIT_STATES, _dma_issue, _DmaLoader, _fence_lds, _fence_lds_dma, _mfma_block, _MxScaleLoader,
+    _OperandLoader, wave_quadrant, _register_last_step, _register_pair, _register_prologue, _zero_acc,
 )
 
 __all__ = ["KernelConfig", "build_m_grouped", "build_k_grouped", "KERNEL_NAMES"]
@@ -78,12 +78,14 @@ KERNEL_NAMES = {"m_grouped": "turbo_moe_m_grouped_fp8", "k_grouped": "turbo_moe_
 
 
 class KernelConfig(tuple):
-    """(a_format, b_format, out_dtype, a_rowwise, b_rowwise, accumulate, vec_store): what a compiled variant
-    depends on. ``accumulate`` (K-grouped, f32 out): the epilogue adds the fp32 result to out's
-    existing values instead of overwriting them."""
+    """(a_format, b_format, out_dtype, a_rowwise, b_rowwise, accumulate, vec_store, mx): what a compiled
+    variant depends on. ``accumulate`` (K-grouped, f32 out): the epilogue adds the fp32 result to
+    out's existing values instead of overwriting them. ``mx`` (M-grouped, register-staged): MXFP8,
+    the per-32-element e8m0 scales (uint8, ``mx_host`` layout) go into the scaled MFMA's scale
+    operands and the epilogue multiplies by nothing."""
 
     def __new__(cls, a_format="e4m3", b_format="e4m3", out_dtype="bf16", a_rowwise=False, b_rowwise=False,
-                accumulate=False, vec_store=False):
+                accumulate=False, vec_store=False, mx=False):
         for name, value in (("a_format", a_format), ("b_format", b_format)):
             if value not in host.FP8_FORMATS:
                 raise ValueError(f"{name} must be one of {sorted(host.FP8_FORMATS)}, got {value!r}")
@@ -91,8 +93,10 @@ class KernelConfig(tuple):
             raise ValueError(f"out_dtype must be one of {host.OUT_DTYPES}, got {out_dtype!r}")
         if accumulate and out_dtype != "f32":
             raise ValueError(f"accumulate needs out_dtype 'f32' (an fp32 out), got {out_dtype!r}")
+        if mx and (a_rowwise or b_rowwise or accumulate):
+            raise ValueError("mx (e8m0 block scales in the MFMA) excludes rowwise scales and accumulate")
         return super().__new__(cls, (a_format, b_format, out_dtype, bool(a_rowwise), bool(b_rowwise),
-                                     bool(accumulate), bool(vec_store)))
+                                     bool(accumulate), bool(vec_store), bool(mx)))
 
     a_format = property(lambda self: self[0])
     b_format = property(lambda self: self[1])
@@ -103,17 +107,19 @@ class KernelConfig(tuple):
     # vec_store: the output's column count is a multiple of 4, so each lane's 4 consecutive
     # columns of a row are stored (and, accumulating, loaded) as one 8- or 16-byte access.
     vec_store = property(lambda self: self[6])
+    mx = property(lambda self: self[7])
 
     @property
     def tag(self) -> str:
-        scales = "".join("r" if r else "t" for r in (self.a_rowwise, self.b_rowwise))
+        scales = "mx" if self.mx else "".join("r" if r else "t" for r in (self.a_rowwise, self.b_rowwise))
         return (f"{self.a_format}x{self.b_format}_{self.out_dtype}_{scales}{'_acc' if self.accumulate else ''}"
                 f"{'_v4' if self.vec_store else ''}")
 
 
 def _store_tile(config, acc, c_addr, c_extent, c_base, ldc, rows_valid, cols_valid, row_scale, col_scale):
     """Scale, convert and store the 128x128 tile. ``row_scale(r)`` / ``col_scale(c)`` give the
-    dequantization factor of tile row r / column c (tensorwise: the same scalar).
+    dequantization factor of tile row r / column c (tensorwise: the same scalar); both None for the
+    MX variant (its scales were applied inside the MFMAs).
 
     Lane l holds, per MFMA tile (i, j), row ``host.acc_row`` and the 4 consecutive columns
     ``host.acc_col(.., e)``: with ``config.vec_store`` (column count % 4 == 0, so a group of 4 is
@@ -127,20 +133,23 @@ def _store_tile(config, acc, c_addr, c_extent, c_base, ldc, rows_valid, cols_val
     # and keeps ~64 of them live across the K loop (spilling at 256 VGPRs). An opaque zero made
     # here, after the K loop, keeps them in the epilogue.
     tid = fx.Int32(fx.thread_idx.x) + _opaque_zero()
-    wave = tid // host.WAVE_SIZE
     lane = tid % host.WAVE_SIZE
-    wave_row0 = (wave // 2) * 64
-    wave_col0 = (wave % 2) * 64
+    wave_row0, wave_col0 = wave_quadrant(tid // host.WAVE_SIZE)
     out_ty = {"bf16": d.T.bf16, "f16": d.T.f16, "f32": d.T.f32}[config.out_dtype]
     oob = fx.Int32(host.OOB_OFFSET)
     zero = _raw(fx.Int32(0))
-    col_scales = [[col_scale(host.acc_col(wave_col0, j, lane, e)) for e in range(4)] for j in range(4)]
+    scaled = row_scale is not None
+    if scaled:
+        col_scales = [[col_scale(host.acc_col(wave_col0, j, lane, e)) for e in range(4)] for j in range(4)]
     for i in range(4):
         row = host.acc_row(wave_row0, i, lane)
-        rs = row_scale(row)
+        if scaled:
+            rs = row_scale(row)
         for j in range(4):
             col = host.acc_col(wave_col0, j, lane, 0)
-            values = [fx.Float32(d.vector.extract(acc[i * 4 + j], [], [e])) * rs * col_scales[j][e] for e in range(4)]
+            values = [fx.Float32(d.vector.extract(acc[i * 4 + j], [], [e])) for e in range(4)]
+            if scaled:
+                values = [v * rs * col_scales[j][e] for e, v in enumerate(values)]
             if config.vec_store:
                 offset = d.arith.select((row < rows_valid) & (col < cols_valid), row * ldc + col * out_bytes, oob)
                 if config.accumulate:
@@ -168,9 +177,12 @@ def _store_tile(config, acc, c_addr, c_extent, c_base, ldc, rows_valid, cols_val
 
 def _scale_readers(config, sa_addr, sa_numel, sa_row0, sb_addr, sb_numel, sb_col0):
     """(row_scale, col_scale) closures. Tensorwise scales are one scalar load each; rowwise ones are
-    read per lane at ``sa_row0 + r`` / ``sb_col0 + c`` (float32 index into the scale tensor)."""
+    read per lane at ``sa_row0 + r`` / ``sb_col0 + c`` (float32 index into the scale tensor).
+    (None, None) for the MX variant: nothing to apply in the epilogue."""
     d = _flydsl()
     fx = d.fx
+    if config.mx:
+        return None, None
 
     def reader(addr, numel, first, rowwise):
         srd = _make_srd(addr, fx.Int32(numel) * 4)
@@ -185,6 +197,18 @@ def _scale_readers(config, sa_addr, sa_numel, sa_row0, sb_addr, sb_numel, sb_col
         return per_index
 
     return (reader(sa_addr, sa_numel, sa_row0, config.a_rowwise), reader(sb_addr, sb_numel, sb_col0, config.b_rowwise))
+
+
+def _mx_scale_loaders(config, sa_addr, sb_addr, row0, group, col0, m, n, k, wave_row0, wave_col0):
+    """(a's, b's) ``_MxScaleLoader`` of an M-grouped tile for the MX variant, (None, None) else.
+    Bases and ends in 64 bits (``mx_host``); K groups are ``m`` (a) / ``n`` (b) bytes apart."""
+    if not config.mx:
+        return None, None
+    fx = _flydsl().fx
+    g, n64, k64 = fx.Int64(group), fx.Int64(n), fx.Int64(k)
+    return (_MxScaleLoader(sa_addr, on_dsl(mx_host.a_scale_end)(fx.Int64(m), k64), on_dsl(mx_host.a_scale_tile_base)(row0), m, 0),
+            _MxScaleLoader(sb_addr, on_dsl(mx_host.b_scale_end)(g, n64, k64),
+                           on_dsl(mx_host.b_scale_tile_base)(g, n64, k64, fx.Int64(col0)), n, 1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,9 +238,7 @@ def _workgroup_start(SharedStorage, offs_addr, num_groups):
     lds = fx.SharedAllocator().allocate(SharedStorage).peek()
     lds_base = _readfirstlane_i32(fx.Int32(fx.ptrtoint(lds.tiles.ptr)))
     tid = fx.Int32(fx.thread_idx.x)
-    wave = tid // host.WAVE_SIZE
-    wave_row0 = (wave // 2) * 64
-    wave_col0 = (wave % 2) * 64
+    wave_row0, wave_col0 = wave_quadrant(tid // host.WAVE_SIZE)
     offs_srd = _make_srd(offs_addr, (num_groups + 1) * 8)
     return lds_base, wave_row0, wave_col0, offs_srd
 
@@ -228,12 +250,17 @@ def build_m_grouped(config: KernelConfig, lds_dma: bool = False):
 
     ``lds_dma``: fill LDS with ``buffer_load ... lds`` (no staging registers, no byte masks) instead
     of global -> VGPR -> ``ds_write``; only for K % 16 == 0 with 16-byte aligned rows
-    (``host.m_grouped_lds_dma_ok``)."""
+    (``host.m_grouped_lds_dma_ok``).
+
+    ``config.mx``: ``sa_addr`` / ``sb_addr`` are the uint8 e8m0 scales in ``mx_host``'s layout and
+    ``sa_numel`` / ``sb_numel`` their byte counts; register-staged main loop only."""
     d = _flydsl()
     flyc, fx = d.flyc, d.fx
     const_expr = d.fx.const_expr
     if config.accumulate:
         raise ValueError("accumulate is a K-grouped (wgrad) epilogue only")
+    if config.mx and lds_dma:
+        raise ValueError("the MX variant has the register-staged main loop only (lds_dma=False)")
     SharedStorage = _lds_storage()
     group_tiles_fn = on_dsl(sched.m_grouped_group_tiles)
     swizzle_fn = on_dsl(sched.swizzle_group_m)
@@ -300,8 +327,10 @@ def build_m_grouped(config: KernelConfig, lds_dma: bool = False):
                         # lds_schedule.dma_tile_events models this schedule, its tests check it).
                         _fence_lds()
                 else:
-                    a_ld = _OperandLoader(a_addr, a_extent, a_base, lda, rows_valid, k)
-                    b_ld = _OperandLoader(b_addr, b_extent, b_base, ldb, n - col0, k)
+                    sa_ld, sb_ld = _mx_scale_loaders(config, sa_addr, sb_addr, row0, group, col0, m, n, k, wave_row0,
+                                                     wave_col0)
+                    a_ld = _OperandLoader(a_addr, a_extent, a_base, lda, rows_valid, k, sa_ld)
+                    b_ld = _OperandLoader(b_addr, b_extent, b_base, ldb, n - col0, k, sb_ld)
                     # Pairs of steps while block kb+3 is whole (no byte masks), then the last
                     # steps with exact loads; blocks kb+1 (registers) and kb+2 (loads) in flight.
                     a_next, b_next = _register_prologue(a_ld, b_ld, lds_base)
@@ -343,6 +372,8 @@ def build_m_grouped(config: KernelConfig, lds_dma: bool = False):
 @functools.lru_cache(maxsize=None)
 def build_k_grouped(config: KernelConfig, band_cyclic: bool = True):
     """The launcher of the K-grouped (wgrad) kernel for ``config``."""
+    if config.mx:
+        raise ValueError("the MX variant is M-grouped (forward) only")
     d = _flydsl()
     flyc, fx = d.flyc, d.fx
     const_expr = d.fx.const_expr

@@ -117,6 +117,18 @@ def exact_chunk_split(valid_bytes):
     return valid_bytes // 4, valid_bytes % 4
 
 
+def fragment_row(wave_row0, i, lane):
+    """Tile row of MFMA operand fragment ``i`` (16 rows x 128 K bytes of a wave's 64 rows) that
+    ``lane`` holds: lane l holds row ``l % 16`` of the fragment ..."""
+    return wave_row0 + i * 16 + lane % 16
+
+
+def fragment_k_group(lane):
+    """... and K bytes ``[32 q, 32 q + 32)`` of the block, q = ``lane // 16`` (0..3): the 32-wide
+    K group whose e8m0 scale the lane supplies to the scaled MFMA (``mx_host``)."""
+    return lane // 16
+
+
 def acc_row(wave_row0, i, lane):
     """Tile row of the accumulators of MFMA tile (i, j) held by ``lane``. The kernels compute
     C^T = B A^T (B's fragment in the MFMA's A slot), so a lane holds 4 consecutive *columns* of

@@ -6,8 +6,8 @@ kernel functions, which FlyDSL rewrites)."""
 
 # No "from __future__ import annotations": FlyDSL reads annotations as types.
 
-from . import host
-from .dsl import _flydsl, _raw, _readfirstlane_i32, _rebased_srd, on_dsl
+from . import host, mx_host
+from .dsl import _flydsl, _opaque_zero, _raw, _readfirstlane_i32, _rebased_srd, on_dsl
 
 
 # ----------------------------------------------------------------------------------------------
@@ -27,9 +27,11 @@ class _OperandLoader:
     prologue and the tail: bytes past ``k_len`` are zeroed exactly, see there).
     """
 
-    def __init__(self, tensor_addr, extent, tile_base, ld, rows_valid, k_len):
+    def __init__(self, tensor_addr, extent, tile_base, ld, rows_valid, k_len, scales=None):
         self.k_len = k_len
         self.ld, self.rows_valid = ld, rows_valid
+        # MX variant: the operand's e8m0 scale loader (_MxScaleLoader), else None.
+        self.scales = scales
         # One descriptor per tile for the whole blocks: block k0 is reached with the
         # instruction's scalar offset (soffset = k0) instead of a re-based descriptor per block
         # (~15 scalar instructions per operand and block in the loop). Valid lanes stay in range
@@ -51,6 +53,10 @@ class _OperandLoader:
         cheaper than keeping 12 more VGPRs live across the main loop."""
         fx = _flydsl().fx
         tid = fx.Int32(fx.thread_idx.x)
+        if self.scales is not None:
+            # MX: not even hoisted out of the loops (its scale VGPRs leave no room for the
+            # tail loop's hoisted lane values: one spilled); "& 255" keeps it non-negative.
+            tid = (tid + _opaque_zero()) & (host.NUM_THREADS - 1)
         return [host.loader_row(tid, p) for p in range(host.LOAD_PASSES)], host.loader_chunk(tid)
 
     def load_full(self, k0):
@@ -104,6 +110,73 @@ class _OperandLoader:
             d.llvm.StoreOp(regs[p], ptr, alignment=16)
 
 
+class _MxScaleLoader:
+    """The e8m0 scale bytes of one operand's tile for the scaled MFMA (MX variant): per K block,
+    one byte per lane and fragment (``mx_host``: row ``lane % 16`` of the fragment, K group
+    ``lane // 16``), global -> VGPR.
+
+    ``scale_addr``: the scale tensor's address; ``end``: where this operand's scales end (bytes,
+    ``mx_host.a_scale_end`` / ``b_scale_end``); ``tile_base`` (64-bit): byte offset of the tile's
+    (first row, K group 0) (``mx_host.a_scale_tile_base`` / ``b_scale_tile_base``): one
+    descriptor per tile, re-based as the operand loaders'. ``rows_total``: the stride between K
+    groups (M or N); ``side``: 0 for a, 1 for b."""
+
+    def __init__(self, scale_addr, end, tile_base, rows_total, side):
+        self.srd = _rebased_srd(scale_addr, end, tile_base)
+        self.rows_total = rows_total
+        self.side = side  # 0: a (the wave's tile rows), 1: b (its tile columns), see wave_quadrant
+
+    def load(self, k0):
+        """This lane's scale bytes (as i32) of fragments 0..3 for the K block at ``k0`` (to be
+        packed by :func:`_pack_scales`)."""
+        d = _flydsl()
+        fx = d.fx
+        # LLVM hoists the lane offset out of the loops (1 VGPR per operand); "& 255" keeps the
+        # thread id provably non-negative (// and % stay shifts and masks).
+        tid = fx.Int32(fx.thread_idx.x) & (host.NUM_THREADS - 1)
+        lane = tid % host.WAVE_SIZE
+        wave_row0 = on_dsl(wave_quadrant)(tid // host.WAVE_SIZE)[self.side]
+        # The block's part in the lane offset (not soffset): the range check sees all of it.
+        voff = mx_host.scale_lane_offset(self.rows_total, wave_row0, lane) + _readfirstlane_i32(
+            mx_host.scale_block_offset(self.rows_total, k0))
+        zero = _raw(fx.Int32(0))
+        # Fragment i's row is 16 i further: a constant, folded into the immediate offset.
+        loads = [d.rocdl.raw_ptr_buffer_load(d.T.i8, self.srd, _raw(voff + mx_host.scale_fragment_offset(i)), zero)
+                 for i in range(4)]
+        return [d.arith.extui(d.T.i32, byte) for byte in loads]  # buffer_load_ubyte zero-extends: free
+
+
+def _pack_scales(scale_bytes):
+    """One VGPR holding the 4 fragments' scale bytes, fragment i's at byte ``mx_host.scale_opsel(i)``
+    (the MFMAs' op_sel picks it): 2 VGPRs per block and wave instead of 8, the main loop has
+    none to spare."""
+    d = _flydsl()
+    fx = d.fx
+    word = fx.Int32(0)
+    for i, byte in enumerate(scale_bytes):
+        word = word | (fx.Int32(byte) << (8 * mx_host.scale_opsel(i)))
+    return _raw(word)
+
+
+def _with_scales(loader, regs, k0):
+    """MX variant: a block's load registers with the operand's 4 scale bytes of block ``k0``
+    appended, carried through the loop with them (one block behind: see :func:`_register_step`);
+    ``regs`` as they are otherwise."""
+    return regs if loader.scales is None else list(regs) + loader.scales.load(k0)
+
+
+def _carried_scales(a_regs, b_regs):
+    """(a's packed scale VGPR, b's) carried in the load registers (:func:`_with_scales`), or None."""
+    if len(a_regs) == host.LOAD_PASSES:
+        return None
+    return _pack_scales(a_regs[host.LOAD_PASSES:]), _pack_scales(b_regs[host.LOAD_PASSES:])
+
+
+def wave_quadrant(wave):
+    """(first tile row, first tile column) of wave ``wave``'s 64x64 quadrant (4 waves in 2x2)."""
+    return (wave // 2) * 64, (wave % 2) * 64
+
+
 # Module-level calls, not methods: FlyDSL's loop rewriter carries any local whose method is called
 # in a dynamic loop body as loop state, and a loader object is not an IR value.
 def _register_prologue(a_ld, b_ld, lds_base):
@@ -116,6 +189,8 @@ def _register_prologue(a_ld, b_ld, lds_base):
     # at once would cost registers for nothing (this runs once per tile).
     _flydsl().fx.rocdl.sched_barrier(0)
     a_next, b_next = a_ld.load_exact(host.BLOCK_K), b_ld.load_exact(host.BLOCK_K)
+    # MX: block 0's scale bytes travel with block 1's registers (_register_step).
+    a_next, b_next = _with_scales(a_ld, a_next, 0), _with_scales(b_ld, b_next, 0)
     _fence_lds()
     return a_next, b_next
 
@@ -132,14 +207,23 @@ def _register_step(config, a_ld, b_ld, cur, nxt, k_ahead, a_next, b_next, acc, w
        kb+2 stay in flight: the compiler's waits before these ds_writes are graded
        (vmcnt(15) .. vmcnt(8)), never a drain;
     5. fence: every wave's reads of kb and writes of kb+1 done before anyone goes on.
+    MX variant: block kb's e8m0 scale bytes come with block kb+1's registers (loaded at the end
+    of step kb-1, after its ds_writes, where few registers are live) and are packed after step
+    1's prefetch (the wait for them, vmcnt(8), leaves it in flight); block kb+1's are loaded
+    after step 4 and returned with block kb+2's registers.
     Returns (acc, block kb+2's registers)."""
     if full:
         a_new, b_new = a_ld.load_full(k_ahead), b_ld.load_full(k_ahead)
-    acc = _mfma_block(config, cur, wave_row0, cur + host.LDS_TILE_BYTES, wave_col0, acc)
+    if a_ld.scales is not None:
+        _flydsl().fx.rocdl.sched_barrier(0)  # the packing's wait stays after the prefetch
+    scales = _carried_scales(a_next, b_next)
+    acc = _mfma_block(config, cur, wave_row0, cur + host.LDS_TILE_BYTES, wave_col0, acc, scales=scales)
     if not full:
         a_new, b_new = a_ld.load_exact(k_ahead), b_ld.load_exact(k_ahead)
     a_ld.store(nxt, a_next)
     b_ld.store(nxt + host.LDS_TILE_BYTES, b_next)
+    k_next = k_ahead - host.BLOCK_K
+    a_new, b_new = _with_scales(a_ld, a_new, k_next), _with_scales(b_ld, b_new, k_next)
     _fence_lds()
     return acc, a_new, b_new
 
@@ -182,14 +266,15 @@ def _lds_scope_attrs(buffer):
 def _read_fragment(lds_tile_addr, wave_row0, i, buffer=None):
     """MFMA operand ``i`` (16 rows x 128 K bytes) of a wave's 64 rows, from an LDS tile.
 
-    Lane l holds row ``l % 16`` and K bytes ``[32q, 32q + 32)``, q = l // 16 (two ds_read_b128 of
+    Lane l holds row ``l % 16`` and K bytes ``[32q, 32q + 32)``, q = l // 16 (``host.fragment_row``,
+    ``host.fragment_k_group``; two ds_read_b128 of
     the swizzled chunks 2q, 2q+1). A and B use the same K order, which is all the dot product needs.
     """
     d = _flydsl()
     fx = d.fx
     lane = fx.Int32(fx.thread_idx.x) % host.WAVE_SIZE
-    q = lane // 16
-    row = wave_row0 + i * 16 + lane % 16
+    q = host.fragment_k_group(lane)
+    row = host.fragment_row(wave_row0, i, lane)
     halves = []
     for h in range(2):
         addr = lds_tile_addr + host.lds_swizzled_offset(row, q * 2 + h)
@@ -222,8 +307,12 @@ def _mfma_drain():
     d.fx.rocdl.sched_barrier(0)
 
 
-def _mfma_block(config, lds_a, wave_row0, lds_b, wave_col0, acc, buffer=None):
+def _mfma_block(config, lds_a, wave_row0, lds_b, wave_col0, acc, buffer=None, scales=None):
     """acc += A_block x B_block^T for the wave's 64x64 sub-tile.
+
+    ``scales`` (MX variant): (a's packed scale VGPR, b's) (:func:`_pack_scales`); they go in
+    the scale operands of the MFMA, op_sel picking fragment i's byte, each pair with the source
+    it scales.
 
     MFMA-source safety by construction (issue 14: ``v_mfma ... v[244:251]`` was followed at once
     by ``ds_read_b128 v[244:247]``): all 8 fragments (A and B, 8 VGPRs each) are read before the
@@ -233,10 +322,15 @@ def _mfma_block(config, lds_a, wave_row0, lds_b, wave_col0, acc, buffer=None):
     fmt_a = d.ir.Attribute.parse(f"#rocdl<matrix_format {host.FP8_FORMATS[config.a_format]}>")
     fmt_b = d.ir.Attribute.parse(f"#rocdl<matrix_format {host.FP8_FORMATS[config.b_format]}>")
     # Scale operands 0 with opsel 0 select the unscaled v_mfma_f32_16x16x128_f8f6f4; the per-tensor
-    # or per-row dequantization scales are applied once in the epilogue instead.
+    # or per-row dequantization scales are applied once in the epilogue instead. MX: the per-lane
+    # e8m0 scales of the block (mx_host says which lane scales what).
     zero = _raw(d.fx.Int32(0))
+
+    def opsel(i):
+        return mx_host.scale_opsel(i) if scales is not None else 0
     b_frags = [_read_fragment(lds_b, wave_col0, j, buffer) for j in range(4)]
     a_frags = [_read_fragment(lds_a, wave_row0, i, buffer) for i in range(4)]
+    a_word, b_word = scales if scales is not None else (zero, zero)
     # Nothing crosses: the reads stay ahead of every MFMA (else the scheduler sinks A's reads
     # between the MFMAs and re-uses a fragment's registers right after its last MFMA).
     d.fx.rocdl.sched_barrier(0)
@@ -248,8 +342,9 @@ def _mfma_block(config, lds_a, wave_row0, lds_b, wave_col0, acc, buffer=None):
         for j in range(4):
             # B's fragment in the A slot: the result is (A_i B_j^T)^T, so each lane holds 4
             # consecutive columns of one output row (host.acc_row / acc_col; vector stores).
+            # The first (op_sel, scale) pair scales the first source: b's.
             op = d.rocdl.mfma_scale_f32_16x16x128_f8f6f4(
-                d.T.f32x4, b_frags[j], a_frags[i], _raw(acc[i * 4 + j]), fmt_b, fmt_a, 0, zero, 0, zero
+                d.T.f32x4, b_frags[j], a_frags[i], _raw(acc[i * 4 + j]), fmt_b, fmt_a, opsel(j), b_word, opsel(i), a_word
             )
             out[i * 4 + j] = getattr(op, "result", op)
     _mfma_drain()

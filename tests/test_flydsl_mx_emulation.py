@@ -1,0 +1,133 @@
+"""CPU emulation of the FlyDSL MXFP8 M-grouped variant (``KernelConfig.mx``), built from the index
+functions the kernel calls: the operand loaders into the swizzled LDS tiles (as in
+test_flydsl_emulation.py), the fragment reads (``host.fragment_row`` / ``fragment_k_group``), the
+scale loads (``mx_host``: re-based descriptor with its range, lane / block / fragment offsets, the
+packed byte per fragment = op_sel) and the scaled MFMA's semantics as ``mx_host`` states them
+(lane l's scale scales its own 32 K elements of its row), accumulated in fp32 per MFMA and
+placed with ``host.acc_row`` / ``acc_col``. Checked against ``reference_block_scaled_gemm``.
+Needs torch only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from turbo_moe.backends.base import GemmKind
+from turbo_moe.fine_grained.gemm import BlockScaledProblem, reference_block_scaled_gemm
+from turbo_moe.fine_grained.quantize import MXFP8
+from turbo_moe.kernels.flydsl import host, mx_host
+from turbo_moe.kernels.flydsl.main_loop import wave_quadrant
+
+from fp8_reference import offsets
+from test_flydsl_emulation import _fp8, _gather_block, _store_tile
+
+BM, BN, BK = host.BLOCK_M, host.BLOCK_N, host.BLOCK_K
+LANES = torch.arange(host.WAVE_SIZE)
+
+
+def _scale_words(mem, base, nrec, rows_total, wave_first, k0):
+    """[64] int64: each lane's packed scale VGPR for the block at ``k0`` (bytes past ``nrec`` read 0)."""
+    voff = mx_host.scale_lane_offset(rows_total, wave_first, LANES) + mx_host.scale_block_offset(rows_total, k0)
+    word = torch.zeros(host.WAVE_SIZE, dtype=torch.int64)
+    for i in range(4):
+        at = voff + mx_host.scale_fragment_offset(i)
+        inside = at < nrec
+        byte = torch.where(inside, mem[(base + at).clamp(max=mem.numel() - 1)].long() if mem.numel() else 0, 0)
+        word |= byte << (8 * mx_host.scale_opsel(i))
+    return word
+
+
+def _slot(block, wave_first, frag, word):
+    """The 16x128 MFMA operand (float64, scaled) that fragment ``frag`` of the 64 lanes feeds: lane l
+    gives row l % 16, K bytes [32 q, 32 q + 32) and their scale, byte scale_opsel(frag) of its word."""
+    out = torch.zeros(16, BK, dtype=torch.float64)
+    exponent = (word >> (8 * mx_host.scale_opsel(frag))) & 0xFF
+    for lane in range(host.WAVE_SIZE):
+        row = host.fragment_row(wave_first, frag, lane)
+        q = host.fragment_k_group(lane)
+        scale = 2.0 ** (int(exponent[lane]) - 127)
+        out[lane % 16, q * mx_host.MX_BLOCK:(q + 1) * mx_host.MX_BLOCK] = (
+            block[row, q * mx_host.MX_BLOCK:(q + 1) * mx_host.MX_BLOCK] * scale)
+    return out
+
+
+def _emulate(a, a_scale, b, b_scale, offs, n, k):
+    m = a.shape[0]
+    plan = host.plan_m_grouped(tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), "f32", 3)
+    a_mem, b_mem = a.view(torch.uint8).flatten(), b.view(torch.uint8).flatten()
+    # Block-major storage of the stored scales (what quantize_rows returns; the layout mx_host reads).
+    sa_mem = a_scale.transpose(0, 1).contiguous().flatten()
+    sb_mem = b_scale.transpose(1, 2).contiguous().flatten()
+    out_mem = torch.full((m * n,), float("nan"), dtype=torch.float64)
+    for pid in range(plan.grid):
+        for tile in host.m_grouped_kernel_tiles(plan, offs, pid):
+            g, mb, nb = tile
+            row0, col0 = offs[g] + mb * BM, nb * BN
+            sa_base, sb_base = mx_host.a_scale_tile_base(row0), mx_host.b_scale_tile_base(g, n, k, col0)
+            sa_nrec = host.rebased_nrec(mx_host.a_scale_end(m, k), sa_base)
+            sb_nrec = host.rebased_nrec(mx_host.b_scale_end(g, n, k), sb_base)
+            acc = torch.zeros(BM, BN, dtype=torch.float32)
+            for k0 in range(0, k, BK):
+                bases = host.m_grouped_tile_bases(plan, offs, tile, k0)
+                ab = _gather_block(a_mem, bases["a"][0], bases["a"][1], plan.lda, bases["a"][2], k, k0)
+                bb = _gather_block(b_mem, bases["b"][0], bases["b"][1], plan.ldb, bases["b"][2], k, k0)
+                ab = ab.view(a.dtype).double()
+                bb = bb.view(b.dtype).double()
+                for wave in range(host.NUM_THREADS // host.WAVE_SIZE):
+                    wave_row0, wave_col0 = wave_quadrant(wave)
+                    a_word = _scale_words(sa_mem, sa_base, sa_nrec, m, wave_row0, k0)
+                    b_word = _scale_words(sb_mem, sb_base, sb_nrec, n, wave_col0, k0)
+                    for i in range(4):
+                        a_slot = _slot(ab, wave_row0, i, a_word)
+                        for j in range(4):
+                            # B's fragment in the MFMA's A slot: d[m_, n_] = sum_k b_slot[m_] a_slot[n_].
+                            d = _slot(bb, wave_col0, j, b_word) @ a_slot.T
+                            for e in range(4):
+                                rows = host.acc_row(wave_row0, i, LANES)
+                                cols = host.acc_col(wave_col0, j, LANES, e)
+                                vals = d[4 * (LANES // 16) + e, LANES % 16]
+                                acc[rows, cols] = (acc[rows, cols].double() + vals).float()
+            c_base, c_nrec, _ = host.m_grouped_tile_bases(plan, offs, tile, 0)["c"]
+            _store_tile(out_mem, acc.double(), c_base, c_nrec, plan.ldc, 4, offs[g + 1] - row0, n - col0)
+    return out_mem.view(m, n)
+
+
+@pytest.mark.parametrize("k", [160, 128 + 96 + 5, 32])
+def test_emulated_mx_m_grouped_matches_the_reference(k):
+    torch.manual_seed(k)
+    lens = [0, 131, 1, 0, 70]
+    m, n = sum(lens), 150
+    groups = len(lens)
+    offs = offsets(lens)
+    a = _fp8(torch.randn(m, k) * 4, torch.float8_e4m3fn)
+    b = _fp8(torch.randn(groups, n, k) * 4, torch.float8_e4m3fn)
+    kb = mx_host.scale_groups(k)
+    # Random e8m0 exponents, never 0 (2^-127) nor 255 (NaN); a moderate range keeps fp32 normal.
+    a_scale = torch.randint(117, 138, (m, kb), dtype=torch.uint8)
+    b_scale = torch.randint(117, 138, (groups, n, kb), dtype=torch.uint8)
+    out = _emulate(a, a_scale, b, b_scale, offs, n, k)
+
+    def problem(a_, b_):
+        return BlockScaledProblem(GemmKind.M_GROUPED, a_, b_, a_scale, b_scale, torch.tensor(offs, dtype=torch.int64),
+                                  torch.float32, MXFP8)
+
+    ref = reference_block_scaled_gemm(problem(a, b), torch.float32).double()
+    mag = reference_block_scaled_gemm(problem(a.double().abs(), b.double().abs()), torch.float64)
+    # Both sides sum in fp32 and differ only in order: the reference sums each 32-block's products
+    # (exact in fp32: 4-bit significands, power-of-two scales) in fp32, then the KB blocks; the
+    # emulation adds each 128-deep MFMA (exact here, float64) to an fp32 accumulator. Each side's
+    # error is at most gamma_n * sum|a b sa sb| with n <= 32 + KB + K/128 + 1 additions.
+    n_add = 32 + kb + -(-k // BK) + 1
+    bound = 2 * n_add * 2.0 ** -24 * mag + 1e-30
+    err = (out - ref).abs()
+    assert torch.all(err <= bound), float((err / bound).max())
+    assert not torch.isnan(out).any()  # every row stored (the empty groups own none)
+    print(f"K={k}: max |emulation - reference| = {float(err.max()):.3e}, max error / bound = "
+          f"{float((err / bound).max()):.3e}, max relative to magnitude = {float((err / mag.clamp(min=1e-30)).max()):.3e}")
+
+
+def test_scale_layout_check():
+    mx_host.check_scale_layout("a_scale", (200, 5), (1, 200))
+    mx_host.check_scale_layout("b_scale", (3, 150, 5), (750, 1, 150))
+    with pytest.raises(ValueError, match="block-major"):
+        mx_host.check_scale_layout("a_scale", (200, 5), (5, 1))
