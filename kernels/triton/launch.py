@@ -102,8 +102,8 @@ class LeanLauncher:
         runtime = _runtime_knobs()
         if _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook):
             return self.fn[grid](*args, **kwargs)
-        # torch.cuda.current_device() without its lazy-init checks: a lean launch only ever
-        # follows Triton's own first launch of the kernel, so CUDA is initialized.
+        # torch.cuda.current_device() without its lazy-init checks: the arguments are CUDA
+        # tensors, so CUDA is initialized already.
         device = torch._C._cuda_getDevice()
         # kwargs in call order: a call site always passes them in one order, and another order
         # only makes another key (one more miss), never a wrong hit.
