@@ -159,3 +159,16 @@ def test_true_and_false_keep_their_behaviour(world, quantizations):
     x, tpe, _ = ragged_inputs(TOKENS, 40)
     with pytest.raises(RuntimeError, match="invalidate_fp8_weight_cache_on_step"):
         _linear(True, ddp=True)(x, tpe)
+
+
+def test_auto_does_not_trust_the_version_counter_across_processes(world, quantizations, monkeypatch):
+    """With several processes a parameter without main_grad may still be refilled behind its
+    version counter (torch FSDP2's all-gather, ZeRO-style flat buffers): "auto" then keeps
+    nothing unless Megatron's micro-batch flag or the step hook says when the weights change."""
+    run = _Checked(_linear("auto"), quantizations)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *args, **kwargs: 2)
+    for mb in range(MICRO_BATCHES):
+        run.forward(seed=mb)
+    assert run.count() == MICRO_BATCHES
+    assert run.layer._fp8_weight_cache is None

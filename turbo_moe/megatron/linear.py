@@ -20,6 +20,8 @@ from .main_grad import (
     _mark_grad_added_to_main_grad,
     fp8_weight_cache_is_safe,
     fp8_weight_generation,
+    fp8_weight_generation_is_bumped_on_step,
+    version_counter_sees_updates,
 )
 from .options import TurboMoEOptions, resolve_fp8_config, resolve_num_cu
 
@@ -249,9 +251,11 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
                 return None
             # A driven flag covers what the key cannot see (an optimizer writing DDP's buffers):
             # True refreshes, False means no step since. Else the key must be sound alone: the
-            # step hook bumps the generation, and a parameter without main_grad is updated in
-            # place by torch optimizers (a version bump). Neither: quantize in every forward.
-            if not (self._first_microbatch_driven or fp8_weight_cache_is_safe(w)):
+            # step hook bumps the generation, or, in a single process, a parameter without
+            # main_grad is updated in place by torch optimizers (a version bump). Neither:
+            # quantize in every forward.
+            if not (self._first_microbatch_driven or fp8_weight_generation_is_bumped_on_step()
+                    or version_counter_sees_updates(w)):
                 return None
             refresh = self.is_first_microbatch
         key = (w._version, w.data_ptr(), w.dtype, w.device, fp8_weight_generation(), self.fp8_config)

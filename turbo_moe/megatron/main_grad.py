@@ -19,11 +19,29 @@ def fp8_weight_generation() -> int:
     return _fp8_weight_generation[0]
 
 
+def fp8_weight_generation_is_bumped_on_step() -> bool:
+    """Whether ``invalidate_fp8_weight_cache_on_step`` was installed on an optimizer."""
+    return _step_hook_installed[0]
+
+
 def fp8_weight_cache_is_safe(weight: torch.Tensor) -> bool:
     """False for a Megatron-DDP parameter (it has ``main_grad``) while no optimizer invalidates
     the caches: its updates would go unseen by the version counter."""
     ddp_managed = hasattr(weight, "main_grad") or callable(getattr(weight, "get_main_grad", None))
     return _step_hook_installed[0] or not ddp_managed
+
+
+def version_counter_sees_updates(weight: torch.Tensor) -> bool:
+    """Whether ``cache_fp8_weight="auto"`` may key the cache on the parameter's version counter
+    alone: not Megatron-DDP managed (no ``main_grad``) *and* a single-process run. Across processes
+    a parameter may be refilled behind the counter's back without DDP's ``main_grad`` marking it
+    (torch FSDP2 all-gathers into the unsharded parameter, ZeRO-style optimizers write flat
+    buffers), so there "auto" waits for Megatron's micro-batch flag or the step hook instead."""
+    ddp_managed = hasattr(weight, "main_grad") or callable(getattr(weight, "get_main_grad", None))
+    if ddp_managed:
+        return False
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 def invalidate_fp8_weight_caches() -> None:

@@ -34,8 +34,9 @@ class TurboMoEOptions:
     (1) Megatron's schedule drives the layer's ``is_first_microbatch`` flag (Transformer Engine's
     contract: refresh at the first micro-batch of each step; needs ``config.fp8`` set, and none of
     it under ``config.disable_parameter_transpose_cache``), (2)
-    ``invalidate_fp8_weight_cache_on_step(optimizer)`` is installed, or (3) the weight is not a
-    Megatron-DDP parameter (no ``main_grad``: its in-place updates bump its version counter);
+    ``invalidate_fp8_weight_cache_on_step(optimizer)`` is installed, or (3) in a single-process
+    run, the weight is not a Megatron-DDP parameter (no ``main_grad``: its in-place updates bump
+    its version counter; across processes FSDP2 or ZeRO-style buffers may refill it unseen);
     otherwise it quantizes in every forward. ``True``: always cache (raises for a DDP parameter
     without ``invalidate_fp8_weight_cache_on_step``); ``False``: never. See docs/megatron.md.
     """
