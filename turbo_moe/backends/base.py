@@ -79,8 +79,9 @@ class GroupedGemmProblem:
     def signature(self) -> tuple:
         """Everything a backend's ``can_handle`` and launch plan depend on, as a hashable key: the
         kind, dtypes, devices, shapes, strides and 16-byte alignment of every tensor, the cap, the
-        role, the accumulation mode, and whether a CUDA graph is being captured. Two problems with one signature get the
-        same dispatch decision and the same kernel configuration, so both are cached on it.
+        role, the accumulation mode, and whether a CUDA graph is being captured. Two problems with
+        one signature get the same dispatch decision and the same kernel configuration, so both
+        are cached on it.
         Computed once per problem object: treat a problem as a value once it was dispatched (to
         change a field, build a new one with ``dataclasses.replace``, which recomputes it)."""
         cached = self.__dict__.get("_signature")  # dispatch and the backend's plan cache both ask

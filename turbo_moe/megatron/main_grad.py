@@ -24,11 +24,15 @@ def fp8_weight_generation_is_bumped_on_step() -> bool:
     return _step_hook_installed[0]
 
 
+def _ddp_managed(weight: torch.Tensor) -> bool:
+    """Megatron's DDP (or Megatron-FSDP) gave the parameter a ``main_grad`` (or its getter)."""
+    return hasattr(weight, "main_grad") or callable(getattr(weight, "get_main_grad", None))
+
+
 def fp8_weight_cache_is_safe(weight: torch.Tensor) -> bool:
     """False for a Megatron-DDP parameter (it has ``main_grad``) while no optimizer invalidates
     the caches: its updates would go unseen by the version counter."""
-    ddp_managed = hasattr(weight, "main_grad") or callable(getattr(weight, "get_main_grad", None))
-    return _step_hook_installed[0] or not ddp_managed
+    return _step_hook_installed[0] or not _ddp_managed(weight)
 
 
 def version_counter_sees_updates(weight: torch.Tensor) -> bool:
@@ -37,8 +41,7 @@ def version_counter_sees_updates(weight: torch.Tensor) -> bool:
     a parameter may be refilled behind the counter's back without DDP's ``main_grad`` marking it
     (torch FSDP2 all-gathers into the unsharded parameter, ZeRO-style optimizers write flat
     buffers), so there "auto" waits for Megatron's micro-batch flag or the step hook instead."""
-    ddp_managed = hasattr(weight, "main_grad") or callable(getattr(weight, "get_main_grad", None))
-    if ddp_managed:
+    if _ddp_managed(weight):
         return False
     dist = torch.distributed
     return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
