@@ -154,3 +154,27 @@ def test_k_grouped_accumulate_adds_fp32_and_leaves_empty_groups(backend, lens):
     for index, rows in enumerate(lens):
         if rows == 0:
             assert torch.equal(out[index], start[index]) and torch.equal(out[index].signbit(), start[index].signbit())
+
+
+@pytest.mark.parametrize("lens", [[1], [300], [128, 0, 129, 1, 0, 300]])
+@pytest.mark.parametrize("k", [160, 228, 4096])  # K % 128 != 0, a short last K group (228); dgrad out: K % 4 == 0
+def test_mxfp8_forward_and_dgrad_through_the_block_scaled_dispatch(backend, lens, k):
+    """The MX variant (backends/flydsl_mx.py) as auto picks it: forward x W^T and dgrad dy W with
+    W^T's own scales (quantize_weight_fine), vs reference_block_scaled_gemm in float64."""
+    from turbo_moe import Float8Config
+    from turbo_moe.fine_grained import quantize as Q
+    from turbo_moe.fine_grained.autograd import quantize_weight_fine
+    from turbo_moe.fine_grained.gemm import BlockScaledProblem, reference_block_scaled_gemm, run_block_scaled
+    from turbo_moe.fine_grained.gemm import select_block_scaled_backend
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    m, n, g = sum(lens), 200, len(lens)
+    w = quantize_weight_fine(torch.randn(g, n, k, device=dev), Float8Config(granularity="mxfp8"))
+    x, sx = Q.quantize_rows(torch.randn(m, k, device=dev) * 3, Q.MXFP8, torch.float8_e4m3fn)
+    dy, sdy = Q.quantize_rows(torch.randn(m, n, device=dev), Q.MXFP8, torch.float8_e4m3fn)
+    offs = _offs(lens, dev)
+    for a, b, sa, sb in ((x, w.data, sx, w.scale), (dy, w.data_t, sdy, w.scale_t)):
+        problem = BlockScaledProblem(GemmKind.M_GROUPED, a, b, sa, sb, offs, torch.bfloat16, Q.MXFP8, num_cu=7)
+        assert select_block_scaled_backend(problem, "auto") == "flydsl"
+        _check(run_block_scaled(problem, "flydsl"), reference_block_scaled_gemm(problem, torch.float64), torch.bfloat16)

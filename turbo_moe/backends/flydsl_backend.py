@@ -9,6 +9,9 @@ Verification status: the kernels are compiled for gfx950 and checked on their IS
 (tests/test_flydsl_compile.py), and their host-side arithmetic is tested on CPU
 (tests/test_flydsl_host.py, tests/test_flydsl_emulation.py). They have never run on an AMD GPU;
 see docs/flydsl.md.
+
+The MXFP8 M-grouped variant (``KernelConfig(mx=True)``) is launched for the block-scaled dispatch
+by ``flydsl_mx.py``, through the plan / argument / launch helpers at the end of this file.
 """
 
 from __future__ import annotations
@@ -103,7 +106,6 @@ class FlyDSLBackend(GroupedGemmBackend):
         from ..kernels.flydsl import host
 
         a, b = problem.a, problem.b
-        on_rocm = problem.device.type == "cuda" and torch.version.hip is not None
         for name, t in (("a", a), ("b", b)):
             if t.dtype not in _FP8_FORMAT:
                 raise ValueError(
@@ -112,9 +114,7 @@ class FlyDSLBackend(GroupedGemmBackend):
                 )
         if problem.out_dtype not in _OUT_DTYPE:
             raise ValueError(f"out_dtype {problem.out_dtype} is not one of bfloat16, float16, float32")
-        offs = problem.group_offs
-        if offs.dtype != torch.int64 or offs.dim() != 1 or offs.device != problem.device:
-            raise ValueError("group_offs must be a 1-D int64 tensor on the operands' device")
+        check_offsets(problem)
         for name, s in (("a_scale", problem.a_scale), ("b_scale", problem.b_scale)):
             if s.dtype != torch.float32 or not s.is_contiguous() or s.device != problem.device:
                 raise ValueError(f"{name} must be a contiguous float32 tensor on the operands' device")
@@ -129,18 +129,11 @@ class FlyDSLBackend(GroupedGemmBackend):
                     f"{name} has shape {tuple(s.shape)}; expected a 0-dim (tensorwise) or "
                     f"{rowwise_shapes[name]} (rowwise) tensor"
                 )
-        if problem.num_cu is not None and problem.num_cu < 1:
-            raise ValueError(f"num_cu must be >= 1, got {problem.num_cu}")
-        if problem.num_cu is not None:
-            num_cu = problem.num_cu
-        else:
-            num_cu = _num_cu(problem.device.index or 0) if on_rocm else 1
         out = _OUT_DTYPE[problem.out_dtype]
         if problem.kind is GemmKind.M_GROUPED:
-            if a.shape[0] >= 2**31:
-                raise ValueError(f"a has {a.shape[0]} rows; group offsets are read as 32-bit (< 2^31 rows)")
-            plan = host.plan_m_grouped(tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), out, num_cu)
+            plan = plan_m_grouped(problem, out)
         else:
+            num_cu = resolve_num_cu(problem)
             if a.shape[1] >= 2**31:
                 raise ValueError(f"{a.shape[1]} tokens; group offsets are read as 32-bit (< 2^31 tokens)")
             plan = host.plan_k_grouped(
@@ -148,12 +141,12 @@ class FlyDSLBackend(GroupedGemmBackend):
             )
         _check_out(problem)
         # Checked last so that the shape and layout checks above also run (and are tested) on CPU.
-        if not on_rocm:
-            raise ValueError(f"operands are on {problem.device}, not a ROCm GPU")
+        require_rocm(problem)
         return plan
 
     def run(self, problem: GroupedGemmProblem) -> torch.Tensor:
         from ..kernels.flydsl import grouped_gemm_fp8 as kernels
+        from ..kernels.flydsl import host
 
         plan = self._plan(problem)
         config = kernels.KernelConfig(
@@ -163,29 +156,83 @@ class FlyDSLBackend(GroupedGemmBackend):
             # the last column.
             problem.out_shape[-1] % 4 == 0,
         )
-        out = problem.out
-        if out is None:
-            out = torch.empty(problem.out_shape, dtype=problem.out_dtype, device=problem.device)
-        if out.numel() == 0:
-            return out
-        if problem.kind is GemmKind.M_GROUPED:
-            from ..kernels.flydsl import host
-
-            # LDS-DMA main loop when every 16-byte chunk is whole and aligned, else register-staged.
-            lds_dma = host.m_grouped_lds_dma_ok(
-                plan.k, problem.a.data_ptr(), plan.lda, problem.b.data_ptr(), plan.ldb, plan.stride_bg
-            )
-            launch = kernels.build_m_grouped(config, lds_dma)
-        else:
-            launch = kernels.build_k_grouped(config)
-        launch(
-            problem.a.data_ptr(), problem.b.data_ptr(), out.data_ptr(),
-            problem.a_scale.data_ptr(), problem.b_scale.data_ptr(), problem.group_offs.data_ptr(),
-            problem.a_scale.numel(), problem.b_scale.numel(),
-            *plan.scalar_args(),
-            torch.cuda.current_stream(problem.device),
+        # M-grouped: LDS-DMA main loop when every 16-byte chunk is whole and aligned, else
+        # register-staged.
+        lds_dma = problem.kind is GemmKind.M_GROUPED and host.m_grouped_lds_dma_ok(
+            plan.k, problem.a.data_ptr(), plan.lda, problem.b.data_ptr(), plan.ldb, plan.stride_bg
         )
+        return execute(problem, plan, config, lds_dma)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared by the tensorwise/rowwise launch above and the MXFP8 one (flydsl_mx.py): both take a
+# problem with the fields of GroupedGemmProblem (a BlockScaledProblem has them too).
+# ----------------------------------------------------------------------------------------------
+
+
+def on_rocm(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.version.hip is not None
+
+
+def require_rocm(problem) -> None:
+    if not on_rocm(problem.device):
+        raise ValueError(f"operands are on {problem.device}, not a ROCm GPU")
+
+
+def check_offsets(problem) -> None:
+    offs = problem.group_offs
+    if offs.dtype != torch.int64 or offs.dim() != 1 or offs.device != problem.device:
+        raise ValueError("group_offs must be a 1-D int64 tensor on the operands' device")
+
+
+def resolve_num_cu(problem) -> int:
+    """``problem.num_cu``, else the device's CU count (1 off a ROCm device: plans on CPU)."""
+    if problem.num_cu is not None:
+        if problem.num_cu < 1:
+            raise ValueError(f"num_cu must be >= 1, got {problem.num_cu}")
+        return problem.num_cu
+    return _num_cu(problem.device.index or 0) if on_rocm(problem.device) else 1
+
+
+def plan_m_grouped(problem, out: str):
+    """``host.plan_m_grouped`` of an M-grouped problem (persistent grid over ``resolve_num_cu``)."""
+    from ..kernels.flydsl import host
+
+    a, b = problem.a, problem.b
+    num_cu = resolve_num_cu(problem)
+    if a.shape[0] >= 2**31:
+        raise ValueError(f"a has {a.shape[0]} rows; group offsets are read as 32-bit (< 2^31 rows)")
+    return host.plan_m_grouped(tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), out, num_cu)
+
+
+def kernel_args(problem, plan, out: torch.Tensor) -> tuple:
+    """The launchers' arguments before the stream: the addresses, the scales' element counts
+    (bytes for the MX variant's uint8 scales), then ``plan.scalar_args()``."""
+    return (
+        problem.a.data_ptr(), problem.b.data_ptr(), out.data_ptr(),
+        problem.a_scale.data_ptr(), problem.b_scale.data_ptr(), problem.group_offs.data_ptr(),
+        problem.a_scale.numel(), problem.b_scale.numel(),
+        *plan.scalar_args(),
+    )
+
+
+def launch(config, lds_dma: bool, kind: GemmKind, args: tuple, device: torch.device) -> None:
+    """Build (cached) and launch the kernel of ``config`` on the current stream of ``device``."""
+    from ..kernels.flydsl import grouped_gemm_fp8 as kernels
+
+    build = kernels.build_m_grouped(config, lds_dma) if kind is GemmKind.M_GROUPED else kernels.build_k_grouped(config)
+    build(*args, torch.cuda.current_stream(device))
+
+
+def execute(problem, plan, config, lds_dma: bool) -> torch.Tensor:
+    """Allocate out (unless ``problem.out`` is given) and launch; an empty out launches nothing."""
+    out = problem.out
+    if out is None:
+        out = torch.empty(problem.out_shape, dtype=problem.out_dtype, device=problem.device)
+    if out.numel() == 0:
         return out
+    launch(config, lds_dma, problem.kind, kernel_args(problem, plan, out), problem.device)
+    return out
 
 
 BACKEND = FlyDSLBackend()

@@ -151,12 +151,19 @@ def _run_torch(problem: BlockScaledProblem) -> torch.Tensor:
 
 
 def select_block_scaled_backend(problem: BlockScaledProblem, backend: str = "auto") -> str:
-    """``"triton"`` or ``"torch"`` for this problem; raises BackendUnavailable naming why."""
+    """``"flydsl"``, ``"triton"`` or ``"torch"`` for this problem; raises BackendUnavailable naming why.
+
+    FlyDSL runs the MXFP8 M-grouped problems its MX variant takes (``backends/flydsl_mx.py``) where
+    the FlyDSL backend is available (a ROCm gfx950 device, not ``TURBO_MOE_DISABLE_FLYDSL=1``);
+    ``"auto"`` prefers it there and otherwise chooses as before: triton, else torch."""
     if backend not in ("auto", "triton", "torch", "flydsl"):
         raise ValueError(f"backend={backend!r} is not one of 'auto', 'flydsl', 'triton', 'torch'")
-    if backend == "flydsl":
-        raise BackendUnavailable(f"backend='flydsl' cannot run {problem.describe()}: the FlyDSL kernels have no "
-                                 "blockwise/MXFP8 variant yet (use backend='triton' or 'torch')")
+    if backend in ("auto", "flydsl"):
+        flydsl_why = _flydsl_reason(problem)
+        if not flydsl_why:
+            return "flydsl"
+        if backend == "flydsl":
+            raise BackendUnavailable(f"backend='flydsl' cannot run {problem.describe()}: {flydsl_why}")
     capturing = problem.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     triton_why = _triton_reason(problem)
     if backend == "triton" and triton_why:
@@ -167,6 +174,27 @@ def select_block_scaled_backend(problem: BlockScaledProblem, backend: str = "aut
                                      f"reference reads group offsets on the host; triton: {triton_why}")
         return "torch"
     return "triton"
+
+
+def _flydsl_reason(problem: BlockScaledProblem) -> str:
+    """Why FlyDSL's MX variant cannot run ``problem`` here ("" if it can): first what it does not
+    take on any machine, then the backend's availability, then the launch plan's checks."""
+    from ..backends import _load, flydsl_mx
+
+    why = flydsl_mx.unsupported_reason(problem)
+    if why:
+        return why
+    fly = _load("flydsl")
+    if isinstance(fly, str):
+        return fly
+    ok, why = fly.is_available()
+    if not ok:
+        return why
+    try:
+        flydsl_mx.plan(problem)
+    except ValueError as exc:
+        return str(exc)
+    return ""
 
 
 def _triton_reason(problem: BlockScaledProblem) -> str:
@@ -188,8 +216,13 @@ def run_block_scaled(problem: BlockScaledProblem, backend: str = "auto") -> torc
     if problem.device.type == "meta":
         return problem.out if problem.out is not None else torch.empty(problem.out_shape, dtype=problem.out_dtype,
                                                                        device="meta")
-    if select_block_scaled_backend(problem, backend) == "torch":
+    chosen = select_block_scaled_backend(problem, backend)
+    if chosen == "torch":
         return _run_torch(problem)
+    if chosen == "flydsl":
+        from ..backends import flydsl_mx
+
+        return flydsl_mx.run(problem)
     from . import triton_gemm
 
     return triton_gemm.run(problem)
