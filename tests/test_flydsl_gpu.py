@@ -43,6 +43,9 @@ def _check(out, ref, out_dtype):
     # The FP8 products are exact in fp32; what remains is fp32 accumulation order and the final
     # rounding to the output dtype.
     tol = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[out_dtype]
+    if ref.numel() == 0:  # every group empty: nothing to compare, but the shape must be right
+        assert out.shape == ref.shape
+        return
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
