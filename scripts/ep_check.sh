@@ -30,21 +30,9 @@ export PYTHONUNBUFFERED=1
 log() { echo "[ep_check +$(($(date +%s) - START))s] $*" | tee -a "$LOG"; }
 left() { echo $((BUDGET_S - ($(date +%s) - START))); }
 
-# 1. Install (same as gpu_check.sh: carried wheels, then the repository, no network).
-if compgen -G ".whl/*.whl" >/dev/null; then
-  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >>"$LOG" 2>&1; then
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-    log "installed wheels: $(cd .whl && ls *.whl | tr '\n' ' ')"
-  else
-    log "WARNING: installing .whl/*.whl failed (see above)"
-  fi
-fi
-if "$PY" -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1; then
-  log "installed turbo_moe (editable)"
-else
-  ln -sfn ../kernels turbo_moe/kernels
-  log "pip install -e . failed; running from the source tree"
-fi
+# 1. Install (as gpu_check.sh: carried wheels, then the repository, no network).
+. scripts/device_install.sh
+install_turbo_moe
 # torchrun's children and the scripts import turbo_moe from the tree either way.
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 

@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 # would take the call's time; TURBO_MOE_TRITON_AUTOTUNE=1 in the environment turns it back on.
 os.environ.setdefault("TURBO_MOE_TRITON_AUTOTUNE", "0")
 
+from torchrun_init import init_torchrun  # noqa: E402  (this script's folder is sys.path[0])
 from turbo_moe import Float8Config, num_cu_for_comm  # noqa: E402
 from turbo_moe.autograd import grouped_gemm_fp8_with_offs, quantize_weight  # noqa: E402
 from turbo_moe.bench.cap_verdicts import best_overlap_cap, overlap_verdict  # noqa: E402
@@ -318,14 +319,7 @@ def plot(out, rows, sms):
 def main(argv=None):
     args = parse_args(argv)
     on_gpu = not args.cpu
-    if on_gpu:
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device = init_torchrun(cpu=args.cpu)
     try:
         world = dist.get_world_size()
         sms, rule_cap, caps, rows = sweep(args, device, on_gpu, world)

@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 os.environ.setdefault("TURBO_MOE_TRITON_AUTOTUNE", "0")
 
 import megatron_gpu_proof as proof  # noqa: E402  (model, data, optimizer and schedule: one source)
+from torchrun_init import init_torchrun  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -270,14 +271,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     use_gpu = not args.cpu
     warnings.filterwarnings("ignore", module="megatron")
-    if use_gpu:
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device = init_torchrun(cpu=args.cpu)
     if dist.get_world_size() != 2:
         raise SystemExit("ep_train.py runs on exactly 2 ranks (torchrun --nproc-per-node 2)")
     root = [tempfile.mkdtemp(prefix="ep_train_") if dist.get_rank() == 0 else None]

@@ -59,22 +59,8 @@ case "$MODE" in
 esac
 
 # 1. Install: carried wheels into /tmp/site, then the repository itself (editable, no network).
-if compgen -G ".whl/*.whl" >/dev/null; then
-  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >>"$LOG" 2>&1; then
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-    log "installed wheels: $(cd .whl && ls *.whl | tr '\n' ' ')"
-  else
-    log "WARNING: installing .whl/*.whl failed (see above); peers that need them will be reported missing"
-  fi
-fi
-if "$PY" -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1; then
-  log "installed turbo_moe (editable)"
-else
-  # e.g. the machine's setuptools is older than pyproject's build requirement: run from the tree.
-  ln -sfn ../kernels turbo_moe/kernels
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-  log "pip install -e . failed (see above); running from the source tree (PYTHONPATH, turbo_moe/kernels link)"
-fi
+. scripts/device_install.sh
+install_turbo_moe
 STEPS=" ${STEPS:-pytest bench} "
 has_step() { case "$STEPS" in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 # run_step NAME CAP_S COMMAND...: one step under a time cap, output to $OUT/NAME.log, status logged.
