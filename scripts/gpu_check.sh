@@ -16,6 +16,7 @@
 #             with .old/before (a checkout of the previous tree) also the same for it (hotpath_before.json)
 #   megatron  scripts/megatron_gpu_proof.py (distributed optimizer, alltoall, fp32 main_grad fusion)
 #   hostbreak scripts/host_breakdown.py: where the host time of one fwd+bwd goes (hostbreak.log)
+#   hostprof  scripts/host_breakdown.py --profile: cProfile of the fwd+bwd's Python (hostprof.log)
 #   accum     scripts/bench_accumulation.py: fast vs promoted FP8 accumulation, speed and error
 #   fine      scripts/bench_fine_grained.py: blockwise / MXFP8 kernels beside tensorwise
 #   bench     python -m turbo_moe.bench with the preset given as $1 (train: the training-step preset)
@@ -147,6 +148,8 @@ fi
 has_step megatron && run_step megatron "${MEGATRON_S:-180}" "$PY" scripts/megatron_gpu_proof.py
 has_step hostbreak && run_step hostbreak "${HOSTBREAK_S:-120}" bash -c \
   "'$PY' scripts/host_breakdown.py --shape tiny && '$PY' scripts/host_breakdown.py --shape dsv3"
+has_step hostprof && TAIL_LINES=0 run_step hostprof "${HOSTPROF_S:-120}" "$PY" scripts/host_breakdown.py \
+  --shape tiny --profile "${HOSTPROF_STEPS:-200}"
 has_step accum && run_step accum "${ACCUM_S:-180}" "$PY" scripts/bench_accumulation.py --out "$OUT/accumulation.md"
 has_step fine && run_step fine "${FINE_S:-180}" "$PY" scripts/bench_fine_grained.py --shapes deepseek --out "$OUT/fine_grained.md"
 

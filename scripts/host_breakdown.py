@@ -12,7 +12,10 @@ measured the same way (the GPU kept busy by a long ``torch.cuda._sleep`` so the 
   ``autograd.Function`` forward+backward, and the bf16 ``torch._grouped_mm`` fwd+bwd.
 
 Outputs are garbage in the switched-off rows (kernels do not run): only their time is read.
-Usage: ``python scripts/host_breakdown.py [--shape tiny|dsv3]``
+``--profile N``: instead, cProfile N fwd+bwd (weight quantized every call, then with the FP8
+weight cache) and print the functions by own time and by cumulative time: where the Python goes.
+
+Usage: ``python scripts/host_breakdown.py [--shape tiny|dsv3] [--profile N]``
 """
 
 from __future__ import annotations
@@ -38,6 +41,34 @@ def _issue_us(fn, steps=20, reps=5):
     return statistics.median(out)
 
 
+def _profile(name, fn, steps, top):
+    """cProfile ``steps`` calls of ``fn`` with the GPU kept busy (the host never waits)."""
+    import cProfile
+    import io
+    import pstats
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(4e8))
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        fn()
+    prof.disable()
+    us = (time.perf_counter() - t0) / steps * 1e6
+    torch.cuda.synchronize()
+    for order in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        stats = pstats.Stats(prof, stream=buf)
+        stats.sort_stats(order).print_stats(top)
+        text = buf.getvalue()
+        text = text[text.find("   ncalls"):]  # drop the header lines
+        print(f"== {name}: {us:.0f} us per fwd+bwd under cProfile, {steps} steps; by {order}")
+        print(text)
+
+
 @contextlib.contextmanager
 def _patched(obj, name, value):
     old = getattr(obj, name)
@@ -55,6 +86,8 @@ def main(argv=None):
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="tiny", choices=["tiny", "dsv3"])
+    p.add_argument("--profile", type=int, default=0, help="cProfile this many fwd+bwd instead of the table")
+    p.add_argument("--top", type=int, default=45, help="rows of each profile listing")
     args = p.parse_args(argv)
     g, t, n, k = {"tiny": (8, 128, 256, 256), "dsv3": (32, 512, 4096, 7168)}[args.shape]
     dev = torch.device("cuda")
@@ -77,6 +110,16 @@ def main(argv=None):
         step()
         bf16_step()
     torch.cuda.synchronize()
+    if args.profile:
+        cached = turbo_moe.GroupedLinearFP8(g, k, n, device="meta", dtype=torch.bfloat16, cache_fp8_weight=True)
+        cached.weight = w
+
+        def cached_step():
+            return torch.autograd.grad(cached(x, lens), (x, w), dy)
+
+        for name, fn in (("weight quantized every call", step), ("FP8 weight cache", cached_step)):
+            _profile(name, fn, args.profile, args.top)
+        return
     rows = [("full fwd+bwd", _issue_us(step)), ("bf16 _grouped_mm fwd+bwd", _issue_us(bf16_step))]
 
     real_launch = lean_launch.LeanLauncher.launch
