@@ -131,12 +131,12 @@ def main(argv=None):
         def run(self, *unused):
             return None
 
-    def no_run(self, grid, a, kw):
+    def no_run(self, grid, *a, **kw):
         saved = dict(self._memo)
         for key, memo in saved.items():
             self._memo[key] = lean_launch._Memo(_NoLaunch(memo.kernel), memo.constexpr_values)
         try:
-            return real_launch(self, grid, a, kw)
+            return real_launch(self, grid, *a, **kw)
         finally:
             self._memo.update(saved)
 

@@ -60,7 +60,11 @@ class Float8Accumulation(str, enum.Enum):
     ``torch._scaled_mm``'s ``use_fast_accum=True``, and Triton's default on sm_90.
     ``PROMOTED``: each 128-deep (or shorter) slice of the contraction is summed by the tensor core,
     then added into a true fp32 accumulator, as DeepSeek-V3 does and Transformer Engine does for
-    dgrad and wgrad ("split accumulator"). A few more instructions per K block.
+    dgrad and wgrad ("split accumulator"). Measured on an H100 (docs/results/h100_accumulation.md):
+    the accumulation error of a 7168-deep contraction falls from 1.9e-3 to 1.3e-4 (relative to a
+    float64 product of the same FP8 operands; rounding the operands to e4m3 costs a few percent
+    per output on random data, tens of times more), and the GEMMs take 1.25-1.35x as long at
+    4096 tokens per expert, 1.1x at 128. Hence the default ``FAST``.
     Elsewhere (AMD MFMA, the torch reference) products accumulate in fp32 and both give the same
     result; the blockwise and MXFP8 kernels always promote per scale block.
     """

@@ -122,6 +122,8 @@ def fp8_cast_kernel(
 # Most amax partials (programs of amax_partials_kernel); the cast kernels reduce them in one block.
 MAX_PARTIALS = 1024
 _AMAX_BLOCK = 4096
+# The tensorwise cast's square tile (rows x columns of the source per program).
+_CAST_BLOCK = 64
 
 
 def fp8_tensorwise_cast(x, fp8_dtype, fp8_max: float, margin: int = 0, write_rows: bool = True,
@@ -134,31 +136,36 @@ def fp8_tensorwise_cast(x, fp8_dtype, fp8_max: float, margin: int = 0, write_row
     import torch
 
     x = x if x.is_contiguous() else x.contiguous()  # the amax pass walks flat memory
-    x3 = x[None] if x.dim() == 2 else x
-    batches, r, c = x3.shape
-    numel = x3.numel()
-    dequant = torch.empty((), dtype=torch.float32, device=x.device)
-    rows = torch.empty((batches, r, c), dtype=fp8_dtype, device=x.device) if write_rows else None
-    trans = torch.empty((batches, c, r), dtype=fp8_dtype, device=x.device) if write_transposed else None
+    # A 2-D x is passed as is, with batch stride 0 and one batch (no [None] view and no [0] views of
+    # the outputs: each view costs microseconds of host time, several times per fwd+bwd).
+    shape = x.shape
+    if len(shape) == 2:
+        batches, (r, c), stride_b = 1, shape, 0
+        rows_shape, trans_shape = (r, c), (c, r)
+    else:
+        (batches, r, c), stride_b = shape, x.stride(0)
+        rows_shape, trans_shape = (batches, r, c), (batches, c, r)
+    numel = batches * r * c
+    device = x.device
+    dequant = torch.empty((), dtype=torch.float32, device=device)
+    rows = torch.empty(rows_shape, dtype=fp8_dtype, device=device) if write_rows else None
+    trans = torch.empty(trans_shape, dtype=fp8_dtype, device=device) if write_transposed else None
     if numel == 0:
         dequant.fill_(1.0)
     else:
         num_partials = min(MAX_PARTIALS, _cdiv(numel, _AMAX_BLOCK))
         chunk = _cdiv(_cdiv(numel, num_partials), _AMAX_BLOCK) * _AMAX_BLOCK
         num_partials = _cdiv(numel, chunk)
-        partials = torch.empty((num_partials,), dtype=torch.float32, device=x.device)
-        _lean['amax_partials_kernel'][(num_partials,)](x3, partials, numel, chunk, BLOCK=_AMAX_BLOCK, num_warps=8)
-        block_r, block_c = 64, 64
+        partials = torch.empty((num_partials,), dtype=torch.float32, device=device)
+        _amax_partials.launch((num_partials,), x, partials, numel, chunk, BLOCK=_AMAX_BLOCK, num_warps=8)
         out = rows if rows is not None else trans
-        _lean['fp8_cast_kernel'][(_cdiv(r, block_r), _cdiv(c, block_c), batches)](
-            x3, partials, num_partials, out, trans if trans is not None else out, dequant,
-            r, c, x3.stride(0), x3.stride(1), x3.stride(2),
+        _tensorwise_cast.launch(
+            (_cdiv(r, _CAST_BLOCK), _cdiv(c, _CAST_BLOCK), batches),
+            x, partials, num_partials, out, trans if trans is not None else out, dequant,
+            r, c, stride_b, c, 1,
             FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, WRITE_ROWS=write_rows, WRITE_T=write_transposed,
-            BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_P=MAX_PARTIALS, num_warps=4,
+            BLOCK_R=_CAST_BLOCK, BLOCK_C=_CAST_BLOCK, BLOCK_P=MAX_PARTIALS, num_warps=4,
         )
-    if x.dim() == 2:
-        rows = rows[0] if rows is not None else None
-        trans = trans[0] if trans is not None else None
     return rows, trans, dequant
 
 
@@ -300,3 +307,4 @@ def fp8_colwise_grouped_cast(x, group_offs, fp8_dtype, fp8_max: float, margin: i
 # Host-lean launchers of the kernels above (kernels/triton/launch.py).
 _lean = {name: lean(globals()[name]) for name in (
     "amax_partials_kernel", "fp8_cast_kernel", "fp8_rowwise_cast_kernel", "fp8_colwise_grouped_cast_kernel")}
+_amax_partials, _tensorwise_cast = _lean["amax_partials_kernel"], _lean["fp8_cast_kernel"]

@@ -27,17 +27,22 @@ options are keywords (every kernel of this package is written that way).
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Dict
 
 import torch
 
+_cuda_get_device = torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") else None
+_cuda_raw_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
+
 def _arg_fact(arg):
+    kind = type(arg)
+    if kind is int:  # most arguments: sizes and strides
+        return (arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31)
     if isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() % 16 == 0)
-    if type(arg) is int:
-        return (arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31)
-    if arg is None or type(arg) is bool:
+    if arg is None or kind is bool:
         return (arg,)
     base = getattr(arg, "base", None)
     if isinstance(base, torch.Tensor):  # triton.tools.tensor_descriptor.TensorDescriptor
@@ -46,24 +51,20 @@ def _arg_fact(arg):
             tuple(s % 16 == 0 for s in arg.shape), tuple(s % 16 == 0 for s in arg.strides),
             getattr(arg, "padding", None),
         )
-    return (type(arg),)
+    return (kind,)
 
 
-_RUNTIME_KNOBS = []
+_RUNTIME_KNOBS = None
 
 
 def _runtime_knobs():
     """``triton.knobs.runtime``, imported once (an import statement costs microseconds per launch)."""
-    if not _RUNTIME_KNOBS:
+    global _RUNTIME_KNOBS
+    if _RUNTIME_KNOBS is None:
         from triton import knobs
 
-        _RUNTIME_KNOBS.append(knobs.runtime)
-    return _RUNTIME_KNOBS[0]
-
-
-def _hook_active(hook) -> bool:
-    """Triton >= 3.5 keeps launch hooks in a ``HookChain`` (never None; empty when unused)."""
-    return hook is not None and bool(getattr(hook, "calls", True))
+        _RUNTIME_KNOBS = knobs.runtime
+    return _RUNTIME_KNOBS
 
 
 class _Memo:
@@ -96,15 +97,18 @@ class LeanLauncher:
         self.misses = 0
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+        # A C-level partial, not a lambda: one Python frame less per launch.
+        return functools.partial(self.launch, grid)
 
-    def launch(self, grid, args, kwargs):
-        runtime = _runtime_knobs()
-        if _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook):
-            return self.fn[grid](*args, **kwargs)
+    def launch(self, grid, *args, **kwargs):
+        runtime = _RUNTIME_KNOBS if _RUNTIME_KNOBS is not None else _runtime_knobs()
+        # Triton >= 3.5 keeps launch hooks in a HookChain (never None; its ``calls`` empty when unused).
+        enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+        if (enter is not None and getattr(enter, "calls", True)) or (exit_ is not None and getattr(exit_, "calls", True)):
+            return self.fn[grid](*args, **kwargs)  # a profiler's hook: Triton's own path
         # torch.cuda.current_device() without its lazy-init checks: the arguments are CUDA
         # tensors, so CUDA is initialized already.
-        device = torch._C._cuda_getDevice()
+        device = _cuda_get_device()
         # kwargs in call order: a call site always passes them in one order, and another order
         # only makes another key (one more miss), never a wrong hit.
         key = (device, tuple(map(_arg_fact, args)), tuple(kwargs.items()))
@@ -123,11 +127,11 @@ class LeanLauncher:
         self.hits += 1
         if self._check:
             self._assert_same_kernel(memo.kernel, args, kwargs)
-        grid_size = len(grid)
         kernel = memo.kernel
+        grid_size = len(grid)
         kernel.run(
             grid[0], grid[1] if grid_size > 1 else 1, grid[2] if grid_size > 2 else 1,
-            torch._C._cuda_getCurrentRawStream(device), kernel.function, kernel.packed_metadata, None, None, None,
+            _cuda_raw_stream(device), kernel.function, kernel.packed_metadata, None, None, None,
             *args, *memo.constexpr_values,
         )
         return kernel
@@ -162,8 +166,23 @@ class LeanLauncher:
         assert found is kernel, f"lean launch of {self.fn.__name__} memoized a different specialization"
 
 
-def lean(fn) -> LeanLauncher:
-    """``fn`` wrapped for lean launches, or ``fn`` itself under the interpreter (CPU tensors)."""
+class _TritonPath:
+    """A kernel launched through Triton's own ``kernel[grid](...)`` (the interpreter), with the
+    launcher's interface."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        return self.fn[grid]
+
+    def launch(self, grid, *args, **kwargs):
+        return self.fn[grid](*args, **kwargs)
+
+
+def lean(fn):
+    """``fn`` wrapped for lean launches (``launcher[grid](*args, **kw)`` or
+    ``launcher.launch(grid, *args, **kw)``); under the interpreter (CPU tensors) Triton's own path."""
     if type(fn).__name__ == "InterpretedFunction":
-        return fn
+        return _TritonPath(fn)
     return LeanLauncher(fn)

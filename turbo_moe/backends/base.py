@@ -88,7 +88,8 @@ class GroupedGemmProblem:
         if cached is not None:
             return cached
         a, b, sa, sb, offs = self.a, self.b, self.a_scale, self.b_scale, self.group_offs
-        capturing = a.is_cuda and torch.cuda.is_current_stream_capturing()
+        # torch.cuda.is_current_stream_capturing() less its Python wrapper (a is a CUDA tensor).
+        capturing = a.is_cuda and torch._C._cuda_isCurrentStreamCapturing()
         self.__dict__["_signature"] = signature = (
             self.kind, self.role, self.out_dtype, self.num_cu, capturing, a.device,
             a.dtype, a.shape, a.stride(), a.data_ptr() % 16,

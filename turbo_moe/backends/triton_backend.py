@@ -234,13 +234,29 @@ class TritonBackend(GroupedGemmBackend):
             bound = ts.m_grouped_tile_upper_bound(M, G, config.block_m, ts.cdiv(N, config.block_n))
         else:
             bound = ts.k_grouped_total_tiles(G, ts.cdiv(N, config.block_m), ts.cdiv(K, config.block_n))
+        # Accumulating reads out back: the pointer epilogue does the load-add-store.
+        tma_store = use_tma and config.tma_store and _tma_store_ok(out) and not problem.accumulate
+        a_rowwise, b_rowwise = problem.a_scale.dim() > 0, problem.b_scale.dim() > 0
+        # Every keyword of the launch, built once per plan (in the order the call sites always used).
+        flags = dict(A_ROWWISE=a_rowwise, B_ROWWISE=b_rowwise)
+        if problem.kind is GemmKind.M_GROUPED:
+            if use_tma:
+                flags.update(TMA_STORE=tma_store)
+            else:
+                flags.update(EVEN_K=K % config.block_k == 0)
+        else:
+            flags.update(BAND_CYCLIC=config.band_cyclic)
+            if use_tma:
+                flags.update(TMA_STORE=tma_store, TAIL_K=min(32, config.block_k))
+            flags.update(ACCUMULATE=problem.accumulate)
+        flags.update(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+                     PROMOTE_ACC=problem.promote_accumulation)
+        if not _interpreting():
+            flags.update(num_warps=config.num_warps, num_stages=config.num_stages)
         return _LaunchPlan(
             kind=problem.kind, config=config, grid=(ts.persistent_grid_size(bound, limit),), use_tma=use_tma,
-            # Accumulating reads out back: the pointer epilogue does the load-add-store.
-            tma_store=use_tma and config.tma_store and _tma_store_ok(out) and not problem.accumulate,
-            accumulate=problem.accumulate, promote_accumulation=problem.promote_accumulation,
-            a_rowwise=problem.a_scale.dim() > 0, b_rowwise=problem.b_scale.dim() > 0,
-            extra={} if _interpreting() else {"num_warps": config.num_warps, "num_stages": config.num_stages},
+            tma_store=tma_store, accumulate=problem.accumulate, promote_accumulation=problem.promote_accumulation,
+            a_rowwise=a_rowwise, b_rowwise=b_rowwise, constexprs=flags,
         )
 
     # ------------------------------------------------------------------ tuning
@@ -308,7 +324,7 @@ class _LaunchPlan:
     b_rowwise: bool
     accumulate: bool
     promote_accumulation: bool
-    extra: dict
+    constexprs: dict  # the launch's keywords: constexprs and launch options
 
     def launch(self, problem: GroupedGemmProblem, out: torch.Tensor) -> None:
         k = _kernels()
@@ -317,51 +333,56 @@ class _LaunchPlan:
         a_scale, b_scale = problem.a_scale.contiguous(), problem.b_scale.contiguous()
         M, N, K = problem.mnk
         G = offs.shape[0] - 1
-        tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                     PROMOTE_ACC=self.promote_accumulation)
         if self.use_tma:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
+            descriptor = _tensor_descriptor_class()
             _install_descriptor_allocator()
         if self.kind is GemmKind.M_GROUPED and self.use_tma:
-            a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [cfg.block_m, cfg.block_k])
+            a_desc = descriptor(a, [M, K], [a.stride(0), 1], [cfg.block_m, cfg.block_k])
             # b's groups stacked as one [G*N, K] matrix (checked contiguous across groups).
-            b_desc = TensorDescriptor(b, [G * N, K], [b.stride(1), 1], [cfg.block_n, cfg.block_k])
-            k.m_grouped_gemm_tma_kernel[self.grid](
-                a_desc, b_desc, out, a_scale, b_scale, offs, N, K, G, out.stride(0), out.stride(1),
-                A_ROWWISE=self.a_rowwise, B_ROWWISE=self.b_rowwise, TMA_STORE=self.tma_store, **tiles, **self.extra,
+            b_desc = descriptor(b, [G * N, K], [b.stride(1), 1], [cfg.block_n, cfg.block_k])
+            k.m_grouped_gemm_tma_kernel.launch(
+                self.grid, a_desc, b_desc, out, a_scale, b_scale, offs, N, K, G, out.stride(0), out.stride(1),
+                **self.constexprs,
             )
         elif self.kind is GemmKind.K_GROUPED and self.use_tma:
-            a_desc = TensorDescriptor(a, [N, M], [a.stride(0), 1], [cfg.block_m, cfg.block_k])
-            b_desc = TensorDescriptor(b, [K, M], [b.stride(0), 1], [cfg.block_n, cfg.block_k])
+            a_desc = descriptor(a, [N, M], [a.stride(0), 1], [cfg.block_m, cfg.block_k])
+            b_desc = descriptor(b, [K, M], [b.stride(0), 1], [cfg.block_n, cfg.block_k])
             # Narrow boxes for a group's first and last tokens (32: the FP8 dot's smallest K).
-            tail_k = min(32, cfg.block_k)
-            a_tail_desc = TensorDescriptor(a, [N, M], [a.stride(0), 1], [cfg.block_m, tail_k])
-            b_tail_desc = TensorDescriptor(b, [K, M], [b.stride(0), 1], [cfg.block_n, tail_k])
+            tail_k = self.constexprs["TAIL_K"]
+            a_tail_desc = descriptor(a, [N, M], [a.stride(0), 1], [cfg.block_m, tail_k])
+            b_tail_desc = descriptor(b, [K, M], [b.stride(0), 1], [cfg.block_n, tail_k])
             out_desc = (
-                TensorDescriptor(out, list(out.shape), list(out.stride()), [1, cfg.block_m, cfg.block_n])
+                descriptor(out, list(out.shape), list(out.stride()), [1, cfg.block_m, cfg.block_n])
                 if self.tma_store else None
             )
-            k.k_grouped_gemm_tma_kernel[self.grid](
-                a_desc, b_desc, a_tail_desc, b_tail_desc, out_desc, out, a_scale, b_scale, offs, N, K, G,
-                out.stride(0), out.stride(1), out.stride(2),
-                A_ROWWISE=self.a_rowwise, B_ROWWISE=self.b_rowwise, BAND_CYCLIC=cfg.band_cyclic,
-                TMA_STORE=self.tma_store, TAIL_K=tail_k, ACCUMULATE=self.accumulate, **tiles, **self.extra,
+            k.k_grouped_gemm_tma_kernel.launch(
+                self.grid, a_desc, b_desc, a_tail_desc, b_tail_desc, out_desc, out, a_scale, b_scale, offs, N, K, G,
+                out.stride(0), out.stride(1), out.stride(2), **self.constexprs,
             )
         elif self.kind is GemmKind.M_GROUPED:
-            k.m_grouped_gemm_kernel[self.grid](
-                a, b, out, a_scale, b_scale, offs, N, K, G,
+            k.m_grouped_gemm_kernel.launch(
+                self.grid, a, b, out, a_scale, b_scale, offs, N, K, G,
                 a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
-                A_ROWWISE=self.a_rowwise, B_ROWWISE=self.b_rowwise, EVEN_K=K % cfg.block_k == 0,
-                **tiles, **self.extra,
+                **self.constexprs,
             )
         else:
-            k.k_grouped_gemm_kernel[self.grid](
-                a, b, out, a_scale, b_scale, offs, N, K, G,
+            k.k_grouped_gemm_kernel.launch(
+                self.grid, a, b, out, a_scale, b_scale, offs, N, K, G,
                 a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
-                A_ROWWISE=self.a_rowwise, B_ROWWISE=self.b_rowwise, BAND_CYCLIC=cfg.band_cyclic,
-                ACCUMULATE=self.accumulate, **tiles, **self.extra,
+                **self.constexprs,
             )
+
+
+_DESCRIPTOR_CLASS = []
+
+
+def _tensor_descriptor_class():
+    """``triton.tools.tensor_descriptor.TensorDescriptor``, imported once."""
+    if not _DESCRIPTOR_CLASS:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        _DESCRIPTOR_CLASS.append(TensorDescriptor)
+    return _DESCRIPTOR_CLASS[0]
 
 
 def _output(problem: GroupedGemmProblem) -> torch.Tensor:
@@ -386,9 +407,14 @@ def _install_descriptor_allocator() -> None:
     on its own device threads, so the allocator is (re)installed before every TMA launch rather
     than once per process (a one-shot flag left the forward thread without one).
     """
-    import triton
+    if not _SET_ALLOCATOR:
+        import triton
 
-    triton.set_allocator(_torch_scratch_allocator)
+        _SET_ALLOCATOR.append(triton.set_allocator)
+    _SET_ALLOCATOR[0](_torch_scratch_allocator)
+
+
+_SET_ALLOCATOR = []
 
 
 # Hopper's per-block shared memory (227 KiB), less a little for the pipeline's barriers.
