@@ -26,6 +26,8 @@
 #   PYTEST_S    cap on the pytest step (default 300: the whole GPU suite with cold compile caches took
 #               more than 230 s with 6 workers); PYTEST_ARGS extra pytest arguments (split on
 #               spaces); PYTEST_K a -k expression (kept whole: PYTEST_K="fp32 or cast");
+#               PYTEST_PATHS the test files or folders (default tests; e.g. "tests/test_fp8_cast.py
+#               tests/test_fine_grained_gpu.py": PYTEST_ARGS paths are added to tests/, not instead);
 #               PYTEST_WORKERS pytest-xdist processes when a carried xdist wheel is installed (default 6;
 #               `pip download pytest-xdist execnet --no-deps -d .whl` before the call: 3.5 -> ~3 min)
 #   FUZZ_S, FUZZ_ARGS, HOTPATH_S, HOTPATH_ARGS, MEGATRON_S   caps and arguments of those steps
@@ -118,7 +120,7 @@ if "$PY" -c "import xdist" 2>/dev/null; then PYTEST_PAR=(-n "${PYTEST_WORKERS:-6
 pytest_gpu() {  # pytest_gpu MARKEXPR CAP LOGFILE [extra...]
   local expr=$1 cap=$2 logf=$3; shift 3
   TURBO_MOE_LAUNCH_CHECK=${TURBO_MOE_LAUNCH_CHECK:-1} timeout --signal=TERM --kill-after=10 "$cap" "$PY" -m pytest -m "$expr" -q -rs \
-    -p no:cacheprovider --deselect tests/test_fuzz_gpu.py::test_gpu_fuzz_case "$@" ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} tests \
+    -p no:cacheprovider --deselect tests/test_fuzz_gpu.py::test_gpu_fuzz_case "$@" ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} ${PYTEST_PATHS:-tests} \
     2>&1 | tee "$logf" | tail -n 40
   return "${PIPESTATUS[0]}"
 }
