@@ -387,3 +387,43 @@ TRITON_CHECK = textwrap.dedent(
 
 def test_triton_interpreter_double_backward_offsets_and_tiny_inputs():
     assert_prints_ok(TRITON_CHECK)
+
+
+# ------------------------------------------- offsets checked once, re-checked once they could differ
+
+def test_resolved_offsets_are_checked_once_and_again_after_any_change(monkeypatch):
+    """Offsets that resolve_group_offs / check_group_offs returned come back unchecked only while
+    they are the same tensor, unmodified, for the same number of rows."""
+    from turbo_moe import checks
+
+    calls = []
+    real = checks._check_on_host
+    monkeypatch.setattr(checks, "_check_on_host", lambda *a: (calls.append(a[0]), real(*a)))
+    lens = torch.tensor([3, 0, 5, 2])
+    offs = checks.resolve_group_offs(lens, None, 4, 10, torch.device("cpu"))
+    assert calls == ["group_lens"]
+    assert checks.check_group_offs(offs, 4, 10, torch.device("cpu")) is offs and len(calls) == 1
+    # an equal but different tensor is checked
+    assert torch.equal(checks.check_group_offs(offs.clone(), 4, 10, torch.device("cpu")), offs) and len(calls) == 2
+    # the same tensor for another number of rows is checked (and here refused)
+    with pytest.raises(ValueError, match="x has 11 rows"):
+        checks.check_group_offs(offs, 4, 11, torch.device("cpu"))
+    # the wrong number of groups is refused by the metadata check, which always runs
+    with pytest.raises(ValueError, match="len\\(group_offs\\)=5"):
+        checks.check_group_offs(offs, 3, 10, torch.device("cpu"))
+    # an in-place change bumps the version: checked again, and a now-decreasing offset is refused
+    offs[2] = 9
+    with pytest.raises(ValueError, match="non-decreasing"):
+        checks.check_group_offs(offs, 4, 10, torch.device("cpu"))
+
+
+def test_remembered_offsets_do_not_outlive_their_tensors():
+    from turbo_moe import checks
+
+    before = len(checks._checked)
+    for _ in range(50):
+        checks.resolve_group_offs(torch.tensor([1, 2, 3]), None, 3, 6, torch.device("cpu"))
+    assert len(checks._checked) <= before + 1
+    with torch.inference_mode():  # inference tensors have no version counter: never remembered
+        offs = checks.resolve_group_offs(torch.tensor([1, 2, 3]), None, 3, 6, torch.device("cpu"))
+    assert id(offs) not in checks._checked

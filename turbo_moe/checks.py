@@ -15,13 +15,18 @@ What is checked where (no check may add a host sync on a GPU, or CUDA-graph capt
   - meta tensors: no values, nothing to check (shape inference).
 
 ``check_group_offs`` is the offsets' check for every entry that takes offsets
-(``resolve_group_offs``, ``grouped_gemm_fp8_with_offs``, ``grouped_wgrad_fp8``).
+(``resolve_group_offs``, ``grouped_gemm_fp8_with_offs``, ``grouped_wgrad_fp8``). Offsets it (or
+``resolve_group_offs``) returned are remembered by identity and version: handed back unchanged
+for the same ``M`` (a Megatron expert MLP resolves its routing once and gives the offsets to fc1,
+fc2 and the bias), they are returned at once instead of checked and clamped again (one launch and
+one allocation each); any in-place change bumps their version and they are checked again.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple
+import weakref
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -96,7 +101,7 @@ def resolve_group_offs(
     _check_index_tensor(name, group_lens, num_groups, device, f"w has {num_groups} groups")
     kernel = _offsets_kernel(group_lens)
     if kernel is not None:  # one launch: prefix sum, device asserts, clamp (the torch path below in one)
-        return kernel.resolve_group_offs(group_lens, num_rows, from_lens=True)
+        return _remember(kernel.resolve_group_offs(group_lens, num_rows, from_lens=True), num_rows)
     t = group_lens.to(torch.int64)
     offs = torch.cat([t.new_zeros(1), torch.cumsum(t, 0)])
     if device.type == "meta":
@@ -104,9 +109,9 @@ def resolve_group_offs(
 
     if device.type == "cpu" or _sync_checks():
         _check_on_host(name, t, offs, num_rows)
-        return offs
+        return _remember(offs, num_rows)
     torch._assert_async(torch.all(t >= 0), "turbo_moe: group_lens has a negative entry")
-    return _assert_total_and_clamp(offs, num_rows)
+    return _remember(_assert_total_and_clamp(offs, num_rows), num_rows)
 
 
 def check_group_offs(
@@ -121,18 +126,39 @@ def check_group_offs(
     ``num_groups`` None: any G >= 1 (the offsets define it)."""
     what = f"w has {num_groups} groups" if num_groups is not None else ""
     _check_index_tensor(name, offs, None if num_groups is None else num_groups + 1, device, what)
+    if _already_checked(offs, num_rows):
+        return offs
     kernel = _offsets_kernel(offs)
     if kernel is not None:
-        return kernel.resolve_group_offs(offs, num_rows, from_lens=False)
+        return _remember(kernel.resolve_group_offs(offs, num_rows, from_lens=False), num_rows)
     offs = offs.to(torch.int64)
     if device.type == "meta":
         return offs  # shape inference only: no values to check
     if device.type == "cpu" or _sync_checks():
         _check_on_host(name, offs, offs, num_rows)
-        return offs
+        return _remember(offs, num_rows)
     torch._assert_async(torch.all(offs[1:] >= offs[:-1]), f"turbo_moe: {name} is decreasing")
     torch._assert_async(offs[0] == 0, f"turbo_moe: {name}[0] != 0")
-    return _assert_total_and_clamp(offs, num_rows)
+    return _remember(_assert_total_and_clamp(offs, num_rows), num_rows)
+
+
+# id(offsets) -> (weak reference, version, M) of the int64 offsets this module returned (module doc).
+_checked: Dict[int, Tuple[weakref.ref, int, int]] = {}
+
+
+def _remember(offs: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Record ``offs`` (checked and clamped for ``num_rows`` rows) and return it."""
+    if offs.dtype == torch.int64 and not offs.is_inference():  # inference tensors have no version
+        key = id(offs)
+        # The callback runs when offs is freed, before its id can name another tensor.
+        _checked[key] = (weakref.ref(offs, lambda _, key=key: _checked.pop(key, None)), offs._version, num_rows)
+    return offs
+
+
+def _already_checked(offs: torch.Tensor, num_rows: int) -> bool:
+    entry = _checked.get(id(offs))
+    return (entry is not None and entry[0]() is offs and entry[2] == num_rows
+            and not offs.is_inference() and entry[1] == offs._version)
 
 
 def _offsets_kernel(t: torch.Tensor):
