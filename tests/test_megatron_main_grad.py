@@ -192,6 +192,50 @@ def test_triton_kernels_accumulate_in_fp32_under_interpreter(interpreter_results
             _check_report(report, name)
 
 
+@pytest.mark.parametrize("buffer_dtype", [torch.float32, torch.bfloat16])
+def test_wgrad_target_accumulates_dw_and_hands_back_the_placeholder(buffer_dtype):
+    """``WgradTarget``: backward adds dW into the buffer (float32: the kernel's epilogue, equal to
+    grouped_wgrad_fp8's fp32 result added; another dtype: dW in that dtype, then added), returns
+    the placeholder as w's gradient, and leaves dx as without a target; an empty group's slice is
+    untouched."""
+    from turbo_moe import Float8Config
+    from turbo_moe.autograd import WgradTarget, _grouped_gemm_fp8_resolved, grouped_gemm_fp8, grouped_wgrad_fp8
+
+    gen = torch.Generator().manual_seed(31)
+    lens = [7, 0, 12, 5]
+    offs = torch.tensor([0] + lens).cumsum(0)
+    x = torch.randn(sum(lens), 48, generator=gen).requires_grad_()
+    w = (torch.randn(4, 40, 48, generator=gen) / 7).requires_grad_()
+    dy = torch.randn(sum(lens), 40, generator=gen)
+    buffer = torch.randn(4, 40, 48, generator=gen).to(buffer_dtype)
+    start = buffer.clone()
+    placeholder = torch.full_like(w, 3.0)
+    asked = []
+    target = WgradTarget(buffer=lambda: (asked.append("buffer"), buffer)[1],
+                         placeholder=lambda: (asked.append("placeholder"), placeholder)[1])
+    cfg = Float8Config(format="hybrid")
+    _grouped_gemm_fp8_resolved(x, w, offs, config=cfg, backend="torch", wgrad_target=target).backward(dy)
+    assert asked == ["buffer", "placeholder"]
+    assert torch.equal(w.grad, placeholder)
+    dw = grouped_wgrad_fp8(dy, x.detach(), offs, config=cfg, backend="torch", out_dtype=buffer_dtype)
+    assert torch.equal(buffer, start + dw)
+    assert torch.equal(buffer[1], start[1])  # the empty group
+    x2 = x.detach().clone().requires_grad_()
+    grouped_gemm_fp8(x2, w.detach(), group_offs=offs, config=cfg, backend="torch").backward(dy)
+    assert torch.equal(x.grad, x2.grad)
+
+
+def test_wgrad_target_refused_for_fine_grained_recipes():
+    from turbo_moe import Float8Config
+    from turbo_moe.autograd import WgradTarget, _grouped_gemm_fp8_resolved
+
+    target = WgradTarget(buffer=lambda: None, placeholder=lambda: None)
+    x, w = torch.randn(4, 32), torch.randn(1, 16, 32)
+    with pytest.raises(NotImplementedError, match="grouped_wgrad_fp8"):
+        _grouped_gemm_fp8_resolved(x, w, torch.tensor([0, 4]), config=Float8Config(granularity="blockwise"),
+                                   backend="torch", wgrad_target=target)
+
+
 # ----------------------------------------------------------------------------------------------
 # The Megatron adapter: gradient_accumulation_fusion runs the accumulating wgrad kernel
 # ----------------------------------------------------------------------------------------------
@@ -206,50 +250,72 @@ def world():
         yield
 
 
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
 @pytest.mark.parametrize("fp8", ["e4m3", "hybrid"])
-def test_megatron_fused_main_grad_bits_equal_fp32_accumulation(world, fp8, monkeypatch):
+def test_megatron_fused_main_grad_bits_equal_fp32_accumulation(world, fp8, granularity, monkeypatch):
     """bf16 parameters, fp32 main_grad, three micro-batches (immediate wgrad): main_grad equals the
-    fp32 accumulation of each micro-batch's fp32 wgrad (same operands, same kernel) bit for bit;
-    the old path (wgrad rounded to bf16, then added) differs."""
-    import turbo_moe.megatron.linear as linear_module
+    fp32 accumulation of each micro-batch's fp32 wgrad (``grouped_wgrad_fp8`` on the layer's own x,
+    dy and offsets: the same quantization as the GEMM's backward) bit for bit; the old path (wgrad
+    rounded to bf16, then added) differs. x and dy are each quantized once per fwd+bwd: the wgrad
+    reuses the FP8 copies the forward and dgrad made."""
+    import turbo_moe.autograd as autograd_module
     from _megatron_harness import make_config, randomize_
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from turbo_moe.autograd import grouped_wgrad_fp8
     from turbo_moe.megatron import TurboMoEGroupedMLP, TurboMoEOptions
 
     config = make_config(num_moe_experts=4, params_dtype=torch.bfloat16)
     config.gradient_accumulation_fusion = True
     experts = TurboMoEGroupedMLP(4, config, pg_collection=get_default_pg_collection(),
-                                 options=TurboMoEOptions(fp8=fp8, backend="torch"))
+                                 options=TurboMoEOptions(fp8=fp8, granularity=granularity, backend="torch",
+                                                         cache_fp8_weight=False))
     randomize_(experts, seed=21)
-    fp32_reference, bf16_path, calls = {}, {}, []
-    real_wgrad = linear_module._grouped_wgrad_fp8_resolved
+    fp8_config = experts.linear_fc1.fp8_config
+    quantized = []  # the high-precision tensors quantized, by role
+    for name in ("quantize_tensorwise_layouts", "quantize_rowwise", "quantize_columnwise"):
+        real = getattr(autograd_module, name)
+        monkeypatch.setattr(autograd_module, name,
+                            lambda t, *a, _real=real, **kw: (quantized.append(t.data_ptr()), _real(t, *a, **kw))[1])
+    seen = {}  # linear name -> list of [x, offs, dy] per micro-batch
 
-    def recording_wgrad(dy, x, offs, *, main_grad=None, **kw):
-        assert main_grad is not None and main_grad.dtype == torch.float32  # the accumulating path
-        calls.append(main_grad.shape)
-        key = main_grad.data_ptr()
-        fp32_reference.setdefault(key, main_grad.clone())
-        bf16_path.setdefault(key, main_grad.clone())
-        fp32_reference[key] += real_wgrad(dy, x, offs, out_dtype=torch.float32, **kw)
-        bf16_path[key] += real_wgrad(dy, x, offs, out_dtype=torch.bfloat16, **kw).float()
-        return real_wgrad(dy, x, offs, main_grad=main_grad, **kw)
+    def record(name):
+        def pre_hook(module, args, kwargs):
+            seen.setdefault(name, []).append([args[0].detach(), kwargs["group_offs"], None])
 
-    monkeypatch.setattr(linear_module, "_grouped_wgrad_fp8_resolved", recording_wgrad)
+        def hook(module, args, kwargs, output):
+            entry = seen[name][-1]
+            output[0].register_hook(lambda dy: entry.__setitem__(2, dy.detach()))
+        return pre_hook, hook
+
+    for name in ("linear_fc1", "linear_fc2"):
+        pre_hook, hook = record(name)
+        getattr(experts, name).register_forward_pre_hook(pre_hook, with_kwargs=True)
+        getattr(experts, name).register_forward_hook(hook, with_kwargs=True)
+    start = {}
     for p in experts.parameters():
         p.main_grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(22))
         p.grad_added_to_main_grad = False
+        start[p.data_ptr()] = p.main_grad.clone()
     gen = torch.Generator().manual_seed(23)
     for lens in ([6, 0, 9, 2], [3, 5, 0, 11], [0, 0, 7, 4]):
         m = sum(lens)
         x = torch.randn(m, config.hidden_size, generator=gen).bfloat16().requires_grad_()
         probs = (torch.rand(m, generator=gen) * 0.9 + 0.1).bfloat16()
+        quantized.clear()
         experts(x, torch.tensor(lens), probs)[0].float().square().sum().backward()
-    assert len(calls) == 6  # fc1 and fc2, three micro-batches
+        # fc1 and fc2: the weight, x and dy each quantized once (rowwise: W and W^T, x^T by group,
+        # dy and dy^T by group are separate calls, still one per tensor and layout)
+        assert len(quantized) == len(set(quantized)) * (1 if granularity == "tensorwise" else 2), quantized
     for name in ("linear_fc1", "linear_fc2"):
         w = getattr(experts, name).weight
-        key = w.main_grad.data_ptr()
-        assert torch.equal(w.main_grad, fp32_reference[key]), name
-        assert (bf16_path[key] != w.main_grad).sum() > 0, name
+        reference, bf16_path = start[w.data_ptr()].clone(), start[w.data_ptr()].clone()
+        assert len(seen[name]) == 3
+        for x, offs, dy in seen[name]:
+            reference += grouped_wgrad_fp8(dy, x, offs, config=fp8_config, backend="torch", out_dtype=torch.float32)
+            bf16_path += grouped_wgrad_fp8(dy, x, offs, config=fp8_config, backend="torch",
+                                           out_dtype=torch.bfloat16).float()
+        assert torch.equal(w.main_grad, reference), name
+        assert (bf16_path != w.main_grad).sum() > 0, name
         assert w.grad_added_to_main_grad is True and w.grad.shape == w.shape  # Megatron's placeholder
 
 

@@ -20,7 +20,7 @@ second-order gradient. On the meta device every entry infers shapes and dtypes (
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -35,6 +35,7 @@ __all__ = [
     "grouped_gemm_fp8_with_offs",
     "grouped_wgrad_fp8",
     "Float8Weight",
+    "WgradTarget",
     "quantize_weight",
     "grouped_gemm",
     "add_group_bias",
@@ -127,12 +128,29 @@ def quantize_weight(w_nk: torch.Tensor, config: Float8Config, transposed: bool =
     return Float8Weight(w_fp8, w_scale, w_kn, w_kn_scale)
 
 
+class WgradTarget(NamedTuple):
+    """Where backward puts ``dW`` instead of returning it (Megatron's ``gradient_accumulation_fusion``).
+
+    ``buffer()``: the ``[G, N, K]`` buffer ``dW`` is added into, asked for in backward (so a buffer
+    allocated lazily works); a float32 buffer is accumulated in the wgrad kernel's epilogue (no
+    rounding, no separate add), another dtype gets ``dW`` computed in its dtype, then added.
+    ``placeholder()``: what autograd then receives as the weight's gradient (a placeholder the
+    caller's gradient hooks recognize, or None).
+
+    With a target, ``dW`` is computed from the FP8 copies the forward and backward made anyway
+    (x transposed, dy in both layouts): x and dy are each quantized once per fwd+bwd.
+    """
+
+    buffer: Callable[[], torch.Tensor]
+    placeholder: Callable[[], Optional[torch.Tensor]]
+
+
 class GroupedGemmFP8Function(torch.autograd.Function):
     """FP8 grouped GEMM; see the module docstring. ``w`` is always passed here as ``[G, N, K]``."""
 
     @staticmethod
     def forward(ctx, x, w_nk, group_offs, config: Float8Config, num_cu, backend, out_dtype,
-                w_fp8: Optional[Float8Weight] = None):
+                w_fp8: Optional[Float8Weight] = None, wgrad_target: Optional[WgradTarget] = None):
         dtype, margin = config.forward_dtype, config.margin
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # Backward's operands, contiguous along their contraction dims: dgrad reads W as
@@ -159,6 +177,7 @@ class GroupedGemmFP8Function(torch.autograd.Function):
         ctx.save_for_backward(w_nk if need_dx else None, w_kn_scale, x_km, x_km_scale, group_offs)
         ctx.config, ctx.num_cu, ctx.backend = config, num_cu, backend
         ctx.x_dtype, ctx.w_dtype = x.dtype, w_nk.dtype
+        ctx.wgrad_target = wgrad_target
         return y
 
     @staticmethod
@@ -190,9 +209,22 @@ class GroupedGemmFP8Function(torch.autograd.Function):
         # dgrad's operands are dead: release them before wgrad allocates dW (the peak of the step).
         del w_kn, dy_fp8
         if need_dw:
-            dw = _run(GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs,
-                      ctx.w_dtype, ctx.num_cu, ctx.backend, "wgrad", config)
-        return dx, dw, None, None, None, None, None, None
+            target = ctx.wgrad_target
+            if target is None:
+                dw = _run(GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs,
+                          ctx.w_dtype, ctx.num_cu, ctx.backend, "wgrad", config)
+            else:
+                buffer = target.buffer()
+                if not isinstance(buffer, torch.Tensor):
+                    raise TypeError(f"WgradTarget.buffer() must return a tensor, got {type(buffer).__name__}")
+                if buffer.dtype == torch.float32:  # added in the kernel's epilogue (shape etc. checked there)
+                    _run(GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs, torch.float32,
+                         ctx.num_cu, ctx.backend, "wgrad", config, out=buffer, accumulate=True)
+                else:
+                    buffer.add_(_run(GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs,
+                                     buffer.dtype, ctx.num_cu, ctx.backend, "wgrad", config))
+                dw = target.placeholder()
+        return dx, dw, None, None, None, None, None, None, None
 
 
 def _prepare(x, w, group_lens, group_offs, trans_b):
@@ -254,9 +286,10 @@ def grouped_gemm_fp8_with_offs(x, w, offs, *, trans_b=True, config=None, num_cu=
 
 @torch.compiler.disable
 def _grouped_gemm_fp8_resolved(x, w, offs, *, trans_b=True, config=None, num_cu=None, backend="auto", out_dtype=None,
-                               w_fp8: Optional[Float8Weight] = None):
+                               w_fp8: Optional[Float8Weight] = None, wgrad_target: Optional[WgradTarget] = None):
     """``grouped_gemm_fp8_with_offs`` on operands and offsets already checked (by ``check_operands``
-    and ``checks.resolve_group_offs``): for callers that resolved them once for several uses."""
+    and ``checks.resolve_group_offs``): for callers that resolved them once for several uses.
+    ``wgrad_target``: see ``WgradTarget`` (tensorwise and rowwise recipes)."""
     config = Float8Config() if config is None else config
     if not isinstance(config, Float8Config):
         raise TypeError(f"config must be a turbo_moe.Float8Config, got {type(config).__name__}")
@@ -266,10 +299,13 @@ def _grouped_gemm_fp8_resolved(x, w, offs, *, trans_b=True, config=None, num_cu=
     out_dtype = _autocast_out_dtype(x, out_dtype)
     w_nk = w if trans_b else w.transpose(1, 2)
     if config.fine_grained:  # blockwise / mxfp8: turbo_moe.fine_grained
+        if wgrad_target is not None:
+            raise NotImplementedError("wgrad_target is for tensorwise and rowwise recipes; with "
+                                      f"granularity={config.granularity.value!r} use grouped_wgrad_fp8(main_grad=...)")
         from .fine_grained import grouped_gemm_fine
         return grouped_gemm_fine(x, w_nk, offs, config=config, num_cu=num_cu, backend=backend, out_dtype=out_dtype,
                                  w_fp8=w_fp8)
-    return GroupedGemmFP8Function.apply(x, w_nk, offs, config, num_cu, backend, out_dtype, w_fp8)
+    return GroupedGemmFP8Function.apply(x, w_nk, offs, config, num_cu, backend, out_dtype, w_fp8, wgrad_target)
 
 
 @torch.compiler.disable

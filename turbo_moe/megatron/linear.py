@@ -10,7 +10,8 @@ import torch
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from .. import autograd as _autograd  # quantize_weight is looked up at call time (tests count it)
-from ..autograd import _grouped_gemm_fp8_resolved, _grouped_wgrad_fp8_resolved, add_group_bias, grouped_gemm
+from ..autograd import (WgradTarget, _grouped_gemm_fp8_resolved, _grouped_wgrad_fp8_resolved, add_group_bias,
+                        grouped_gemm)
 from ..checks import resolve_group_offs
 from .checkpoint import GroupedLinearCheckpointMixin
 from .main_grad import (
@@ -210,14 +211,22 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
         lens = _as_group_lens(m_splits, self.num_gemms, x.device)
         return resolve_group_offs(lens, None, self.num_gemms, x.shape[0], x.device)
 
-    def _gemm(self, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def _gemm(self, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+              wgrad_target: Optional[WgradTarget] = None) -> torch.Tensor:
         out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
         if self.fp8_config is None:
             return grouped_gemm(x, weight, group_offs=offs, out_dtype=out_dtype)
         return _grouped_gemm_fp8_resolved(  # offs resolved (checked) once in forward
             x, weight, offs, config=self.fp8_config, num_cu=self.num_cu,
             backend=self.options.backend, out_dtype=out_dtype, w_fp8=self._cached_fp8_weight(),
+            wgrad_target=wgrad_target,
         )
+
+    def _main_grad_target(self) -> WgradTarget:
+        """dW into ``weight.main_grad`` (asked for in backward), then Megatron's placeholder grad."""
+        weight = self.weight
+        return WgradTarget(buffer=lambda: _main_grad_of(weight),
+                           placeholder=lambda: _mark_grad_added_to_main_grad(weight, weight.dtype))
 
     def invalidate_fp8_weight_cache(self) -> None:
         """Drop the cached FP8 weight (see ``TurboMoEOptions.cache_fp8_weight``)."""
@@ -293,10 +302,17 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
         weight = self.weight
         wants_wgrad = torch.is_grad_enabled() and weight.requires_grad
         fuse_main_grad = wants_wgrad and self._fuses_main_grad()
-        if wants_wgrad and (self.delay_wgrad_compute or (fuse_main_grad and self.fp8_config is not None)):
+        fp8_fine = self.fp8_config is not None and self.fp8_config.fine_grained
+        if fuse_main_grad and self.fp8_config is not None and not fp8_fine and not self.delay_wgrad_compute:
+            # The FP8 GEMM's own backward adds dW into main_grad (fp32: in the wgrad kernel's
+            # epilogue) from the FP8 copies of x and dy it made for the forward and dgrad: each is
+            # quantized once per fwd+bwd.
+            y = self._gemm(x, weight, offs, wgrad_target=self._main_grad_target())
+        elif wants_wgrad and (self.delay_wgrad_compute or (fuse_main_grad and self.fp8_config is not None)):
             # The GEMM's backward then computes dgrad only; the wgrad kernel runs from
-            # _StashGradOutputForWgrad's backward (fused main_grad: adding its fp32 result into
-            # main_grad in its epilogue) or later from backward_dw() (delayed wgrad).
+            # _StashGradOutputForWgrad's backward (fine-grained recipes with a fused main_grad:
+            # adding its fp32 result into main_grad in its epilogue) or later from backward_dw()
+            # (delayed wgrad).
             y = self._gemm(x, weight.detach(), offs)
             y = _StashGradOutputForWgrad.apply(y, x.detach(), offs, self, weight)
         elif fuse_main_grad:
