@@ -158,17 +158,21 @@ class GroupedGemmFP8Function(torch.autograd.Function):
         if w_fp8 is None or (need_dx and w_fp8.data_t is None):
             w_fp8 = quantize_weight(w_nk, config, transposed=need_dx)
         w_q, w_scale, w_kn, w_kn_scale = w_fp8
-        if config.granularity is ScalingGranularity.TENSORWISE:
-            x_fp8, x_km, x_scale = quantize_tensorwise_layouts(x, dtype, margin, transposed=need_dw)
-            x_km_scale = x_scale
-        else:
+        rowwise = config.granularity is ScalingGranularity.ROWWISE
+        if rowwise:
             x_fp8, x_scale = quantize_rowwise(x, dtype, margin)
             x_km = x_km_scale = None
-            if need_dw:
-                x_km, x_km_scale = _token_major_operand(x, group_offs, dtype, margin, rowwise=True)
+        else:
+            x_fp8, x_km, x_scale = quantize_tensorwise_layouts(x, dtype, margin, transposed=need_dw)
+            x_km_scale = x_scale
         if not need_dx:
             w_kn = w_kn_scale = None
         y = _run(GemmKind.M_GROUPED, x_fp8, w_q, x_scale, w_scale, group_offs, out_dtype, num_cu, backend, "fwd", config)
+        if rowwise and need_dw:
+            # Rowwise makes each layout in its own pass: the token-major copy for wgrad only after
+            # the forward's rows copy is freed (one FP8 copy of x less at the forward's peak).
+            del x_fp8
+            x_km, x_km_scale = _token_major_operand(x, group_offs, dtype, margin, rowwise=True)
         # W^T in FP8 is dgrad's alone: held on ctx (not saved) so backward can drop it before the
         # wgrad output is allocated -- unless it belongs to the caller's cache, which keeps it anyway.
         # w itself is saved (a live parameter: no memory) to re-derive it if backward runs again
@@ -198,9 +202,7 @@ class GroupedGemmFP8Function(torch.autograd.Function):
             dy_fp8 = dy_t = None
             if need_dx:
                 dy_fp8, dy_scale = quantize_rowwise(dy, gdtype, margin)
-            if need_dw:
-                dy_t, dy_t_scale = _token_major_operand(dy, group_offs, gdtype, margin, rowwise=True)
-        else:
+        else:  # one pass writes both layouts (tensorwise shares one amax)
             dy_fp8, dy_t, dy_scale = quantize_tensorwise_layouts(dy, gdtype, margin, rows=need_dx, transposed=need_dw)
             dy_t_scale = dy_scale
         if need_dx:
@@ -208,6 +210,8 @@ class GroupedGemmFP8Function(torch.autograd.Function):
                       ctx.x_dtype, ctx.num_cu, ctx.backend, "dgrad", config)
         # dgrad's operands are dead: release them before wgrad allocates dW (the peak of the step).
         del w_kn, dy_fp8
+        if need_dw and rowwise:  # its own pass anyway: made after dgrad's rows copy is freed
+            dy_t, dy_t_scale = _token_major_operand(dy, group_offs, gdtype, margin, rowwise=True)
         if need_dw:
             target = ctx.wgrad_target
             if target is None:
