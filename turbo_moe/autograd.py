@@ -36,6 +36,7 @@ __all__ = [
     "grouped_wgrad_fp8",
     "Float8Weight",
     "WgradTarget",
+    "DeferredWgrad",
     "quantize_weight",
     "grouped_gemm",
     "add_group_bias",
@@ -128,21 +129,51 @@ def quantize_weight(w_nk: torch.Tensor, config: Float8Config, transposed: bool =
     return Float8Weight(w_fp8, w_scale, w_kn, w_kn_scale)
 
 
+class DeferredWgrad:
+    """One backward's ``dW``, to be computed later from the FP8 copies that backward made (dy and x
+    token-major, with their scales): what ``WgradTarget.defer`` receives. It holds FP8 data, half
+    the bytes of the high-precision x and dy a deferred wgrad would otherwise keep."""
+
+    __slots__ = ("_operands", "_num_cu", "_backend", "_config")
+
+    def __init__(self, dy_t, dy_t_scale, x_t, x_t_scale, group_offs, num_cu, backend, config: Float8Config):
+        self._operands = (dy_t, x_t, dy_t_scale, x_t_scale, group_offs)
+        self._num_cu, self._backend, self._config = num_cu, backend, config
+
+    def compute(self, out_dtype: torch.dtype) -> torch.Tensor:
+        """``dW`` ``[G, N, K]`` in ``out_dtype`` (an expert with no tokens gets zeros)."""
+        return _run(GemmKind.K_GROUPED, *self._operands, out_dtype, self._num_cu, self._backend, "wgrad", self._config)
+
+    def accumulate_into(self, buffer: torch.Tensor) -> None:
+        """``buffer += dW``: a float32 buffer in the wgrad kernel's epilogue (no rounding, no separate
+        add; an expert with no tokens leaves its slice as it was), another dtype through ``compute``."""
+        if not isinstance(buffer, torch.Tensor):
+            raise TypeError(f"the wgrad buffer must be a tensor, got {type(buffer).__name__}")
+        if buffer.dtype == torch.float32:  # shape, device: checked by the backend (out_reason)
+            _run(GemmKind.K_GROUPED, *self._operands, torch.float32, self._num_cu, self._backend, "wgrad",
+                 self._config, out=buffer, accumulate=True)
+        else:
+            buffer.add_(self.compute(buffer.dtype))
+
+
 class WgradTarget(NamedTuple):
-    """Where backward puts ``dW`` instead of returning it (Megatron's ``gradient_accumulation_fusion``).
+    """Where backward puts ``dW`` instead of returning it (Megatron's ``gradient_accumulation_fusion``
+    and ``delay_wgrad_compute``).
 
     ``buffer()``: the ``[G, N, K]`` buffer ``dW`` is added into, asked for in backward (so a buffer
-    allocated lazily works); a float32 buffer is accumulated in the wgrad kernel's epilogue (no
-    rounding, no separate add), another dtype gets ``dW`` computed in its dtype, then added.
-    ``placeholder()``: what autograd then receives as the weight's gradient (a placeholder the
-    caller's gradient hooks recognize, or None).
+    allocated lazily works); float32 is accumulated in the wgrad kernel's epilogue, another dtype
+    gets ``dW`` in its dtype, then added. Or ``defer(wgrad)``: backward hands over a
+    ``DeferredWgrad`` for the caller to run later, and computes nothing. ``placeholder()``: what
+    autograd then receives as the weight's gradient (one the caller's gradient hooks recognize);
+    None or absent: no gradient.
 
-    With a target, ``dW`` is computed from the FP8 copies the forward and backward made anyway
-    (x transposed, dy in both layouts): x and dy are each quantized once per fwd+bwd.
+    Either way ``dW`` comes from the FP8 copies the forward and backward made anyway (x and dy
+    token-major): x and dy are each quantized once per fwd+bwd.
     """
 
-    buffer: Callable[[], torch.Tensor]
-    placeholder: Callable[[], Optional[torch.Tensor]]
+    buffer: Optional[Callable[[], torch.Tensor]] = None
+    placeholder: Optional[Callable[[], Optional[torch.Tensor]]] = None
+    defer: Optional[Callable[[DeferredWgrad], None]] = None
 
 
 class GroupedGemmFP8Function(torch.autograd.Function):
@@ -218,16 +249,12 @@ class GroupedGemmFP8Function(torch.autograd.Function):
                 dw = _run(GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs,
                           ctx.w_dtype, ctx.num_cu, ctx.backend, "wgrad", config)
             else:
-                buffer = target.buffer()
-                if not isinstance(buffer, torch.Tensor):
-                    raise TypeError(f"WgradTarget.buffer() must return a tensor, got {type(buffer).__name__}")
-                if buffer.dtype == torch.float32:  # added in the kernel's epilogue (shape etc. checked there)
-                    _run(GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs, torch.float32,
-                         ctx.num_cu, ctx.backend, "wgrad", config, out=buffer, accumulate=True)
+                wgrad = DeferredWgrad(dy_t, dy_t_scale, x_km, x_km_scale, group_offs, ctx.num_cu, ctx.backend, config)
+                if target.defer is not None:
+                    target.defer(wgrad)
                 else:
-                    buffer.add_(_run(GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs,
-                                     buffer.dtype, ctx.num_cu, ctx.backend, "wgrad", config))
-                dw = target.placeholder()
+                    wgrad.accumulate_into(target.buffer())
+                dw = target.placeholder() if target.placeholder is not None else None
         return dx, dw, None, None, None, None, None, None, None
 
 

@@ -10,8 +10,8 @@ import torch
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from .. import autograd as _autograd  # quantize_weight is looked up at call time (tests count it)
-from ..autograd import (WgradTarget, _grouped_gemm_fp8_resolved, _grouped_wgrad_fp8_resolved, add_group_bias,
-                        grouped_gemm)
+from ..autograd import (DeferredWgrad, WgradTarget, _grouped_gemm_fp8_resolved, _grouped_wgrad_fp8_resolved,
+                        add_group_bias, grouped_gemm)
 from ..checks import resolve_group_offs
 from .checkpoint import GroupedLinearCheckpointMixin
 from .main_grad import (
@@ -119,7 +119,7 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
             getattr(config, "delay_wgrad_compute", False)
             or getattr(config, "overlap_dispatch_backward_with_experts_wgrad", False)
         )
-        self._pending_wgrads: List[tuple] = []
+        self._pending_wgrads: List[object] = []  # DeferredWgrad, or (x, dy, offs) in high precision
         # options.num_cu="comm": the cap that leaves the expert-parallel all-to-all its SMs.
         self.num_cu = resolve_num_cu(self.options.num_cu, get_pg_size(getattr(pg_collection, "ep", None)))
         self._fp8_weight_cache = None  # (key, Float8Weight) under options.cache_fp8_weight
@@ -222,6 +222,11 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
             wgrad_target=wgrad_target,
         )
 
+    def _defer_wgrad(self, wgrad) -> None:
+        """Queue a backward's wgrad for ``backward_dw()`` (the queue is looked up at backward time:
+        a forward made before a ``backward_dw()`` whose backward runs after it queues afresh)."""
+        self._pending_wgrads.append(wgrad)
+
     def _main_grad_target(self) -> WgradTarget:
         """dW into ``weight.main_grad`` (asked for in backward), then Megatron's placeholder grad."""
         weight = self.weight
@@ -302,17 +307,18 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
         weight = self.weight
         wants_wgrad = torch.is_grad_enabled() and weight.requires_grad
         fuse_main_grad = wants_wgrad and self._fuses_main_grad()
-        fp8_fine = self.fp8_config is not None and self.fp8_config.fine_grained
-        if fuse_main_grad and self.fp8_config is not None and not fp8_fine and not self.delay_wgrad_compute:
-            # The FP8 GEMM's own backward adds dW into main_grad (fp32: in the wgrad kernel's
-            # epilogue) from the FP8 copies of x and dy it made for the forward and dgrad: each is
-            # quantized once per fwd+bwd.
-            y = self._gemm(x, weight, offs, wgrad_target=self._main_grad_target())
+        per_tensor_fp8 = self.fp8_config is not None and not self.fp8_config.fine_grained
+        if per_tensor_fp8 and wants_wgrad and (self.delay_wgrad_compute or fuse_main_grad):
+            # The FP8 GEMM's own backward makes dW from the FP8 copies of x and dy it made for the
+            # forward and dgrad (each quantized once per fwd+bwd): into main_grad at once (fp32: in
+            # the wgrad kernel's epilogue), or handed over for backward_dw() (delayed wgrad).
+            target = WgradTarget(defer=self._defer_wgrad) if self.delay_wgrad_compute else self._main_grad_target()
+            y = self._gemm(x, weight, offs, wgrad_target=target)
         elif wants_wgrad and (self.delay_wgrad_compute or (fuse_main_grad and self.fp8_config is not None)):
             # The GEMM's backward then computes dgrad only; the wgrad kernel runs from
             # _StashGradOutputForWgrad's backward (fine-grained recipes with a fused main_grad:
             # adding its fp32 result into main_grad in its epilogue) or later from backward_dw()
-            # (delayed wgrad).
+            # (delayed wgrad: high precision and fine-grained recipes).
             y = self._gemm(x, weight.detach(), offs)
             y = _StashGradOutputForWgrad.apply(y, x.detach(), offs, self, weight)
         elif fuse_main_grad:
@@ -379,11 +385,19 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
             return
         weight = self.weight
         pending, self._pending_wgrads = self._pending_wgrads, []
-        for x, dy, offs in pending:
-            if self._fuses_main_grad():
-                self._accumulate_wgrad(x, dy, offs)
-                continue
-            dw = self._wgrad(x, dy, offs, weight.dtype)
+        for item in pending:
+            if isinstance(item, DeferredWgrad):  # per-tensor FP8: the FP8 copies backward made
+                if self._fuses_main_grad():
+                    item.accumulate_into(_main_grad_of(weight))
+                    _mark_grad_added_to_main_grad(weight, weight.dtype)
+                    continue
+                dw = item.compute(weight.dtype)
+            else:  # (x, dy, offs) in high precision: _StashGradOutputForWgrad
+                x, dy, offs = item
+                if self._fuses_main_grad():
+                    self._accumulate_wgrad(x, dy, offs)
+                    continue
+                dw = self._wgrad(x, dy, offs, weight.dtype)
             if weight.grad is None:
                 weight.grad = dw
             else:
