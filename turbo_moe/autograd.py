@@ -20,6 +20,7 @@ second-order gradient. On the meta device every entry infers shapes and dtypes (
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -132,28 +133,39 @@ def quantize_weight(w_nk: torch.Tensor, config: Float8Config, transposed: bool =
 class DeferredWgrad:
     """One backward's ``dW``, to be computed later from the FP8 copies that backward made (dy and x
     token-major, with their scales): what ``WgradTarget.defer`` receives. It holds FP8 data, half
-    the bytes of the high-precision x and dy a deferred wgrad would otherwise keep."""
+    the bytes of the high-precision x and dy a deferred wgrad would otherwise keep.
 
-    __slots__ = ("_operands", "_num_cu", "_backend", "_config")
+    ``run(out_dtype, out=None, accumulate=False)``: the recipe's K-grouped GEMM on those operands.
+    """
 
-    def __init__(self, dy_t, dy_t_scale, x_t, x_t_scale, group_offs, num_cu, backend, config: Float8Config):
-        self._operands = (dy_t, x_t, dy_t_scale, x_t_scale, group_offs)
-        self._num_cu, self._backend, self._config = num_cu, backend, config
+    __slots__ = ("_run",)
+
+    def __init__(self, run: Callable[..., torch.Tensor]):
+        self._run = run
 
     def compute(self, out_dtype: torch.dtype) -> torch.Tensor:
         """``dW`` ``[G, N, K]`` in ``out_dtype`` (an expert with no tokens gets zeros)."""
-        return _run(GemmKind.K_GROUPED, *self._operands, out_dtype, self._num_cu, self._backend, "wgrad", self._config)
+        return self._run(out_dtype)
 
     def accumulate_into(self, buffer: torch.Tensor) -> None:
         """``buffer += dW``: a float32 buffer in the wgrad kernel's epilogue (no rounding, no separate
         add; an expert with no tokens leaves its slice as it was), another dtype through ``compute``."""
         if not isinstance(buffer, torch.Tensor):
             raise TypeError(f"the wgrad buffer must be a tensor, got {type(buffer).__name__}")
-        if buffer.dtype == torch.float32:  # shape, device: checked by the backend (out_reason)
-            _run(GemmKind.K_GROUPED, *self._operands, torch.float32, self._num_cu, self._backend, "wgrad",
-                 self._config, out=buffer, accumulate=True)
+        if buffer.dtype == torch.float32:  # shape, device: checked by the backend
+            self._run(torch.float32, out=buffer, accumulate=True)
         else:
             buffer.add_(self.compute(buffer.dtype))
+
+
+def finish_wgrad(target: "WgradTarget", wgrad: DeferredWgrad) -> Optional[torch.Tensor]:
+    """Hand ``wgrad`` to ``target`` (deferred, or added into its buffer now); returns the gradient
+    autograd receives for the weight. Shared by the per-tensor and fine-grained Functions."""
+    if target.defer is not None:
+        target.defer(wgrad)
+    else:
+        wgrad.accumulate_into(target.buffer())
+    return target.placeholder() if target.placeholder is not None else None
 
 
 class WgradTarget(NamedTuple):
@@ -249,12 +261,9 @@ class GroupedGemmFP8Function(torch.autograd.Function):
                 dw = _run(GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs,
                           ctx.w_dtype, ctx.num_cu, ctx.backend, "wgrad", config)
             else:
-                wgrad = DeferredWgrad(dy_t, dy_t_scale, x_km, x_km_scale, group_offs, ctx.num_cu, ctx.backend, config)
-                if target.defer is not None:
-                    target.defer(wgrad)
-                else:
-                    wgrad.accumulate_into(target.buffer())
-                dw = target.placeholder() if target.placeholder is not None else None
+                dw = finish_wgrad(target, DeferredWgrad(functools.partial(
+                    _run, GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs,
+                    num_cu=ctx.num_cu, backend=ctx.backend, role="wgrad", config=config)))
         return dx, dw, None, None, None, None, None, None, None
 
 
@@ -320,7 +329,7 @@ def _grouped_gemm_fp8_resolved(x, w, offs, *, trans_b=True, config=None, num_cu=
                                w_fp8: Optional[Float8Weight] = None, wgrad_target: Optional[WgradTarget] = None):
     """``grouped_gemm_fp8_with_offs`` on operands and offsets already checked (by ``check_operands``
     and ``checks.resolve_group_offs``): for callers that resolved them once for several uses.
-    ``wgrad_target``: see ``WgradTarget`` (tensorwise and rowwise recipes)."""
+    ``wgrad_target``: see ``WgradTarget``."""
     config = Float8Config() if config is None else config
     if not isinstance(config, Float8Config):
         raise TypeError(f"config must be a turbo_moe.Float8Config, got {type(config).__name__}")
@@ -330,12 +339,9 @@ def _grouped_gemm_fp8_resolved(x, w, offs, *, trans_b=True, config=None, num_cu=
     out_dtype = _autocast_out_dtype(x, out_dtype)
     w_nk = w if trans_b else w.transpose(1, 2)
     if config.fine_grained:  # blockwise / mxfp8: turbo_moe.fine_grained
-        if wgrad_target is not None:
-            raise NotImplementedError("wgrad_target is for tensorwise and rowwise recipes; with "
-                                      f"granularity={config.granularity.value!r} use grouped_wgrad_fp8(main_grad=...)")
         from .fine_grained import grouped_gemm_fine
         return grouped_gemm_fine(x, w_nk, offs, config=config, num_cu=num_cu, backend=backend, out_dtype=out_dtype,
-                                 w_fp8=w_fp8)
+                                 w_fp8=w_fp8, wgrad_target=wgrad_target)
     return GroupedGemmFP8Function.apply(x, w_nk, offs, config, num_cu, backend, out_dtype, w_fp8, wgrad_target)
 
 

@@ -17,6 +17,7 @@ What each GEMM reads (B = 128 blockwise, 32 mxfp8; module doc of ``turbo_moe.fin
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -51,21 +52,24 @@ class FineGrainedFP8Function(torch.autograd.Function):
     """Blockwise / MXFP8 grouped GEMM; ``w`` is passed as ``[G, N, K]``."""
 
     @staticmethod
-    def forward(ctx, x, w_nk, group_offs, config: Float8Config, num_cu, backend, out_dtype, w_fp8=None):
+    def forward(ctx, x, w_nk, group_offs, config: Float8Config, num_cu, backend, out_dtype, w_fp8=None,
+                wgrad_target=None):
         recipe, dtype, margin = recipe_of(config), config.forward_dtype, config.margin
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if w_fp8 is None or (need_dx and w_fp8.data_t is None):
             w_fp8 = quantize_weight_fine(w_nk, config, transposed=need_dx)
         x_q, x_scale = quantize_rows(x, recipe, dtype, margin)
+        y = _gemm(GemmKind.M_GROUPED, x_q, w_fp8.data, x_scale, w_fp8.scale, group_offs, out_dtype, recipe,
+                  num_cu, backend, "fwd")
+        del x_q  # the token-major copy (its own pass anyway) is made once the rows copy is freed
         x_t = x_t_scale = None
         if need_dw:
             x_t, x_t_scale = quantize_tokens(x, group_offs, recipe, dtype, margin)
-        y = _gemm(GemmKind.M_GROUPED, x_q, w_fp8.data, x_scale, w_fp8.scale, group_offs, out_dtype, recipe,
-                  num_cu, backend, "fwd")
         ctx.w_kn = (w_fp8.data_t, w_fp8.scale_t) if need_dx else None  # dgrad's alone: dropped before wgrad
         ctx.save_for_backward(w_nk if need_dx else None, x_t, x_t_scale, group_offs)
         ctx.config, ctx.num_cu, ctx.backend = config, num_cu, backend
         ctx.x_dtype, ctx.w_dtype = x.dtype, w_nk.dtype
+        ctx.wgrad_target = wgrad_target  # turbo_moe.autograd.WgradTarget
         return y
 
     @staticmethod
@@ -88,16 +92,23 @@ class FineGrainedFP8Function(torch.autograd.Function):
             del dy_q, w_kn
         if need_dw:
             dy_t, dy_t_scale = quantize_tokens(dy, group_offs, recipe, gdtype, margin)
-            dw = _gemm(GemmKind.K_GROUPED, dy_t, x_t, dy_t_scale, x_t_scale, group_offs, ctx.w_dtype, recipe,
-                       ctx.num_cu, ctx.backend, "wgrad")
-        return dx, dw, None, None, None, None, None, None
+            if ctx.wgrad_target is None:
+                dw = _gemm(GemmKind.K_GROUPED, dy_t, x_t, dy_t_scale, x_t_scale, group_offs, ctx.w_dtype, recipe,
+                           ctx.num_cu, ctx.backend, "wgrad")
+            else:  # into the caller's buffer, or deferred (turbo_moe.autograd.WgradTarget)
+                from ..autograd import DeferredWgrad, finish_wgrad
+
+                dw = finish_wgrad(ctx.wgrad_target, DeferredWgrad(functools.partial(
+                    _gemm, GemmKind.K_GROUPED, dy_t, x_t, dy_t_scale, x_t_scale, group_offs, recipe=recipe,
+                    num_cu=ctx.num_cu, backend=ctx.backend, role="wgrad")))
+        return dx, dw, None, None, None, None, None, None, None
 
 
 def grouped_gemm_fine(x, w_nk, offs, *, config: Float8Config, num_cu=None, backend="auto", out_dtype=None,
-                      w_fp8=None) -> torch.Tensor:
+                      w_fp8=None, wgrad_target=None) -> torch.Tensor:
     """``turbo_moe.autograd._grouped_gemm_fp8_resolved`` for the fine-grained recipes (operands,
     offsets, config and out_dtype already checked and resolved there)."""
-    return FineGrainedFP8Function.apply(x, w_nk, offs, config, num_cu, backend, out_dtype, w_fp8)
+    return FineGrainedFP8Function.apply(x, w_nk, offs, config, num_cu, backend, out_dtype, w_fp8, wgrad_target)
 
 
 def grouped_wgrad_fine(dy, x, group_offs, *, config: Float8Config, num_cu=None, backend="auto",

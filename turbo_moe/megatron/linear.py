@@ -10,8 +10,7 @@ import torch
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from .. import autograd as _autograd  # quantize_weight is looked up at call time (tests count it)
-from ..autograd import (DeferredWgrad, WgradTarget, _grouped_gemm_fp8_resolved, _grouped_wgrad_fp8_resolved,
-                        add_group_bias, grouped_gemm)
+from ..autograd import DeferredWgrad, WgradTarget, _grouped_gemm_fp8_resolved, add_group_bias, grouped_gemm
 from ..checks import resolve_group_offs
 from .checkpoint import GroupedLinearCheckpointMixin
 from .main_grad import (
@@ -307,18 +306,15 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
         weight = self.weight
         wants_wgrad = torch.is_grad_enabled() and weight.requires_grad
         fuse_main_grad = wants_wgrad and self._fuses_main_grad()
-        per_tensor_fp8 = self.fp8_config is not None and not self.fp8_config.fine_grained
-        if per_tensor_fp8 and wants_wgrad and (self.delay_wgrad_compute or fuse_main_grad):
+        if self.fp8_config is not None and wants_wgrad and (self.delay_wgrad_compute or fuse_main_grad):
             # The FP8 GEMM's own backward makes dW from the FP8 copies of x and dy it made for the
             # forward and dgrad (each quantized once per fwd+bwd): into main_grad at once (fp32: in
             # the wgrad kernel's epilogue), or handed over for backward_dw() (delayed wgrad).
             target = WgradTarget(defer=self._defer_wgrad) if self.delay_wgrad_compute else self._main_grad_target()
             y = self._gemm(x, weight, offs, wgrad_target=target)
-        elif wants_wgrad and (self.delay_wgrad_compute or (fuse_main_grad and self.fp8_config is not None)):
-            # The GEMM's backward then computes dgrad only; the wgrad kernel runs from
-            # _StashGradOutputForWgrad's backward (fine-grained recipes with a fused main_grad:
-            # adding its fp32 result into main_grad in its epilogue) or later from backward_dw()
-            # (delayed wgrad: high precision and fine-grained recipes).
+        elif wants_wgrad and self.delay_wgrad_compute:
+            # High precision: the GEMM's backward computes dgrad only; _StashGradOutputForWgrad's
+            # backward queues (x, dy) for backward_dw().
             y = self._gemm(x, weight.detach(), offs)
             y = _StashGradOutputForWgrad.apply(y, x.detach(), offs, self, weight)
         elif fuse_main_grad:
@@ -345,38 +341,24 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
             hook()
 
     def _wgrad(self, x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """``dW[e] = dy[rows of e]^T @ x[rows of e]``, ``[E, out, in]``; empty experts get zeros."""
-        cfg = self.fp8_config
-        if cfg is None:
-            bounds = offs.tolist()  # the high-precision path loops over experts on the host
-            dw = torch.zeros(self.weight.shape, dtype=out_dtype, device=x.device)
-            for e in range(self.num_gemms):
-                lo, hi = bounds[e], bounds[e + 1]
-                if hi > lo:
-                    dw[e] = (dy[lo:hi].t() @ x[lo:hi]).to(out_dtype)
-            return dw
-        # Quantized exactly as the FP8 autograd function's backward quantizes its wgrad GEMM.
-        return _grouped_wgrad_fp8_resolved(dy, x, offs, config=cfg, num_cu=self.num_cu,
-                                           backend=self.options.backend, out_dtype=out_dtype)
+        """High precision ``dW[e] = dy[rows of e]^T @ x[rows of e]``, ``[E, out, in]``; empty experts
+        get zeros. (FP8 layers make dW in their GEMM's backward: ``DeferredWgrad``.)"""
+        bounds = offs.tolist()  # the high-precision path loops over experts on the host
+        dw = torch.zeros(self.weight.shape, dtype=out_dtype, device=x.device)
+        for e in range(self.num_gemms):
+            lo, hi = bounds[e], bounds[e + 1]
+            if hi > lo:
+                dw[e] = (dy[lo:hi].t() @ x[lo:hi]).to(out_dtype)
+        return dw
 
     def _accumulate_wgrad(self, x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> Optional[torch.Tensor]:
-        """Compute dW; add it into ``main_grad`` when fused (returns the placeholder grad autograd
-        hands back, or None), else return it.
-
-        FP8 with an fp32 ``main_grad``: the wgrad kernel adds its fp32 result into ``main_grad`` in
-        its epilogue (``grouped_wgrad_fp8(main_grad=...)``): no rounding to the weight's dtype, no
-        separate add. Otherwise dW is computed in ``main_grad``'s dtype and added.
-        """
+        """High precision: compute dW; add it into ``main_grad`` when fused (in ``main_grad``'s dtype;
+        returns the placeholder grad autograd hands back, or None), else return it."""
         weight = self.weight
         if not self._fuses_main_grad():
             return self._wgrad(x, dy, offs, weight.dtype)
         main_grad = _main_grad_of(weight)
-        cfg = self.fp8_config
-        if cfg is not None and main_grad.dtype == torch.float32:
-            _grouped_wgrad_fp8_resolved(dy, x, offs, config=cfg, num_cu=self.num_cu,
-                                        backend=self.options.backend, main_grad=main_grad)
-        else:
-            main_grad.add_(self._wgrad(x, dy, offs, main_grad.dtype))
+        main_grad.add_(self._wgrad(x, dy, offs, main_grad.dtype))
         return _mark_grad_added_to_main_grad(weight, weight.dtype)
 
     def backward_dw(self) -> None:
@@ -386,13 +368,13 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
         weight = self.weight
         pending, self._pending_wgrads = self._pending_wgrads, []
         for item in pending:
-            if isinstance(item, DeferredWgrad):  # per-tensor FP8: the FP8 copies backward made
+            if isinstance(item, DeferredWgrad):  # FP8: the FP8 copies backward made
                 if self._fuses_main_grad():
                     item.accumulate_into(_main_grad_of(weight))
                     _mark_grad_added_to_main_grad(weight, weight.dtype)
                     continue
                 dw = item.compute(weight.dtype)
-            else:  # (x, dy, offs) in high precision: _StashGradOutputForWgrad
+            else:  # high precision: (x, dy, offs) from _StashGradOutputForWgrad
                 x, dy, offs = item
                 if self._fuses_main_grad():
                     self._accumulate_wgrad(x, dy, offs)

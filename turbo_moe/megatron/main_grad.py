@@ -1,6 +1,6 @@
 """Autograd helpers of the grouped linear: ``main_grad`` accumulation (Megatron's
-``gradient_accumulation_fusion``), the gradient-output stash that runs the wgrad kernel (at once
-or delayed), and the invalidation of the FP8 weight caches after optimizer steps."""
+``gradient_accumulation_fusion``), the gradient-output stash of high-precision delayed wgrad, and
+the invalidation of the FP8 weight caches after optimizer steps."""
 
 from __future__ import annotations
 
@@ -150,8 +150,9 @@ class _AccumulateWgradIntoMainGrad(torch.autograd.Function):
 
 
 class _StashGradOutputForWgrad(torch.autograd.Function):
-    """Identity on the GEMM output whose backward runs the layer's wgrad from ``(x, dy)``: queued
-    for ``backward_dw()`` under delayed wgrad, else at once (into ``main_grad``)."""
+    """Identity on a high-precision GEMM's output whose backward queues ``(x, dy)`` for the layer's
+    ``backward_dw()`` (delayed wgrad; FP8 layers queue a ``DeferredWgrad`` from their GEMM's own
+    backward instead)."""
 
     @staticmethod
     def forward(ctx, y, x, group_offs, layer, weight):
@@ -165,8 +166,5 @@ class _StashGradOutputForWgrad(torch.autograd.Function):
     def backward(ctx, dy):
         x, group_offs = ctx.saved_tensors
         layer, ctx.layer = ctx.layer, None
-        if layer.delay_wgrad_compute:
-            layer._pending_wgrads.append((x, dy.detach(), group_offs))
-            return dy, None, None, None, None
-        return dy, None, None, None, layer._accumulate_wgrad(x, dy.detach(), group_offs)
-
+        layer._pending_wgrads.append((x, dy.detach(), group_offs))
+        return dy, None, None, None, None
