@@ -192,6 +192,15 @@ def test_triton_kernels_accumulate_in_fp32_under_interpreter(interpreter_results
             _check_report(report, name)
 
 
+def _target_inputs(seed, lens, n, k):
+    """(generator, offsets, x [M, k], w [G, n, k], dy [M, n]) with x and w requiring grad."""
+    gen = torch.Generator().manual_seed(seed)
+    offs = torch.tensor([0] + lens).cumsum(0)
+    x = torch.randn(sum(lens), k, generator=gen).requires_grad_()
+    w = (torch.randn(len(lens), n, k, generator=gen) / k**0.5).requires_grad_()
+    return gen, offs, x, w, torch.randn(sum(lens), n, generator=gen)
+
+
 @pytest.mark.parametrize("granularity", ["tensorwise", "rowwise", "blockwise", "mxfp8"])
 @pytest.mark.parametrize("buffer_dtype", [torch.float32, torch.bfloat16])
 def test_wgrad_target_accumulates_dw_and_hands_back_the_placeholder(buffer_dtype, granularity):
@@ -202,12 +211,7 @@ def test_wgrad_target_accumulates_dw_and_hands_back_the_placeholder(buffer_dtype
     from turbo_moe import Float8Config
     from turbo_moe.autograd import WgradTarget, _grouped_gemm_fp8_resolved, grouped_gemm_fp8, grouped_wgrad_fp8
 
-    gen = torch.Generator().manual_seed(31)
-    lens = [7, 0, 12, 5]
-    offs = torch.tensor([0] + lens).cumsum(0)
-    x = torch.randn(sum(lens), 48, generator=gen).requires_grad_()
-    w = (torch.randn(4, 40, 48, generator=gen) / 7).requires_grad_()
-    dy = torch.randn(sum(lens), 40, generator=gen)
+    gen, offs, x, w, dy = _target_inputs(31, [7, 0, 12, 5], n=40, k=48)
     buffer = torch.randn(4, 40, 48, generator=gen).to(buffer_dtype)
     start = buffer.clone()
     placeholder = torch.full_like(w, 3.0)
@@ -234,12 +238,7 @@ def test_wgrad_target_defers_dw_from_the_fp8_copies(granularity):
     from turbo_moe import Float8Config
     from turbo_moe.autograd import DeferredWgrad, WgradTarget, _grouped_gemm_fp8_resolved, grouped_wgrad_fp8
 
-    gen = torch.Generator().manual_seed(32)
-    lens = [0, 9, 14, 3]
-    offs = torch.tensor([0] + lens).cumsum(0)
-    x = torch.randn(sum(lens), 64, generator=gen).requires_grad_()
-    w = (torch.randn(4, 32, 64, generator=gen) / 8).requires_grad_()
-    dy = torch.randn(sum(lens), 32, generator=gen)
+    gen, offs, x, w, dy = _target_inputs(32, [0, 9, 14, 3], n=32, k=64)
     queued = []
     cfg = Float8Config(granularity=granularity)
     _grouped_gemm_fp8_resolved(x, w, offs, config=cfg, backend="torch",
