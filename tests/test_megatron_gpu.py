@@ -173,9 +173,14 @@ def test_experts_cuda_graph_replays_new_routing(world, fp8):
         previous = got_out
 
 
-def test_main_grad_and_delayed_wgrad_on_gpu(world):
+@pytest.mark.parametrize("granularity", ["tensorwise", "blockwise"])
+@pytest.mark.parametrize("delayed", [False, True])
+def test_main_grad_and_delayed_wgrad_on_gpu(world, delayed, granularity):
+    """fp32 main_grad filled by the FP8 GEMM's own backward (WgradTarget): at once, or from the
+    DeferredWgrad that backward_dw() runs."""
+    options = dict(fp8="e4m3", granularity=granularity, backend="triton")
     config = _gpu_config(num_moe_experts=4)
-    base = tm.TurboMoEGroupedMLP(4, config, pg_collection=_pg(), options=tm.TurboMoEOptions(fp8="e4m3", backend="triton"))
+    base = tm.TurboMoEGroupedMLP(4, config, pg_collection=_pg(), options=tm.TurboMoEOptions(**options))
     randomize_(base, scale=0.05, seed=25)
     x, tpe, probs = _routing([100, 0, 37, 91], 26)
     x, tpe, probs = x.cuda(), tpe.cuda(), probs.cuda()
@@ -184,15 +189,16 @@ def test_main_grad_and_delayed_wgrad_on_gpu(world):
 
     cfg = _gpu_config(num_moe_experts=4)
     cfg.gradient_accumulation_fusion = True
-    cfg.delay_wgrad_compute = True  # set after __post_init__, which wants EP comm overlap for it
-    layer = tm.TurboMoEGroupedMLP(4, cfg, pg_collection=_pg(), options=tm.TurboMoEOptions(fp8="e4m3", backend="triton"))
+    cfg.delay_wgrad_compute = delayed  # set after __post_init__, which wants EP comm overlap for it
+    layer = tm.TurboMoEGroupedMLP(4, cfg, pg_collection=_pg(), options=tm.TurboMoEOptions(**options))
     layer.load_state_dict(base.state_dict())
     for p in layer.parameters():
         p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         p.grad_added_to_main_grad = False
     layer(x, tpe, probs)[0].float().square().sum().backward()
-    assert all(torch.count_nonzero(p.main_grad) == 0 for p in layer.parameters())  # wgrad deferred
-    layer.backward_dw()
+    if delayed:
+        assert all(torch.count_nonzero(p.main_grad) == 0 for p in layer.parameters())  # wgrad deferred
+        layer.backward_dw()
     torch.cuda.synchronize()
     for n, ref in expected.items():
         w = getattr(layer, n).weight
