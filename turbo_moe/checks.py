@@ -19,7 +19,9 @@ What is checked where (no check may add a host sync on a GPU, or CUDA-graph capt
 ``resolve_group_offs``) returned are remembered by identity and version: handed back unchanged
 for the same ``M`` (a Megatron expert MLP resolves its routing once and gives the offsets to fc1,
 fc2 and the bias), they are returned at once instead of checked and clamped again (one launch and
-one allocation each); any in-place change bumps their version and they are checked again.
+one allocation each); any in-place change bumps their version and they are checked again
+(writes through ``.data``, which bypass the version counter, are not seen: don't edit offsets
+that way between calls).
 """
 
 from __future__ import annotations
