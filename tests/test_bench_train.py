@@ -246,6 +246,59 @@ def test_train_preset_cpu_smoke(tmp_path):
 
 
 @needs_megatron
+def test_main_grad_fusion_accumulates_expert_weights_in_main_grad():
+    """``--train-main-grad``: the expert weights' gradients accumulate in float32 main_grad (their
+    placeholder .grad dropped, as Megatron's DDP does); the other parameters keep .grad; one
+    optimizer step gives the same parameters as without it (float32 on the CPU: the same sums)."""
+    from turbo_moe.bench.text_corpus import BatchSampler, load_corpus
+    from turbo_moe.bench.train_model import (CPU_CONFIGS, MasterWeightAdam, build_model, canonical_state,
+                                             experts_of, load_canonical_state, megatron_world)
+    from turbo_moe.bench.train_step import _Inputs, _optimizer_step
+
+    cfg = CPU_CONFIGS["moderate"]
+    cpu = torch.device("cpu")
+    corpus = load_corpus(SMALL_CORPUS)
+    results = {}
+    with megatron_world(cpu):
+        state = None
+        for fused in (False, True):
+            torch.manual_seed(0)
+            model = build_model(cfg, "fp8-tensorwise", cpu, backend="torch", main_grad_fusion=fused)
+            if state is None:
+                state = canonical_state(model)
+            load_canonical_state(model, state)
+            opt = MasterWeightAdam(model.parameters(), lr=1e-3, main_grads=fused)
+            sampler = BatchSampler(corpus, cfg.seq, cfg.mbs, 1, 3, 1, cpu, seed=0)
+            opt.zero_grad()
+            opt.step = lambda: None  # look at the gradients before the update
+            _optimizer_step(model, opt, sampler, 0, _Inputs(cfg, cpu), torch.zeros(()))
+            weights = [e.linear_fc1.weight for e in experts_of(model)] + [e.linear_fc2.weight for e in experts_of(model)]
+            if fused:
+                for w in weights:
+                    assert w.grad_added_to_main_grad and w.grad is None and w.main_grad.abs().sum() > 0
+                others = [p for p in model.parameters() if all(p is not w for w in weights)]
+                assert all(not p.grad_added_to_main_grad for p in others) and any(p.grad is not None for p in others)
+                results[fused] = [w.main_grad.clone() for w in weights]
+            else:
+                results[fused] = [w.grad.clone() for w in weights]
+    for a, b in zip(results[False], results[True]):
+        assert torch.equal(a, b)
+
+
+@needs_megatron
+def test_train_preset_with_main_grad_runs_every_recipe(tmp_path):
+    out = tmp_path / "main_grad"
+    rc = cli.main(["--preset", "train", "--device", "cpu", "--corpus-bytes", str(SMALL_CORPUS), "--out", str(out),
+                   "--train-configs", "moderate", "--variants", "turbo-bf16,fp8-tensorwise,fp8-mxfp8",
+                   "--train-main-grad", "--train-steps", "2", "--no-profile"])
+    assert rc == 0
+    result = json.loads((out / "results.json").read_text())
+    assert result["meta"]["args"]["train_main_grad"] is True
+    for r in result["records"]:
+        assert r["status"] == "ok" and r["main_grad"] is True and all(math.isfinite(x) for x in r["loss_curve"]), r
+
+
+@needs_megatron
 def test_train_preset_time_budget_and_bad_arguments(tmp_path, capsys):
     out = tmp_path / "budget"
     rc = cli.main(["--preset", "train", "--device", "cpu", "--corpus-bytes", str(SMALL_CORPUS), "--time-budget", "0",

@@ -157,8 +157,13 @@ def _transformer_config(cfg: TrainConfig, device: torch.device):
 
 
 def build_model(cfg: TrainConfig, variant: str, device: torch.device, fp8_format: str = "hybrid",
-                backend: str = "auto"):
-    """A Megatron-core GPTModel (byte vocabulary, RoPE) with the variant's experts, on ``device``."""
+                backend: str = "auto", main_grad_fusion: bool = False):
+    """A Megatron-core GPTModel (byte vocabulary, RoPE) with the variant's experts, on ``device``.
+
+    ``main_grad_fusion``: ``config.gradient_accumulation_fusion`` on for turbo_moe's expert linears
+    (they read it when they run; Megatron's own dense linears read it when built, and need APEX
+    for it, so they are built without it): with ``MasterWeightAdam(main_grads=True)`` their weight
+    gradients accumulate in float32 ``main_grad`` buffers, as under Megatron's DDP."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -184,6 +189,7 @@ def build_model(cfg: TrainConfig, variant: str, device: torch.device, fp8_format
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
+    config.gradient_accumulation_fusion = main_grad_fusion
     return model.to(device)
 
 
@@ -254,10 +260,16 @@ class MasterWeightAdam:
     gradients have accumulated in ``param.grad`` (bf16), they are copied into float32 master
     gradients, clipped, Adam updates the float32 masters (fused kernel on CUDA), and the
     parameters are overwritten with the rounded masters. float32 parameters are updated in place.
+
+    ``main_grads``: as under Megatron's DDP, every parameter gets a float32 ``main_grad`` (a
+    low-precision parameter's is its master's gradient) and ``grad_added_to_main_grad``; a layer
+    that accumulates its weight gradient there (``gradient_accumulation_fusion``) sets the flag
+    and hands autograd a placeholder, which a post-accumulate hook drops (DDP's hook does the same);
+    the other parameters' ``.grad`` is taken as before.
     """
 
     def __init__(self, params, lr: float, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
-                 clip_grad: Optional[float] = 1.0):
+                 clip_grad: Optional[float] = 1.0, main_grads: bool = False):
         self.params = [p for p in params if p.requires_grad]
         self.low = [p for p in self.params if p.dtype != torch.float32]
         self.masters = [p.detach().float().clone() for p in self.low]
@@ -265,6 +277,15 @@ class MasterWeightAdam:
             m.grad = torch.zeros_like(m)
         self.fp32 = [p for p in self.params if p.dtype == torch.float32]
         self.clip_grad = clip_grad
+        self.main_grads = main_grads
+        if main_grads:
+            for p, m in zip(self.low, self.masters):
+                p.main_grad = m.grad
+            for p in self.fp32:
+                p.main_grad = torch.zeros_like(p)
+            for p in self.params:
+                p.grad_added_to_main_grad = False
+                p.register_post_accumulate_grad_hook(_drop_placeholder_grad)
         on_cuda = bool(self.params) and self.params[0].is_cuda
         self.inner = torch.optim.Adam(self.masters + self.fp32, lr=lr, betas=betas, eps=eps,
                                       weight_decay=weight_decay, **({"fused": True} if on_cuda else {}))
@@ -276,16 +297,32 @@ class MasterWeightAdam:
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+        if self.main_grads:
+            torch._foreach_zero_([p.main_grad for p in self.params])
+            for p in self.params:
+                p.grad_added_to_main_grad = False
 
     @torch.no_grad()
     def step(self) -> None:
-        for p in self.params:  # an unused parameter (no token reached it) gets a zero gradient
-            if p.grad is None:
+        for p in self.params:
+            if getattr(p, "grad_added_to_main_grad", False):  # accumulated in main_grad already
+                if p.dtype == torch.float32:
+                    p.grad = p.main_grad  # what the inner Adam reads
+            elif p.grad is None:  # an unused parameter (no token reached it) gets a zero gradient
                 p.grad = torch.zeros_like(p)
-        if self.low:
-            torch._foreach_copy_([m.grad for m in self.masters], [p.grad for p in self.low])
+        copies = [(m.grad, p.grad) for p, m in zip(self.low, self.masters)
+                  if not getattr(p, "grad_added_to_main_grad", False)]
+        if copies:
+            torch._foreach_copy_([m for m, _ in copies], [g for _, g in copies])
         if self.clip_grad:
             torch.nn.utils.clip_grad_norm_(self.masters + self.fp32, self.clip_grad, foreach=True)
         self.inner.step()
         if self.low:
             torch._foreach_copy_(self.low, self.masters)
+
+
+def _drop_placeholder_grad(param: torch.Tensor) -> None:
+    """Post-accumulate hook: the weight gradient went into ``main_grad``; ``.grad`` holds
+    Megatron's placeholder, which Megatron's DDP hook drops the same way."""
+    if getattr(param, "grad_added_to_main_grad", False):
+        param.grad = None

@@ -134,6 +134,10 @@ def _loss(model, tokens, labels, inputs: _Inputs) -> torch.Tensor:
 def _optimizer_step(model, opt, sampler: BatchSampler, step: int, inputs: _Inputs, loss_out: torch.Tensor) -> None:
     """One optimizer step: micro-batches of gradient accumulation, then Adam. No host sync here."""
     opt.zero_grad()
+    if hasattr(model, "set_is_first_microbatch"):
+        # What Megatron's schedules do at each step's first micro-batch: layers that keep FP8
+        # weights across micro-batches (turbo_moe's cache_fp8_weight="auto", TE) refresh them here.
+        model.set_is_first_microbatch()
     micro = sampler.micro_batches
     for j in range(micro):
         tokens, labels = sampler.train(step, j)
@@ -172,13 +176,16 @@ def train_variant(cfg: TrainConfig, variant: str, corpus: TextCorpus, args, devi
     model = opt = sampler = None
     try:
         torch.manual_seed(args.seed)
-        model = build_model(cfg, variant, device, fp8_format=args.format, backend=args.backends[0])
+        main_grad = bool(getattr(args, "train_main_grad", False))
+        rec["main_grad"] = main_grad
+        model = build_model(cfg, variant, device, fp8_format=args.format, backend=args.backends[0],
+                            main_grad_fusion=main_grad)
         rec["experts"] = type(experts_of(model)[0]).__name__
         if cfg.name in init_states:
             load_canonical_state(model, init_states[cfg.name])
         else:
             init_states[cfg.name] = canonical_state(model)
-        opt = MasterWeightAdam(model.parameters(), lr=args.lr)
+        opt = MasterWeightAdam(model.parameters(), lr=args.lr, main_grads=main_grad)
         sampler = BatchSampler(corpus, cfg.seq, cfg.mbs, steps, args.micro_batches, args.eval_batches, device,
                                seed=args.seed)
         inputs = _Inputs(cfg, device)
@@ -293,6 +300,10 @@ def add_train_arguments(parser) -> None:
     g.add_argument("--variants", "--train-variants", dest="variants", type=_csv, default=list(DEFAULT_TRAIN_VARIANTS),
                    help=f"comma list of {','.join(TRAIN_VARIANTS)} (default {','.join(DEFAULT_TRAIN_VARIANTS)}; "
                         "the fine-grained fp8-blockwise and fp8-mxfp8 are opt-in)")
+    g.add_argument("--train-main-grad", action="store_true",
+                   help="as under Megatron's DDP: float32 main_grad buffers, gradient_accumulation_fusion on for "
+                        "turbo_moe's expert linears (their wgrad adds into main_grad; the FP8 weight cache follows "
+                        "Megatron's first-micro-batch flag)")
     g.add_argument("--train-steps", type=int, default=None,
                    help="optimizer steps of the loss-curve configs (moderate); default 200 (cpu 4)")
     g.add_argument("--timed-steps", type=int, default=None, help="timed steps of the other configs; default 30 (cpu 2)")
