@@ -134,10 +134,7 @@ def _loss(model, tokens, labels, inputs: _Inputs) -> torch.Tensor:
 def _optimizer_step(model, opt, sampler: BatchSampler, step: int, inputs: _Inputs, loss_out: torch.Tensor) -> None:
     """One optimizer step: micro-batches of gradient accumulation, then Adam. No host sync here."""
     opt.zero_grad()
-    if hasattr(model, "set_is_first_microbatch"):
-        # What Megatron's schedules do at each step's first micro-batch: layers that keep FP8
-        # weights across micro-batches (turbo_moe's cache_fp8_weight="auto", TE) refresh them here.
-        model.set_is_first_microbatch()
+    _set_first_microbatch(model)
     micro = sampler.micro_batches
     for j in range(micro):
         tokens, labels = sampler.train(step, j)
@@ -145,6 +142,20 @@ def _optimizer_step(model, opt, sampler: BatchSampler, step: int, inputs: _Input
         (loss / micro).backward()
         loss_out.add_(loss.detach() / micro)
     opt.step()
+
+
+def _set_first_microbatch(model) -> None:
+    """What Megatron's schedules do at each step's first micro-batch of an FP8 run
+    (``MegatronModule.set_is_first_microbatch``): layers that keep FP8 weights across micro-batches
+    (turbo_moe's ``cache_fp8_weight="auto"``, TE) refresh them now. Megatron's method acts only
+    when ``config.fp8`` is set; turbo_moe's experts are FP8 by their own options here, so the flag
+    is set directly, on the same modules."""
+    modules = getattr(model, "_bench_first_microbatch_modules", None)
+    if modules is None:
+        modules = [m for m in model.modules() if hasattr(m, "is_first_microbatch")]
+        model._bench_first_microbatch_modules = modules
+    for m in modules:
+        m.is_first_microbatch = True
 
 
 @torch.no_grad()
