@@ -286,6 +286,37 @@ def test_main_grad_fusion_accumulates_expert_weights_in_main_grad():
 
 
 @needs_megatron
+def test_main_grad_training_quantizes_each_expert_weight_once_per_step(monkeypatch):
+    """Under --train-main-grad the expert weights are DDP-like (main_grad, updated behind the
+    cache's back as Megatron's optimizer does); the bench drives is_first_microbatch as Megatron's
+    schedules do, so "auto" caching quantizes every micro-batch in the first step (the flag not yet
+    seen driven) and once per step after that."""
+    import turbo_moe.autograd as autograd_module
+    from turbo_moe.bench.text_corpus import BatchSampler, load_corpus
+    from turbo_moe.bench.train_model import CPU_CONFIGS, MasterWeightAdam, build_model, experts_of, megatron_world
+    from turbo_moe.bench.train_step import _Inputs, _optimizer_step
+
+    cfg = CPU_CONFIGS["moderate"]
+    cpu = torch.device("cpu")
+    calls = []
+    real = autograd_module.quantize_weight
+    monkeypatch.setattr(autograd_module, "quantize_weight", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    with megatron_world(cpu):
+        torch.manual_seed(0)
+        model = build_model(cfg, "fp8-tensorwise", cpu, backend="torch", main_grad_fusion=True)
+        linears = 2 * len(experts_of(model))
+        opt = MasterWeightAdam(model.parameters(), lr=1e-3, main_grads=True)
+        micro = 3
+        sampler = BatchSampler(load_corpus(SMALL_CORPUS), cfg.seq, cfg.mbs, 3, micro, 1, cpu, seed=0)
+        per_step = []
+        for step in range(3):
+            calls.clear()
+            _optimizer_step(model, opt, sampler, step, _Inputs(cfg, cpu), torch.zeros(()))
+            per_step.append(len(calls))
+    assert per_step == [micro * linears, linears, linears], per_step
+
+
+@needs_megatron
 def test_train_preset_with_main_grad_runs_every_recipe(tmp_path):
     out = tmp_path / "main_grad"
     rc = cli.main(["--preset", "train", "--device", "cpu", "--corpus-bytes", str(SMALL_CORPUS), "--out", str(out),
