@@ -230,6 +230,24 @@ def test_wgrad_target_accumulates_dw_and_hands_back_the_placeholder(buffer_dtype
     assert torch.equal(x.grad, x2.grad)
 
 
+@pytest.mark.parametrize("granularity", ["tensorwise", "mxfp8"])
+def test_wgrad_target_refuses_a_buffer_of_the_wrong_shape(granularity):
+    """A main_grad that does not match dW (e.g. a sharding mistake) raises, naming out's shape,
+    instead of broadcasting into it."""
+    from turbo_moe import Float8Config
+    from turbo_moe.autograd import WgradTarget, _grouped_gemm_fp8_resolved
+
+    _, offs, x, w, dy = _target_inputs(33, [5, 11, 0, 16], n=32, k=64)
+    wrong = torch.zeros(4, 32, 32)  # K halved
+    y = _grouped_gemm_fp8_resolved(x, w, offs, config=Float8Config(granularity=granularity), backend="torch",
+                                   wgrad_target=WgradTarget(buffer=lambda: wrong))
+    from turbo_moe.backends import BackendUnavailable
+
+    with pytest.raises((ValueError, BackendUnavailable), match="out must"):
+        y.backward(dy)
+    assert torch.count_nonzero(wrong) == 0
+
+
 @pytest.mark.parametrize("granularity", ["tensorwise", "blockwise"])
 def test_wgrad_target_defers_dw_from_the_fp8_copies(granularity):
     """``WgradTarget(defer=...)``: backward computes dx, hands over a ``DeferredWgrad`` and returns no
