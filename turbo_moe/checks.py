@@ -159,8 +159,8 @@ def _remember(offs: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 def _already_checked(offs: torch.Tensor, num_rows: int) -> bool:
     entry = _checked.get(id(offs))
-    return (entry is not None and entry[0]() is offs and entry[2] == num_rows
-            and not offs.is_inference() and entry[1] == offs._version)
+    # A live entry is for this very tensor, never an inference one (those are not remembered).
+    return entry is not None and entry[0]() is offs and entry[2] == num_rows and entry[1] == offs._version
 
 
 def _offsets_kernel(t: torch.Tensor):

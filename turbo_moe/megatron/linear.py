@@ -118,7 +118,7 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
             getattr(config, "delay_wgrad_compute", False)
             or getattr(config, "overlap_dispatch_backward_with_experts_wgrad", False)
         )
-        self._pending_wgrads: List[object] = []  # DeferredWgrad, or (x, dy, offs) in high precision
+        self._pending_wgrads: List[DeferredWgrad] = []  # the wgrads backward_dw() runs
         # options.num_cu="comm": the cap that leaves the expert-parallel all-to-all its SMs.
         self.num_cu = resolve_num_cu(self.options.num_cu, get_pg_size(getattr(pg_collection, "ep", None)))
         self._fp8_weight_cache = None  # (key, Float8Weight) under options.cache_fp8_weight
@@ -340,26 +340,20 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
         for hook in self._wgrad_accumulation_and_reduce_hooks:
             hook()
 
-    def _wgrad(self, x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def _wgrad(self, x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype,
+               out: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
         """High precision ``dW[e] = dy[rows of e]^T @ x[rows of e]``, ``[E, out, in]``; empty experts
-        get zeros. (FP8 layers make dW in their GEMM's backward: ``DeferredWgrad``.)"""
+        get zeros; with ``out`` and ``accumulate``, added into ``out`` (the runner of the
+        ``DeferredWgrad`` that high-precision delayed wgrad queues; FP8 layers queue their GEMM's)."""
         bounds = offs.tolist()  # the high-precision path loops over experts on the host
         dw = torch.zeros(self.weight.shape, dtype=out_dtype, device=x.device)
         for e in range(self.num_gemms):
             lo, hi = bounds[e], bounds[e + 1]
             if hi > lo:
                 dw[e] = (dy[lo:hi].t() @ x[lo:hi]).to(out_dtype)
+        if out is not None and accumulate:
+            return out.add_(dw)
         return dw
-
-    def _accumulate_wgrad(self, x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> Optional[torch.Tensor]:
-        """High precision: compute dW; add it into ``main_grad`` when fused (in ``main_grad``'s dtype;
-        returns the placeholder grad autograd hands back, or None), else return it."""
-        weight = self.weight
-        if not self._fuses_main_grad():
-            return self._wgrad(x, dy, offs, weight.dtype)
-        main_grad = _main_grad_of(weight)
-        main_grad.add_(self._wgrad(x, dy, offs, main_grad.dtype))
-        return _mark_grad_added_to_main_grad(weight, weight.dtype)
 
     def backward_dw(self) -> None:
         """Compute the weight gradients deferred by ``delay_wgrad_compute`` (no-op otherwise)."""
@@ -367,26 +361,18 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
             return
         weight = self.weight
         pending, self._pending_wgrads = self._pending_wgrads, []
-        for item in pending:
-            if isinstance(item, DeferredWgrad):  # FP8: the FP8 copies backward made
-                if self._fuses_main_grad():
-                    item.accumulate_into(_main_grad_of(weight))
-                    _mark_grad_added_to_main_grad(weight, weight.dtype)
-                    continue
-                dw = item.compute(weight.dtype)
-            else:  # high precision: (x, dy, offs) from _StashGradOutputForWgrad
-                x, dy, offs = item
-                if self._fuses_main_grad():
-                    self._accumulate_wgrad(x, dy, offs)
-                    continue
-                dw = self._wgrad(x, dy, offs, weight.dtype)
+        for wgrad in pending:  # DeferredWgrad: FP8 copies (FP8 layers) or (x, dy) (high precision)
+            if self._fuses_main_grad():
+                wgrad.accumulate_into(_main_grad_of(weight))
+                _mark_grad_added_to_main_grad(weight, weight.dtype)
+                continue
+            dw = wgrad.compute(weight.dtype)
             if weight.grad is None:
                 weight.grad = dw
             else:
                 weight.grad += dw
         if pending:
             self._trigger_wgrad_accumulation_and_reduce_hooks()
-
 
     def extra_repr(self) -> str:
         fp8 = "off" if self.fp8_config is None else (

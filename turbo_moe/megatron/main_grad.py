@@ -150,9 +150,9 @@ class _AccumulateWgradIntoMainGrad(torch.autograd.Function):
 
 
 class _StashGradOutputForWgrad(torch.autograd.Function):
-    """Identity on a high-precision GEMM's output whose backward queues ``(x, dy)`` for the layer's
-    ``backward_dw()`` (delayed wgrad; FP8 layers queue a ``DeferredWgrad`` from their GEMM's own
-    backward instead)."""
+    """Identity on a high-precision GEMM's output whose backward queues a ``DeferredWgrad`` over
+    ``(x, dy)`` for the layer's ``backward_dw()`` (delayed wgrad; FP8 layers queue one from their
+    GEMM's own backward instead)."""
 
     @staticmethod
     def forward(ctx, y, x, group_offs, layer, weight):
@@ -164,7 +164,9 @@ class _StashGradOutputForWgrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        from ..autograd import DeferredWgrad
+
         x, group_offs = ctx.saved_tensors
         layer, ctx.layer = ctx.layer, None
-        layer._pending_wgrads.append((x, dy.detach(), group_offs))
+        layer._defer_wgrad(DeferredWgrad(functools.partial(layer._wgrad, x, dy.detach(), group_offs)))
         return dy, None, None, None, None
