@@ -174,6 +174,22 @@ def _interpreter_child() -> dict:
     expected = main_grad + grouped_wgrad_fp8(dy, x, offs, backend="triton", out_dtype=torch.float32)
     got = grouped_wgrad_fp8(dy, x, offs, config=Float8Config(), backend="triton", main_grad=main_grad)
     results["grouped_wgrad_fp8"] = {"bits_equal_fp32_reference": bool(got is main_grad and torch.equal(got, expected))}
+    # The GEMM's own backward into a WgradTarget (Megatron's fused main_grad), per-tensor and
+    # blockwise Triton kernels: the same bits as grouped_wgrad_fp8(main_grad=...) on the same inputs.
+    from turbo_moe.autograd import WgradTarget, _grouped_gemm_fp8_resolved
+
+    w = torch.randn(3, 24, 16, generator=gen).bfloat16()
+    for granularity in ("tensorwise", "rowwise", "blockwise"):
+        cfg = Float8Config(format="hybrid", granularity=granularity)
+        start = torch.randn(3, 24, 16, generator=gen)
+        target_buffer, reference = start.clone(), start.clone()
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = _grouped_gemm_fp8_resolved(xx, ww, offs, config=cfg, backend="triton",
+                                       wgrad_target=WgradTarget(buffer=lambda: target_buffer))
+        y.backward(dy)
+        grouped_wgrad_fp8(dy, x, offs, config=cfg, backend="triton", main_grad=reference)
+        results[f"wgrad_target_{granularity}"] = {
+            "bits_equal_fp32_reference": bool(torch.equal(target_buffer, reference) and ww.grad is None)}
     return results
 
 
@@ -183,10 +199,12 @@ def interpreter_results():
 
 
 def test_triton_kernels_accumulate_in_fp32_under_interpreter(interpreter_results):
-    kernels = {name.split("_")[0] for name in interpreter_results if name != "grouped_wgrad_fp8"}
+    entry_points = {"grouped_wgrad_fp8", "wgrad_target_tensorwise", "wgrad_target_rowwise", "wgrad_target_blockwise"}
+    assert entry_points <= set(interpreter_results), sorted(interpreter_results)
+    kernels = {name.split("_")[0] for name in interpreter_results if name not in entry_points}
     assert kernels == {"tma", "pointer"}, f"both K-grouped kernels must run: {sorted(interpreter_results)}"
     for name, report in interpreter_results.items():
-        if name == "grouped_wgrad_fp8":
+        if name in entry_points:
             assert report["bits_equal_fp32_reference"], name
         else:
             _check_report(report, name)
