@@ -22,6 +22,7 @@ first candidate, and does not cache it. So: run one eager step first, capture af
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -255,8 +256,7 @@ class TritonBackend(GroupedGemmBackend):
             flags.update(num_warps=config.num_warps, num_stages=config.num_stages)
         return _LaunchPlan(
             kind=problem.kind, config=config, grid=(ts.persistent_grid_size(bound, limit),), use_tma=use_tma,
-            tma_store=tma_store, accumulate=problem.accumulate, promote_accumulation=problem.promote_accumulation,
-            a_rowwise=a_rowwise, b_rowwise=b_rowwise, constexprs=flags,
+            tma_store=tma_store, constexprs=flags,
         )
 
     # ------------------------------------------------------------------ tuning
@@ -320,11 +320,7 @@ class _LaunchPlan:
     grid: Tuple[int]
     use_tma: bool
     tma_store: bool
-    a_rowwise: bool
-    b_rowwise: bool
-    accumulate: bool
-    promote_accumulation: bool
-    constexprs: dict  # the launch's keywords: constexprs and launch options
+    constexprs: dict  # the launch's keywords (scales, accumulation, tiles...) and launch options
 
     def launch(self, problem: GroupedGemmProblem, out: torch.Tensor) -> None:
         k = _kernels()
@@ -334,8 +330,13 @@ class _LaunchPlan:
         M, N, K = problem.mnk
         G = offs.shape[0] - 1
         if self.use_tma:
-            descriptor = _tensor_descriptor_class()
-            _install_descriptor_allocator()
+            descriptor, set_allocator = _tma_api()
+            # Device-side TMA descriptors need global scratch memory; hand Triton torch's allocator
+            # (stream-ordered, so also legal while a CUDA graph is captured). triton.set_allocator
+            # sets a per-thread context variable, and autograd runs backward on its own device
+            # threads: so before every TMA launch, not once per process (a one-shot flag left the
+            # forward thread without one).
+            set_allocator(_torch_scratch_allocator)
         if self.kind is GemmKind.M_GROUPED and self.use_tma:
             a_desc = descriptor(a, [M, K], [a.stride(0), 1], [cfg.block_m, cfg.block_k])
             # b's groups stacked as one [G*N, K] matrix (checked contiguous across groups).
@@ -373,16 +374,14 @@ class _LaunchPlan:
             )
 
 
-_DESCRIPTOR_CLASS = []
+@functools.lru_cache(maxsize=None)
+def _tma_api():
+    """``(TensorDescriptor, triton.set_allocator)``, imported once (an import statement costs
+    microseconds on every launch)."""
+    import triton
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
-
-def _tensor_descriptor_class():
-    """``triton.tools.tensor_descriptor.TensorDescriptor``, imported once."""
-    if not _DESCRIPTOR_CLASS:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        _DESCRIPTOR_CLASS.append(TensorDescriptor)
-    return _DESCRIPTOR_CLASS[0]
+    return TensorDescriptor, triton.set_allocator
 
 
 def _output(problem: GroupedGemmProblem) -> torch.Tensor:
@@ -397,24 +396,6 @@ def _new_output(shape, dtype, device) -> torch.Tensor:
 def _torch_scratch_allocator(size: int, alignment: int, stream):
     device = "cuda" if torch.cuda.is_available() and not _interpreting() else "cpu"
     return torch.empty(size, dtype=torch.int8, device=device)
-
-
-def _install_descriptor_allocator() -> None:
-    """Device-side TMA descriptors need global scratch memory; hand Triton torch's allocator
-    (stream-ordered, so it is also legal while a CUDA graph is captured).
-
-    ``triton.set_allocator`` sets a context variable, which is per thread: autograd runs backward
-    on its own device threads, so the allocator is (re)installed before every TMA launch rather
-    than once per process (a one-shot flag left the forward thread without one).
-    """
-    if not _SET_ALLOCATOR:
-        import triton
-
-        _SET_ALLOCATOR.append(triton.set_allocator)
-    _SET_ALLOCATOR[0](_torch_scratch_allocator)
-
-
-_SET_ALLOCATOR = []
 
 
 # Hopper's per-block shared memory (227 KiB), less a little for the pipeline's barriers.
