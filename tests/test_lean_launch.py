@@ -17,7 +17,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 
 import triton.language as tl  # noqa: E402
 
-from turbo_moe.kernels.triton.launch import LeanLauncher, _arg_fact  # noqa: E402
+from turbo_moe.kernels.triton.launch import LeanLauncher, arg_fact  # noqa: E402
 
 
 @triton.jit
@@ -27,14 +27,14 @@ def _toy_kernel(x_ptr, n, stride, BLOCK: tl.constexpr, FLAG: tl.constexpr = Fals
 
 def test_facts_separate_what_triton_specializes_on():
     base = torch.empty(64, dtype=torch.float32)
-    assert _arg_fact(base) != _arg_fact(base[1:])  # 16-byte aligned or not
-    assert _arg_fact(base) != _arg_fact(base.to(torch.bfloat16))  # dtype
+    assert arg_fact(base) != arg_fact(base[1:])  # 16-byte aligned or not
+    assert arg_fact(base) != arg_fact(base.to(torch.bfloat16))  # dtype
     ints = [1, 2, 16, 17, 32, 2**31 - 1, 2**31, -5]
-    facts = {v: _arg_fact(v) for v in ints}
+    facts = {v: arg_fact(v) for v in ints}
     assert facts[1] != facts[2] != facts[16]  # ==1, %16
     assert facts[2**31 - 1] != facts[2**31]  # i32 vs i64
     assert facts[16] == facts[32] and facts[2] == facts[17]  # same specialization, same key
-    assert _arg_fact(None) != _arg_fact(True) != _arg_fact(False)
+    assert arg_fact(None) != arg_fact(True) != arg_fact(False)
 
 
 def test_descriptor_facts_cover_block_shape_and_strides():
@@ -44,7 +44,7 @@ def test_descriptor_facts_cover_block_shape_and_strides():
     a = TensorDescriptor(t, [64, 64], [64, 1], [16, 16])
     b = TensorDescriptor(t, [64, 64], [64, 1], [32, 16])
     c = TensorDescriptor(t, [60, 64], [64, 1], [16, 16])
-    assert len({_arg_fact(a), _arg_fact(b), _arg_fact(c)}) == 3
+    assert len({arg_fact(a), arg_fact(b), arg_fact(c)}) == 3
 
 
 def test_constexpr_tail_follows_the_signature_with_defaults():
@@ -56,3 +56,143 @@ def test_constexpr_tail_follows_the_signature_with_defaults():
         launcher._constexpr_values(args[:2], {"stride": 1, "BLOCK": 64})
     with pytest.raises(TypeError, match="constexpr 'BLOCK' has no value"):
         launcher._constexpr_values(args, {})
+
+
+class _Param:
+    def __init__(self, name, is_constexpr, default=None, has_default=False):
+        self.name, self.is_constexpr, self.default, self.has_default = name, is_constexpr, default, has_default
+
+
+class _LauncherOfTriton36:
+    """Triton 3.6's ``CudaLauncher.__call__`` (the argument order it hands its C ``launch``), on a
+    recorder: what the direct launch must reproduce."""
+
+    def __init__(self, calls, scratch_size=0):
+        self.launch = lambda *a: calls.append(("c", a))
+        self.global_scratch_size, self.global_scratch_align = scratch_size, 128
+        self.profile_scratch_size, self.profile_scratch_align = 0, 1
+        self.launch_cooperative_grid, self.launch_pdl, self.num_ctas = False, True, 1
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        scratch = ("scratch", gridX * gridY * gridZ * self.num_ctas * self.global_scratch_size) \
+            if self.global_scratch_size else None
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,
+                    scratch, None, *args)
+
+
+_LauncherOfTriton36.__name__ = "CudaLauncher"
+
+
+class _FakeCompiled:
+    def __init__(self, runner):
+        self.run, self.function, self.packed_metadata = runner, "fn-handle", "packed"
+
+
+class _FakeJit:
+    """A ``@triton.jit`` stand-in: ``fn[grid](...)`` counts Triton-path launches and returns one
+    compiled kernel per specialization (here: per alignment of the tensor argument)."""
+
+    __name__ = "fake_kernel"
+
+    def __init__(self, runner_factory):
+        self.params = [_Param("x_ptr", False), _Param("n", False), _Param("BLOCK", True),
+                       _Param("FLAG", True, False, True)]
+        self.triton_path = []
+        self.compiled = {}
+        self._runner_factory = runner_factory
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            self.triton_path.append((grid, args, kwargs))
+            return self.compiled.setdefault(arg_fact(args[0]), _FakeCompiled(self._runner_factory()))
+        return call
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    from turbo_moe.kernels.triton import launch
+
+    monkeypatch.setattr(launch, "_cuda_get_device", lambda: 0)
+    monkeypatch.setattr(launch, "_cuda_raw_stream", lambda device: 77)
+    monkeypatch.delenv("TURBO_MOE_LAUNCH_CHECK", raising=False)
+    return launch
+
+
+def test_keyed_launch_binds_the_kernel_the_full_path_memoized(fake_cuda):
+    calls = []
+    fn = _FakeJit(lambda: (lambda *a: calls.append(("run", a))))
+    launcher = LeanLauncher(fn)
+    x = torch.empty(64)
+    launcher.launch_keyed((3,), "k", x, 5, BLOCK=16)  # miss: Triton's own path
+    assert len(fn.triton_path) == 1 and not calls
+    kernel = launcher.launch_keyed((3,), "k", x, 5, BLOCK=16)  # hit: the compiled kernel's launcher
+    assert len(fn.triton_path) == 1
+    assert calls == [("run", (3, 1, 1, 77, "fn-handle", "packed", None, None, None, x, 5, 16, False))]
+    assert kernel is fn.compiled[arg_fact(x)]
+    # The key is the caller's: another key for the misaligned tensor finds its own kernel.
+    launcher.launch_keyed((3,), "k-misaligned", x[1:], 5, BLOCK=16)
+    launcher.launch_keyed((3,), "k-misaligned", x[1:], 5, BLOCK=16)
+    assert calls[-1][1][9].data_ptr() == x[1:].data_ptr() and len(fn.compiled) == 2
+    assert launcher.hits == 2 and launcher.misses == 2
+
+
+def test_keyed_launch_takes_tritons_path_while_a_launch_hook_is_set(fake_cuda, monkeypatch):
+    calls = []
+    fn = _FakeJit(lambda: (lambda *a: calls.append(a)))
+    launcher = LeanLauncher(fn)
+    x = torch.empty(64)
+    launcher.launch_keyed((1,), "k", x, 5, BLOCK=16)
+    runtime = fake_cuda._runtime_knobs()
+    monkeypatch.setattr(runtime, "launch_enter_hook", lambda *a: None)
+    launcher.launch_keyed((1,), "k", x, 5, BLOCK=16)
+    assert len(fn.triton_path) == 2 and not calls
+
+
+@pytest.mark.parametrize("scratch_size", [0, 64])
+def test_direct_launch_passes_what_tritons_launcher_passes(fake_cuda, monkeypatch, scratch_size):
+    """With a launcher object of the known layout the hit calls its C entry directly, with the
+    arguments (and scratch) its __call__ would have passed."""
+    direct, via_call = [], []
+    fn = _FakeJit(lambda: _LauncherOfTriton36(direct, scratch_size))
+    launcher = LeanLauncher(fn)
+    x = torch.empty(64)
+    allocations = []
+    real_empty = torch.empty
+    # (no GPU here: the scratch is made on the CPU, its request recorded)
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: allocations.append((a, dict(k))) or real_empty(
+        *a, **{**k, "device": "cpu"}))
+    launcher.launch_keyed((2, 3), "k", x, 5, BLOCK=16)
+    launcher.launch_keyed((2, 3), "k", x, 5, BLOCK=16)
+    compiled = fn.compiled[arg_fact(x)]
+    reference = _LauncherOfTriton36(via_call, scratch_size)
+    reference(2, 3, 1, 77, "fn-handle", "packed", None, None, None, x, 5, 16, False)
+    (_, got), (_, want) = direct[-1], via_call[-1]
+    assert got[:7] == want[:7] and got[8:] == want[8:]
+    if scratch_size:  # a torch allocation of the size Triton's allocator would have been asked for
+        assert got[7].dtype == torch.int8 and got[7].numel() == want[7][1] == 6 * scratch_size
+        assert allocations and allocations[-1][1]["device"] == 0
+    else:
+        assert got[7] is None and want[7] is None and not allocations
+    assert isinstance(compiled.run, _LauncherOfTriton36)
+
+
+def test_direct_launch_only_for_the_known_launcher_layout():
+    from turbo_moe.kernels.triton.launch import _DIRECT_LAYOUT, _direct_launch, _launcher_layout_known
+
+    assert _launcher_layout_known(_LauncherOfTriton36)
+    assert _direct_launch(_LauncherOfTriton36([])) is not None
+
+    class CudaLauncher:  # another layout (Triton 3.9 passes hooks and signatures itself)
+        def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, *args):
+            pass
+
+    assert not _launcher_layout_known(CudaLauncher)
+    assert _direct_launch(lambda *a: None) is None  # not a launcher object at all
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher as Installed
+    except Exception:  # noqa: BLE001  (a Triton build without the NVIDIA backend)
+        return
+    import inspect
+
+    assert _launcher_layout_known(Installed) == (tuple(inspect.signature(Installed.__call__).parameters)
+                                                 == _DIRECT_LAYOUT)

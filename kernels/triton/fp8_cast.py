@@ -33,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .launch import lean
+from .launch import arg_fact, lean
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -157,10 +157,19 @@ def fp8_tensorwise_cast(x, fp8_dtype, fp8_max: float, margin: int = 0, write_row
         chunk = _cdiv(_cdiv(numel, num_partials), _AMAX_BLOCK) * _AMAX_BLOCK
         num_partials = _cdiv(numel, chunk)
         partials = torch.empty((num_partials,), dtype=torch.float32, device=device)
-        _amax_partials.launch((num_partials,), x, partials, numel, chunk, BLOCK=_AMAX_BLOCK, num_warps=8)
         out = rows if rows is not None else trans
-        _tensorwise_cast.launch(
-            (_cdiv(r, _CAST_BLOCK), _cdiv(c, _CAST_BLOCK), batches),
+        # The launch keys (LeanLauncher.launch_keyed): what the integer arguments' facts and the
+        # tensors' dtypes and alignments depend on. Row counts and sizes that follow the token
+        # count enter as their facts, so a new token count is no new key.
+        n_fact, r_fact = arg_fact(numel), arg_fact(r)
+        aligned = (x.data_ptr() % 16 == 0, partials.data_ptr() % 16 == 0)
+        _amax_partials.launch_keyed((num_partials,), (x.dtype, n_fact, arg_fact(chunk), aligned), x, partials, numel, chunk,
+                                    BLOCK=_AMAX_BLOCK, num_warps=8)
+        cast_key = (x.dtype, fp8_dtype, fp8_max, margin, write_rows, write_transposed, n_fact, r_fact,
+                    arg_fact(num_partials), c, batches, stride_b, aligned, out.data_ptr() % 16 == 0,
+                    trans is None or trans.data_ptr() % 16 == 0, dequant.data_ptr() % 16 == 0)
+        _tensorwise_cast.launch_keyed(
+            (_cdiv(r, _CAST_BLOCK), _cdiv(c, _CAST_BLOCK), batches), cast_key,
             x, partials, num_partials, out, trans if trans is not None else out, dequant,
             r, c, stride_b, c, 1,
             FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, WRITE_ROWS=write_rows, WRITE_T=write_transposed,
@@ -261,25 +270,33 @@ def fp8_colwise_grouped_cast_kernel(
         tl.store(out_base + rows[None, :], q_t, mask=mask_t)
 
 
-def _as_3d(x):
-    return (x[None], True) if x.dim() == 2 else (x, False)
+def _batched(x):
+    """``(batches, rows, cols, batch stride)`` of a 2-D ``[R, C]`` (one batch, stride 0: no ``[None]``
+    view, whose microseconds add up over a fwd+bwd) or 3-D ``[B, R, C]`` tensor."""
+    if x.dim() == 2:
+        return (1, *x.shape, 0)
+    return (*x.shape, x.stride(0))
 
 
 def fp8_rowwise_cast(x, fp8_dtype, fp8_max: float, margin: int = 0):
     """Per-row FP8 of x [R, C] or [B, R, C]: (fp8 of x's shape, contiguous; dequant [..., R] float32)."""
     import torch
 
-    x3, squeeze = _as_3d(x)
-    batches, r, c = x3.shape
-    out = torch.empty((batches, r, c), dtype=fp8_dtype, device=x.device)
-    dequant = torch.empty((batches, r), dtype=torch.float32, device=x.device)
+    batches, r, c, stride_b = _batched(x)
+    out = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    dequant = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if batches * r:
         block_r, block_c = 16, 128
-        _lean['fp8_rowwise_cast_kernel'][(_cdiv(r, block_r), batches)](
-            x3, out, dequant, r, c, x3.stride(0), x3.stride(1), x3.stride(2),
+        stride_r, stride_c = x.stride(-2), x.stride(-1)
+        # launch_keyed: the row count (tokens) enters as its facts; the other integers as values.
+        key = (x.dtype, fp8_dtype, fp8_max, margin, arg_fact(r), c, batches, stride_b, stride_r, stride_c,
+               x.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, dequant.data_ptr() % 16 == 0)
+        _lean['fp8_rowwise_cast_kernel'].launch_keyed(
+            (_cdiv(r, block_r), batches), key,
+            x, out, dequant, r, c, stride_b, stride_r, stride_c,
             FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
         )
-    return (out[0], dequant[0]) if squeeze else (out, dequant)
+    return out, dequant
 
 
 def fp8_colwise_grouped_cast(x, group_offs, fp8_dtype, fp8_max: float, margin: int = 0):
@@ -288,20 +305,25 @@ def fp8_colwise_grouped_cast(x, group_offs, fp8_dtype, fp8_max: float, margin: i
     ``group_offs`` None: all rows are one group (dequant [..., 1, C])."""
     import torch
 
-    x3, squeeze = _as_3d(x)
-    batches, r, c = x3.shape
+    batches, r, c, stride_b = _batched(x)
     one_group = group_offs is None
     groups = 1 if one_group else group_offs.shape[0] - 1
-    out_t = torch.empty((batches, c, r), dtype=fp8_dtype, device=x.device)
-    dequant = torch.empty((batches, groups, c), dtype=torch.float32, device=x.device)
+    out_t = torch.empty(x.shape[:-2] + (c, r), dtype=fp8_dtype, device=x.device)
+    dequant = torch.empty(x.shape[:-2] + (groups, c), dtype=torch.float32, device=x.device)
     if batches * groups * c:
         block_r, block_c = 64, 64
-        _lean['fp8_colwise_grouped_cast_kernel'][(_cdiv(c, block_c), groups, batches)](
-            x3, x3 if one_group else group_offs, out_t, dequant, r, c, groups, x3.stride(0), x3.stride(1), x3.stride(2),
+        offs = x if one_group else group_offs
+        stride_r, stride_c = x.stride(-2), x.stride(-1)
+        key = (x.dtype, fp8_dtype, fp8_max, margin, one_group, arg_fact(r), c, groups, batches, stride_b, stride_r,
+               stride_c, x.data_ptr() % 16 == 0, offs.data_ptr() % 16 == 0, out_t.data_ptr() % 16 == 0,
+               dequant.data_ptr() % 16 == 0)
+        _lean['fp8_colwise_grouped_cast_kernel'].launch_keyed(
+            (_cdiv(c, block_c), groups, batches), key,
+            x, offs, out_t, dequant, r, c, groups, stride_b, stride_r, stride_c,
             FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, BLOCK_R=block_r, BLOCK_C=block_c, ONE_GROUP=one_group,
             num_warps=4,
         )
-    return (out_t[0], dequant[0]) if squeeze else (out_t, dequant)
+    return out_t, dequant
 
 
 # Host-lean launchers of the kernels above (kernels/triton/launch.py).

@@ -16,8 +16,12 @@ Triton specializations):
 
 A miss (first call of a key) goes through Triton's own ``kernel[grid](...)``, which compiles if
 needed and launches; the compiled kernel it returns is memoized. A hit calls the compiled
-kernel's launcher directly with the current torch stream. Launch hooks (profilers such as
-proton) or the interpreter always take Triton's own path. ``TURBO_MOE_LAUNCH_CHECK=1``
+kernel's launcher directly with the current torch stream: with the Triton releases whose
+launcher layout this module knows (3.5, 3.6), its C entry, skipping ``CudaLauncher.__call__``'s
+per-call closures and allocator lookups; otherwise ``CompiledKernel.run``. ``launch_keyed`` lets a
+call site that already holds the facts (a GEMM's launch plan, a cast of one shape) name the key
+itself: one dict lookup per launch instead of one fact per argument. Launch hooks (profilers such
+as proton) or the interpreter always take Triton's own path. ``TURBO_MOE_LAUNCH_CHECK=1``
 re-derives Triton's key on every hit and asserts it names the memoized kernel (the GPU tests run
 with it).
 
@@ -36,7 +40,7 @@ import torch
 _cuda_get_device = torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") else None
 _cuda_raw_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
 
-def _arg_fact(arg):
+def arg_fact(arg):
     kind = type(arg)
     if kind is int:  # most arguments: sizes and strides
         return (arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31)
@@ -68,14 +72,72 @@ def _runtime_knobs():
 
 
 class _Memo:
-    __slots__ = ("kernel", "constexpr_values")
+    """A compiled kernel and how to launch it: the constexpr values appended to the runtime
+    arguments, and Triton's C launch entry when its launcher object is one this module knows."""
+
+    __slots__ = ("kernel", "constexpr_values", "direct")
 
     def __init__(self, kernel, constexpr_values):
         self.kernel = kernel
         self.constexpr_values = constexpr_values
+        self.direct = _direct_launch(kernel.run)
+
+    def run(self, grid, device, args):
+        kernel = self.kernel
+        grid_size = len(grid)
+        grid_x, grid_y, grid_z = grid[0], grid[1] if grid_size > 1 else 1, grid[2] if grid_size > 2 else 1
+        stream = _cuda_raw_stream(device)
+        direct = self.direct
+        if direct is None:
+            kernel.run(grid_x, grid_y, grid_z, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                       *args, *self.constexpr_values)
+            return
+        c_launch, cooperative, pdl, scratch_bytes = direct
+        # What CudaLauncher.__call__ does, less its per-call closures and allocator lookups: the
+        # global scratch (device-side TMA descriptors) is a stream-ordered torch allocation, as
+        # the allocator the backend hands Triton (triton.set_allocator) would make it.
+        scratch = (torch.empty(grid_x * grid_y * grid_z * scratch_bytes, dtype=torch.int8, device=device)
+                   if scratch_bytes else None)
+        c_launch(grid_x, grid_y, grid_z, stream, kernel.function, cooperative, pdl, scratch, None,
+                 kernel.packed_metadata, None, None, None, *args, *self.constexpr_values)
+
+
+# CudaLauncher.__call__(self, gridX, gridY, gridZ, stream, function, *args) calling
+# self.launch(gridX, gridY, gridZ, stream, function, launch_cooperative_grid, launch_pdl,
+# global_scratch, profile_scratch, *args): the layout of the Triton releases this was written
+# against (3.5, 3.6). Other layouts (3.9 passes hooks and signatures separately) keep kernel.run.
+_DIRECT_LAYOUT = ("self", "gridX", "gridY", "gridZ", "stream", "function", "args")
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher_layout_known(launcher_type) -> bool:
+    import inspect
+
+    if launcher_type.__name__ != "CudaLauncher":
+        return False
+    try:
+        params = tuple(inspect.signature(launcher_type.__call__).parameters)
+    except (TypeError, ValueError):
+        return False
+    return params == _DIRECT_LAYOUT
+
+
+def _direct_launch(runner):
+    """``(C launch, cooperative, pdl, scratch bytes per program)`` of Triton's launcher object when
+    its layout is the known one and it needs no profile scratch; None otherwise (kernel.run)."""
+    if os.environ.get("TURBO_MOE_DIRECT_LAUNCH", "1") in ("", "0") or not _launcher_layout_known(type(runner)):
+        return None
+    try:
+        if runner.profile_scratch_size:
+            return None
+        return (runner.launch, runner.launch_cooperative_grid, runner.launch_pdl,
+                runner.global_scratch_size * runner.num_ctas)
+    except AttributeError:
+        return None
 
 
 _LAUNCHERS = []
+_MAX_KEYED = 4096
 
 
 def launch_stats() -> dict:
@@ -90,6 +152,7 @@ class LeanLauncher:
         _LAUNCHERS.append(self)
         self.fn = fn
         self._memo: Dict[tuple, _Memo] = {}
+        self._keyed: Dict[tuple, _Memo] = {}  # launch_keyed: (device, caller's key) -> memo
         self._num_runtime = None
         self._check = os.environ.get("TURBO_MOE_LAUNCH_CHECK", "0") not in ("", "0")
         self._unsupported = False  # set when this Triton's objects do not offer what a lean launch needs
@@ -100,40 +163,73 @@ class LeanLauncher:
         # A C-level partial, not a lambda: one Python frame less per launch.
         return functools.partial(self.launch, grid)
 
-    def launch(self, grid, *args, **kwargs):
+    def _hooked(self) -> bool:
+        """Whether a profiler's launch hook is set (launches then take Triton's own path)."""
         runtime = _RUNTIME_KNOBS if _RUNTIME_KNOBS is not None else _runtime_knobs()
         # Triton >= 3.5 keeps launch hooks in a HookChain (never None; its ``calls`` empty when unused).
         enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
-        if (enter is not None and getattr(enter, "calls", True)) or (exit_ is not None and getattr(exit_, "calls", True)):
+        return (enter is not None and bool(getattr(enter, "calls", True))) or (
+            exit_ is not None and bool(getattr(exit_, "calls", True)))
+
+    def launch(self, grid, *args, **kwargs):
+        if self._hooked():
             return self.fn[grid](*args, **kwargs)  # a profiler's hook: Triton's own path
         # torch.cuda.current_device() without its lazy-init checks: the arguments are CUDA
         # tensors, so CUDA is initialized already.
         device = _cuda_get_device()
         # kwargs in call order: a call site always passes them in one order, and another order
         # only makes another key (one more miss), never a wrong hit.
-        key = (device, tuple(map(_arg_fact, args)), tuple(kwargs.items()))
+        key = (device, tuple(map(arg_fact, args)), tuple(kwargs.items()))
         memo = self._memo.get(key)
         if memo is None:
-            self.misses += 1
-            kernel = self.fn[grid](*args, **kwargs)
-            if kernel is not None and not hasattr(kernel, "result") and not self._unsupported:
-                try:  # never memoize an async compile; a Triton whose kernel objects differ keeps its own path
-                    self._memo[key] = _Memo(kernel, self._constexpr_values(args, kwargs))
-                    kernel.run  # noqa: B018  (the launcher this path calls must exist)
-                except (AttributeError, TypeError):
-                    self._memo.pop(key, None)
-                    self._unsupported = True
+            return self._first_launch(key, grid, args, kwargs)
+        self.hits += 1
+        if self._check:
+            self._assert_same_kernel(memo.kernel, args, kwargs)
+        memo.run(grid, device, args)
+        return memo.kernel
+
+    def launch_keyed(self, grid, key, *args, **kwargs):
+        """``launch`` with the memo key supplied by the caller, for call sites that launch one
+        specialization many times (a GEMM's launch plan, a cast of one shape).
+
+        ``key`` must be hashable and determine every fact ``arg_fact`` derives from ``args`` and
+        every value of ``kwargs``: e.g. the shapes, strides and dtypes the call site derives its
+        integer arguments from, plus the 16-byte alignment of each tensor argument. A hit then
+        costs one dict lookup instead of one ``arg_fact`` per argument. The first launch of a key
+        takes ``launch``'s path and binds the key to the kernel that path memoized; with
+        ``TURBO_MOE_LAUNCH_CHECK=1`` every hit is checked against Triton's own dispatch, so a key
+        that misses a fact fails the GPU tests instead of launching the wrong specialization.
+        """
+        if self._hooked():
+            return self.fn[grid](*args, **kwargs)
+        device = _cuda_get_device()
+        memo = self._keyed.get((device, key))
+        if memo is None:
+            kernel = self.launch(grid, *args, **kwargs)
+            memo = self._memo.get((device, tuple(map(arg_fact, args)), tuple(kwargs.items())))
+            if memo is not None:
+                if len(self._keyed) >= _MAX_KEYED:  # keys of plans made during captures, tuning...
+                    self._keyed.clear()
+                self._keyed[(device, key)] = memo
             return kernel
         self.hits += 1
         if self._check:
             self._assert_same_kernel(memo.kernel, args, kwargs)
-        kernel = memo.kernel
-        grid_size = len(grid)
-        kernel.run(
-            grid[0], grid[1] if grid_size > 1 else 1, grid[2] if grid_size > 2 else 1,
-            _cuda_raw_stream(device), kernel.function, kernel.packed_metadata, None, None, None,
-            *args, *memo.constexpr_values,
-        )
+        memo.run(grid, device, args)
+        return memo.kernel
+
+    def _first_launch(self, key, grid, args, kwargs):
+        """A miss: Triton's own path (compiles if needed, launches); memoize what it returns."""
+        self.misses += 1
+        kernel = self.fn[grid](*args, **kwargs)
+        if kernel is not None and not hasattr(kernel, "result") and not self._unsupported:
+            try:  # never memoize an async compile; a Triton whose kernel objects differ keeps its own path
+                kernel.run  # noqa: B018  (the launcher this path calls must exist)
+                self._memo[key] = _Memo(kernel, self._constexpr_values(args, kwargs))
+            except (AttributeError, TypeError):
+                self._memo.pop(key, None)
+                self._unsupported = True
         return kernel
 
     def _constexpr_values(self, args, kwargs):
@@ -177,6 +273,9 @@ class _TritonPath:
         return self.fn[grid]
 
     def launch(self, grid, *args, **kwargs):
+        return self.fn[grid](*args, **kwargs)
+
+    def launch_keyed(self, grid, key, *args, **kwargs):
         return self.fn[grid](*args, **kwargs)
 
 

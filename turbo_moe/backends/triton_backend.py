@@ -23,6 +23,7 @@ first candidate, and does not cache it. So: run one eager step first, capture af
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import threading
 from dataclasses import dataclass
@@ -92,6 +93,7 @@ INTERPRETER_CONFIG = KernelConfig(16, 16, 32, 2, 1, 1)
 
 
 _KERNELS = None
+_PLAN_IDS = itertools.count()
 
 
 class _Kernels:
@@ -218,10 +220,6 @@ class TritonBackend(GroupedGemmBackend):
             self._sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
         return self._sm_count[index]
 
-    def _launch(self, problem: GroupedGemmProblem, out: torch.Tensor, config: KernelConfig) -> None:
-        """Launch with an explicit configuration (tuning): plan and go, nothing cached."""
-        self._make_plan(problem, out, config).launch(problem, out)
-
     def _make_plan(self, problem: GroupedGemmProblem, out: torch.Tensor, config: KernelConfig) -> "_LaunchPlan":
         from turbo_moe.kernels import tile_scheduler as ts
 
@@ -255,7 +253,7 @@ class TritonBackend(GroupedGemmBackend):
         if not _interpreting():
             flags.update(num_warps=config.num_warps, num_stages=config.num_stages)
         return _LaunchPlan(
-            kind=problem.kind, config=config, grid=(ts.persistent_grid_size(bound, limit),), use_tma=use_tma,
+            key=next(_PLAN_IDS), kind=problem.kind, config=config, grid=(ts.persistent_grid_size(bound, limit),), use_tma=use_tma,
             tma_store=tma_store, constexprs=flags,
         )
 
@@ -295,10 +293,11 @@ class TritonBackend(GroupedGemmBackend):
         import triton.testing
 
         best_ms: Dict[KernelConfig, float] = {}
+        plans = {config: self._make_plan(problem, out, config) for config in candidates}  # one launch key each
         for _ in range(2):
-            for config in candidates:
+            for config, plan in plans.items():
                 try:
-                    ms = triton.testing.do_bench(lambda: self._launch(problem, out, config), warmup=5, rep=20)
+                    ms = triton.testing.do_bench(lambda plan=plan: plan.launch(problem, out), warmup=5, rep=20)
                 except Exception:  # e.g. out of shared memory for this block shape on this device
                     continue
                 best_ms[config] = min(ms, best_ms.get(config, float("inf")))
@@ -315,6 +314,11 @@ class TritonBackend(GroupedGemmBackend):
 class _LaunchPlan:
     """What a launch of one problem signature needs besides the tensors themselves."""
 
+    # A number of its own: with the alignment of the tensors the problem signature leaves out
+    # (scales, offsets, a fresh output), the lean launcher's key (LeanLauncher.launch_keyed). A plan
+    # serves one signature and one config, which fix every shape, stride, dtype and constexpr the
+    # launch's arguments and descriptors derive from.
+    key: int
     kind: GemmKind
     config: KernelConfig
     grid: Tuple[int]
@@ -329,6 +333,8 @@ class _LaunchPlan:
         a_scale, b_scale = problem.a_scale.contiguous(), problem.b_scale.contiguous()
         M, N, K = problem.mnk
         G = offs.shape[0] - 1
+        key = (self.key, a_scale.data_ptr() % 16 == 0, b_scale.data_ptr() % 16 == 0, offs.data_ptr() % 16 == 0,
+               out.data_ptr() % 16 == 0)
         if self.use_tma:
             descriptor, set_allocator = _tma_api()
             # Device-side TMA descriptors need global scratch memory; hand Triton torch's allocator
@@ -341,8 +347,8 @@ class _LaunchPlan:
             a_desc = descriptor(a, [M, K], [a.stride(0), 1], [cfg.block_m, cfg.block_k])
             # b's groups stacked as one [G*N, K] matrix (checked contiguous across groups).
             b_desc = descriptor(b, [G * N, K], [b.stride(1), 1], [cfg.block_n, cfg.block_k])
-            k.m_grouped_gemm_tma_kernel.launch(
-                self.grid, a_desc, b_desc, out, a_scale, b_scale, offs, N, K, G, out.stride(0), out.stride(1),
+            k.m_grouped_gemm_tma_kernel.launch_keyed(
+                self.grid, key, a_desc, b_desc, out, a_scale, b_scale, offs, N, K, G, out.stride(0), out.stride(1),
                 **self.constexprs,
             )
         elif self.kind is GemmKind.K_GROUPED and self.use_tma:
@@ -356,19 +362,19 @@ class _LaunchPlan:
                 descriptor(out, list(out.shape), list(out.stride()), [1, cfg.block_m, cfg.block_n])
                 if self.tma_store else None
             )
-            k.k_grouped_gemm_tma_kernel.launch(
-                self.grid, a_desc, b_desc, a_tail_desc, b_tail_desc, out_desc, out, a_scale, b_scale, offs, N, K, G,
+            k.k_grouped_gemm_tma_kernel.launch_keyed(
+                self.grid, key, a_desc, b_desc, a_tail_desc, b_tail_desc, out_desc, out, a_scale, b_scale, offs, N, K, G,
                 out.stride(0), out.stride(1), out.stride(2), **self.constexprs,
             )
         elif self.kind is GemmKind.M_GROUPED:
-            k.m_grouped_gemm_kernel.launch(
-                self.grid, a, b, out, a_scale, b_scale, offs, N, K, G,
+            k.m_grouped_gemm_kernel.launch_keyed(
+                self.grid, key, a, b, out, a_scale, b_scale, offs, N, K, G,
                 a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
                 **self.constexprs,
             )
         else:
-            k.k_grouped_gemm_kernel.launch(
-                self.grid, a, b, out, a_scale, b_scale, offs, N, K, G,
+            k.k_grouped_gemm_kernel.launch_keyed(
+                self.grid, key, a, b, out, a_scale, b_scale, offs, N, K, G,
                 a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
                 **self.constexprs,
             )
@@ -394,8 +400,8 @@ def _new_output(shape, dtype, device) -> torch.Tensor:
 
 
 def _torch_scratch_allocator(size: int, alignment: int, stream):
-    device = "cuda" if torch.cuda.is_available() and not _interpreting() else "cpu"
-    return torch.empty(size, dtype=torch.int8, device=device)
+    # The interpreter's kernels run on CPU tensors; compiled ones on the current CUDA device.
+    return torch.empty(size, dtype=torch.int8, device="cpu" if _interpreting() else "cuda")
 
 
 # Hopper's per-block shared memory (227 KiB), less a little for the pipeline's barriers.
