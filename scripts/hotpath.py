@@ -191,7 +191,7 @@ def main(argv=None):
     try:
         from turbo_moe.kernels.triton.launch import launch_stats
 
-        print("lean launches (hits, misses):", launch_stats())
+        print("lean launches (hits, misses, direct):", launch_stats())
     except ImportError:  # a checkout from before the lean launcher
         pass
     if args.json:

@@ -141,8 +141,13 @@ _MAX_KEYED = 4096
 
 
 def launch_stats() -> dict:
-    """``{kernel name: (lean hits, misses through Triton's path)}`` of every lean launcher."""
-    return {launcher.fn.__name__: (launcher.hits, launcher.misses) for launcher in _LAUNCHERS}
+    """``{kernel name: (lean hits, misses through Triton's path, memoized kernels launched through
+    Triton's C entry directly / all memoized kernels)}`` of every lean launcher."""
+    return {
+        launcher.fn.__name__: (launcher.hits, launcher.misses,
+                               f"{sum(m.direct is not None for m in launcher._memo.values())}/{len(launcher._memo)} direct")
+        for launcher in _LAUNCHERS
+    }
 
 
 class LeanLauncher:
