@@ -330,6 +330,26 @@ def test_train_preset_with_main_grad_runs_every_recipe(tmp_path):
 
 
 @needs_megatron
+def test_train_preset_host_profile_and_dispatcher_override(tmp_path, capsys):
+    """--host-profile N: each variant's record carries its cProfile table (ms per optimizer step);
+    --train-override CONFIG.dispatcher picks Megatron's token dispatcher."""
+    from turbo_moe.bench.train_model import GPU_CONFIGS, apply_overrides
+
+    assert GPU_CONFIGS["moderate"].dispatcher == "alltoall"  # what multi-GPU runs use: no host sync per layer
+    assert apply_overrides(GPU_CONFIGS, ["moderate.dispatcher=allgather"])["moderate"].dispatcher == "allgather"
+    out = tmp_path / "host_profile"
+    rc = cli.main(["--preset", "train", "--device", "cpu", "--corpus-bytes", str(SMALL_CORPUS), "--out", str(out),
+                   "--train-configs", "moderate", "--variants", "fp8-tensorwise", "--train-steps", "2",
+                   "--no-profile", "--host-profile", "1"])
+    assert rc == 0
+    (record,) = json.loads((out / "results.json").read_text())["records"]
+    table = record["host_profile"].splitlines()
+    assert table[0].split()[:2] == ["own", "ms/step"] and len(table) > 5
+    assert any("turbo_moe/" in line for line in table[1:])  # the FP8 layer's own Python is in the profile
+    assert "host profile (1 steps)" in capsys.readouterr().out
+
+
+@needs_megatron
 def test_train_preset_time_budget_and_bad_arguments(tmp_path, capsys):
     out = tmp_path / "budget"
     rc = cli.main(["--preset", "train", "--device", "cpu", "--corpus-bytes", str(SMALL_CORPUS), "--time-budget", "0",
@@ -339,7 +359,7 @@ def test_train_preset_time_budget_and_bad_arguments(tmp_path, capsys):
         records = json.load(f)["records"]
     assert [r["status"] for r in records] == ["skipped"] * 4
     for argv in (["--variants", "fp16"], ["--train-configs", "huge"], ["--train-override", "moderate.width=3"],
-                 ["--micro-batches", "0"]):
+                 ["--train-override", "moderate.dispatcher=flex"], ["--micro-batches", "0"]):
         with pytest.raises(SystemExit):
             cli.parse_args(["--device", "cpu", "--preset", "train", *argv])
     err = capsys.readouterr().err

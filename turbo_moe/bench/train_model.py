@@ -39,6 +39,10 @@ class TrainConfig:
     seq: int
     mbs: int  # sequences per micro-batch
     loss_curve: bool  # trained for --train-steps (the loss comparison), else --warmup + --timed steps
+    # Megatron's token dispatcher. "alltoall" (what multi-GPU MoE runs use) keeps a dropless step
+    # free of host syncs; "allgather" copies tokens_per_expert to the host in every MoE layer of
+    # every micro-batch (a sync that makes the step pay host and GPU time one after the other).
+    dispatcher: str = "alltoall"
 
     def tokens_per_step(self, micro_batches: int) -> int:
         return self.seq * self.mbs * micro_batches
@@ -46,7 +50,7 @@ class TrainConfig:
     def describe(self, micro_batches: int) -> str:
         return (f"{self.layers} layers, hidden {self.hidden}, {self.heads} heads, {self.experts} experts top-{self.topk}, "
                 f"expert FFN {self.ffn} (SwiGLU), seq {self.seq} x {self.mbs} seqs x {micro_batches} micro-batches = "
-                f"{self.tokens_per_step(micro_batches)} tokens/step")
+                f"{self.tokens_per_step(micro_batches)} tokens/step, {self.dispatcher} dispatcher")
 
 
 GPU_CONFIGS = {
@@ -60,10 +64,10 @@ GPU_CONFIGS = {
 }
 CPU_CONFIGS = {  # the smoke mode: same structure, tiny
     "moderate": TrainConfig("moderate", layers=2, hidden=32, heads=4, ffn=48, experts=4, topk=2, seq=32, mbs=2,
-                            loss_curve=True),
+                            loss_curve=True, dispatcher="allgather"),
     "expert-dominated": TrainConfig("expert-dominated", layers=1, hidden=32, heads=4, ffn=32, experts=8, topk=4,
-                                    seq=16, mbs=4, loss_curve=False),
-}
+                                    seq=16, mbs=4, loss_curve=False, dispatcher="allgather"),
+}  # (Megatron's alltoall dispatcher makes a CUDA stream when it is built: GPU only)
 # name -> (turbo_moe experts?, fp8 granularity or None for bf16)
 TRAIN_VARIANTS = {
     "turbo-bf16": (True, None),
@@ -88,7 +92,14 @@ def apply_overrides(configs: Dict[str, TrainConfig], overrides: List[str]) -> Di
         if not sep or not dot or name not in configs or field not in fields or field == "name":
             raise ValueError(f"--train-override {item!r}: expected CONFIG.FIELD=VALUE with CONFIG in "
                              f"{sorted(configs)} and FIELD in {sorted(set(fields) - {'name'})}")
-        parsed = value.lower() in ("1", "true", "yes") if field == "loss_curve" else int(value)
+        if field == "loss_curve":
+            parsed = value.lower() in ("1", "true", "yes")
+        elif field == "dispatcher":
+            if value not in ("alltoall", "allgather"):
+                raise ValueError(f"--train-override {item!r}: the dispatcher is alltoall or allgather")
+            parsed = value
+        else:
+            parsed = int(value)
         configs[name] = dataclasses.replace(configs[name], **{field: parsed})
     return configs
 
@@ -144,7 +155,7 @@ def _transformer_config(cfg: TrainConfig, device: torch.device):
     return TransformerConfig(
         num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads, ffn_hidden_size=cfg.ffn,
         num_moe_experts=cfg.experts, moe_ffn_hidden_size=cfg.ffn, moe_router_topk=cfg.topk,
-        moe_token_dispatcher_type="allgather", moe_router_dtype="fp32", moe_aux_loss_coeff=1e-2,
+        moe_token_dispatcher_type=cfg.dispatcher, moe_router_dtype="fp32", moe_aux_loss_coeff=1e-2,
         moe_router_load_balancing_type="aux_loss",
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
         # No TE, no apex: every fusion that needs them off.

@@ -247,6 +247,9 @@ def train_variant(cfg: TrainConfig, variant: str, corpus: TextCorpus, args, devi
             rec["val_loss"] = rec["val_curve"][-1][1]
         if args.profile and done and (deadline is None or time.monotonic() < deadline):
             rec.update(_profile_step(model, opt, sampler, done - 1, inputs, device))
+        if getattr(args, "host_profile", 0) and done and (deadline is None or time.monotonic() < deadline):
+            rec["host_profile"] = _host_profile(model, opt, sampler, done - 1, inputs, args.host_profile)
+            progress(f"    {variant} host profile ({args.host_profile} steps), by own time:\n{rec['host_profile']}")
         if done < args.warmup_steps + 1:
             rec["reason"] = (rec["reason"] + "; " if rec["reason"] else "") + "no step after the warm-up: times include it"
         progress(_summary(rec))
@@ -282,6 +285,30 @@ def _profile_step(model, opt, sampler, step: int, inputs: _Inputs, device: torch
             "expert_share": split["expert_ms"] / split["total_ms"] if split["total_ms"] > 0 else None,
             "unattributed_ms": split["unattributed_ms"], "launches": split["launches"],
             "expert_launches": split["expert_launches"]}
+
+
+def _host_profile(model, opt, sampler, step: int, inputs: _Inputs, steps: int, top: int = 30) -> str:
+    """cProfile ``steps`` more optimizer steps: the ``top`` functions by own time, in ms per step
+    (where a host-bound step's Python goes; cProfile itself roughly doubles it)."""
+    import cProfile
+    import io
+    import pstats
+
+    scratch = torch.zeros((), device=next(model.parameters()).device)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        _optimizer_step(model, opt, sampler, step, inputs, scratch)
+    prof.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:top]  # (file, line, name) -> (cc, nc, tt, ct, callers)
+    lines = [f"{'own ms/step':>12s} {'cum ms/step':>12s} {'calls/step':>11s}  function"]
+    for (filename, line, name), (_, ncalls, tottime, cumtime, _) in rows:
+        where = filename.split("site-packages/")[-1].split("/work/")[-1]
+        lines.append(f"{tottime * 1e3 / steps:12.2f} {cumtime * 1e3 / steps:12.2f} {ncalls / steps:11.0f}  "
+                     f"{where}:{line}({name})")
+    return "\n".join(lines)
 
 
 def _summary(rec: dict) -> str:
@@ -328,6 +355,9 @@ def add_train_arguments(parser) -> None:
     g.add_argument("--train-override", action="append", default=[], metavar="CONFIG.FIELD=VALUE",
                    help="change a config, e.g. expert-dominated.mbs=64 (repeatable)")
     g.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled step (expert share)")
+    g.add_argument("--host-profile", type=int, default=0, metavar="N",
+                   help="also cProfile N more optimizer steps per variant and print the functions by own time "
+                        "(where a host-bound step's Python goes)")
 
 
 def _csv(value: str) -> List[str]:
