@@ -16,6 +16,7 @@
 #             with .old/before (a checkout of the previous tree) also the same for it (hotpath_before.json)
 #   megatron  scripts/megatron_gpu_proof.py (distributed optimizer, alltoall, fp32 main_grad fusion)
 #   hostbreak scripts/host_breakdown.py: where the host time of one fwd+bwd goes (hostbreak.log)
+#   hostab    scripts/host_breakdown.py for this tree and .old/before, interleaved twice (hostab.log)
 #   hostprof  scripts/host_breakdown.py --profile: cProfile of the fwd+bwd's Python (hostprof.log)
 #   accum     scripts/bench_accumulation.py: fast vs promoted FP8 accumulation, speed and error
 #   fine      scripts/bench_fine_grained.py: blockwise / MXFP8 kernels beside tensorwise
@@ -150,6 +151,11 @@ fi
 has_step megatron && run_step megatron "${MEGATRON_S:-180}" "$PY" scripts/megatron_gpu_proof.py
 has_step hostbreak && run_step hostbreak "${HOSTBREAK_S:-120}" bash -c \
   "'$PY' scripts/host_breakdown.py --shape tiny && '$PY' scripts/host_breakdown.py --shape dsv3"
+# hostab: the host breakdown of this tree and of .old/before, interleaved (after, before, after,
+# before): host time drifts between minutes on the device machine, so only interleaved runs compare.
+has_step hostab && [ -d .old/before/turbo_moe ] && run_step hostab "${HOSTAB_S:-200}" bash -c \
+  "for i in 1 2; do echo '== after run' \$i; '$PY' scripts/host_breakdown.py --shape tiny; \
+   echo '== before run' \$i; PYTHONPATH='$PWD/.old/before' '$PY' scripts/host_breakdown.py --shape tiny; done"
 has_step hostprof && TAIL_LINES=0 run_step hostprof "${HOSTPROF_S:-120}" "$PY" scripts/host_breakdown.py \
   --shape tiny --profile "${HOSTPROF_STEPS:-200}"
 has_step accum && run_step accum "${ACCUM_S:-180}" "$PY" scripts/bench_accumulation.py --out "$OUT/accumulation.md"

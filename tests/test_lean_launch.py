@@ -176,11 +176,17 @@ def test_direct_launch_passes_what_tritons_launcher_passes(fake_cuda, monkeypatc
     assert isinstance(compiled.run, _LauncherOfTriton36)
 
 
-def test_direct_launch_only_for_the_known_launcher_layout():
+def test_direct_launch_only_for_the_known_launcher_layout(monkeypatch):
     from turbo_moe.kernels.triton.launch import _DIRECT_LAYOUT, _direct_launch, _launcher_layout_known
 
     assert _launcher_layout_known(_LauncherOfTriton36)
     assert _direct_launch(_LauncherOfTriton36([])) is not None
+    monkeypatch.setenv("TURBO_MOE_DIRECT_LAUNCH", "0")  # the switch back to CompiledKernel.run
+    assert _direct_launch(_LauncherOfTriton36([])) is None
+    monkeypatch.delenv("TURBO_MOE_DIRECT_LAUNCH")
+    with_profile_scratch = _LauncherOfTriton36([])
+    with_profile_scratch.profile_scratch_size = 64  # (instrumented kernels: Triton's own path)
+    assert _direct_launch(with_profile_scratch) is None
 
     class CudaLauncher:  # another layout (Triton 3.9 passes hooks and signatures itself)
         def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, *args):
