@@ -126,6 +126,14 @@ _AMAX_BLOCK = 4096
 _CAST_BLOCK = 64
 
 
+def _batched(x):
+    """``(batches, rows, cols, batch stride)`` of a 2-D ``[R, C]`` (one batch, stride 0: no ``[None]``
+    view, whose microseconds add up over a fwd+bwd) or 3-D ``[B, R, C]`` tensor."""
+    if x.dim() == 2:
+        return (1, *x.shape, 0)
+    return (*x.shape, x.stride(0))
+
+
 def fp8_tensorwise_cast(x, fp8_dtype, fp8_max: float, margin: int = 0, write_rows: bool = True,
                         write_transposed: bool = False):
     """Tensorwise current-scaling FP8 of a 2-D ``[R, C]`` or 3-D ``[B, R, C]`` tensor in two
@@ -136,15 +144,8 @@ def fp8_tensorwise_cast(x, fp8_dtype, fp8_max: float, margin: int = 0, write_row
     import torch
 
     x = x if x.is_contiguous() else x.contiguous()  # the amax pass walks flat memory
-    # A 2-D x is passed as is, with batch stride 0 and one batch (no [None] view and no [0] views of
-    # the outputs: each view costs microseconds of host time, several times per fwd+bwd).
-    shape = x.shape
-    if len(shape) == 2:
-        batches, (r, c), stride_b = 1, shape, 0
-        rows_shape, trans_shape = (r, c), (c, r)
-    else:
-        (batches, r, c), stride_b = shape, x.stride(0)
-        rows_shape, trans_shape = (batches, r, c), (batches, c, r)
+    batches, r, c, stride_b = _batched(x)
+    rows_shape, trans_shape = x.shape, x.shape[:-2] + (c, r)
     numel = batches * r * c
     device = x.device
     dequant = torch.empty((), dtype=torch.float32, device=device)
@@ -268,14 +269,6 @@ def fp8_colwise_grouped_cast_kernel(
         x_t = tl.load(x_t_base + rows[None, :] * stride_xr, mask=mask_t).to(tl.float32)
         q_t = clamp_keep_nan(x_t * scale[:, None], FP8_MAX).to(out_t_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         tl.store(out_base + rows[None, :], q_t, mask=mask_t)
-
-
-def _batched(x):
-    """``(batches, rows, cols, batch stride)`` of a 2-D ``[R, C]`` (one batch, stride 0: no ``[None]``
-    view, whose microseconds add up over a fwd+bwd) or 3-D ``[B, R, C]`` tensor."""
-    if x.dim() == 2:
-        return (1, *x.shape, 0)
-    return (*x.shape, x.stride(0))
 
 
 def fp8_rowwise_cast(x, fp8_dtype, fp8_max: float, margin: int = 0):

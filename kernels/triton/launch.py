@@ -182,9 +182,15 @@ class LeanLauncher:
         # torch.cuda.current_device() without its lazy-init checks: the arguments are CUDA
         # tensors, so CUDA is initialized already.
         device = _cuda_get_device()
+        return self._launch_memoized(self._full_key(device, args, kwargs), grid, device, args, kwargs)
+
+    @staticmethod
+    def _full_key(device, args, kwargs):
         # kwargs in call order: a call site always passes them in one order, and another order
         # only makes another key (one more miss), never a wrong hit.
-        key = (device, tuple(map(arg_fact, args)), tuple(kwargs.items()))
+        return (device, tuple(map(arg_fact, args)), tuple(kwargs.items()))
+
+    def _launch_memoized(self, key, grid, device, args, kwargs):
         memo = self._memo.get(key)
         if memo is None:
             return self._first_launch(key, grid, args, kwargs)
@@ -211,8 +217,9 @@ class LeanLauncher:
         device = _cuda_get_device()
         memo = self._keyed.get((device, key))
         if memo is None:
-            kernel = self.launch(grid, *args, **kwargs)
-            memo = self._memo.get((device, tuple(map(arg_fact, args)), tuple(kwargs.items())))
+            full = self._full_key(device, args, kwargs)
+            kernel = self._launch_memoized(full, grid, device, args, kwargs)
+            memo = self._memo.get(full)
             if memo is not None:
                 if len(self._keyed) >= _MAX_KEYED:  # keys of plans made during captures, tuning...
                     self._keyed.clear()
