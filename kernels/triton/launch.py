@@ -194,6 +194,9 @@ class LeanLauncher:
         memo = self._memo.get(key)
         if memo is None:
             return self._first_launch(key, grid, args, kwargs)
+        return self._hit(memo, grid, device, args, kwargs)
+
+    def _hit(self, memo, grid, device, args, kwargs):
         self.hits += 1
         if self._check:
             self._assert_same_kernel(memo.kernel, args, kwargs)
@@ -225,11 +228,7 @@ class LeanLauncher:
                     self._keyed.clear()
                 self._keyed[(device, key)] = memo
             return kernel
-        self.hits += 1
-        if self._check:
-            self._assert_same_kernel(memo.kernel, args, kwargs)
-        memo.run(grid, device, args)
-        return memo.kernel
+        return self._hit(memo, grid, device, args, kwargs)
 
     def _first_launch(self, key, grid, args, kwargs):
         """A miss: Triton's own path (compiles if needed, launches); memoize what it returns."""

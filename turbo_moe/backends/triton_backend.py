@@ -293,10 +293,11 @@ class TritonBackend(GroupedGemmBackend):
         import triton.testing
 
         best_ms: Dict[KernelConfig, float] = {}
-        plans = {config: self._make_plan(problem, out, config) for config in candidates}  # one launch key each
+        plans: Dict[KernelConfig, _LaunchPlan] = {}  # one plan (one launch key) per candidate
         for _ in range(2):
-            for config, plan in plans.items():
+            for config in candidates:
                 try:
+                    plan = plans.get(config) or plans.setdefault(config, self._make_plan(problem, out, config))
                     ms = triton.testing.do_bench(lambda plan=plan: plan.launch(problem, out), warmup=5, rep=20)
                 except Exception:  # e.g. out of shared memory for this block shape on this device
                     continue
