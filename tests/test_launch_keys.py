@@ -18,19 +18,25 @@ pytest.importorskip("triton")
 from turbo_moe.backends import triton_backend  # noqa: E402
 from turbo_moe.backends.base import GemmKind, GroupedGemmProblem  # noqa: E402
 from turbo_moe.kernels.triton import fp8_cast  # noqa: E402
-from turbo_moe.kernels.triton.launch import arg_fact  # noqa: E402
+from turbo_moe.kernels.triton.launch import HostDesc, arg_fact, triton_args  # noqa: E402
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 class _Recorder:
-    """A launcher that records ``(kernel, key, facts)`` instead of launching."""
+    """A launcher that records ``(kernel, key, facts)`` instead of launching, the facts of the
+    arguments as Triton receives them (host descriptors as ``TensorDescriptor``s), and every host
+    descriptor's ``(cache_key, what it describes)`` in ``descriptors``."""
 
-    def __init__(self, name, log):
-        self.name, self.log = name, log
+    def __init__(self, name, log, descriptors=None):
+        self.name, self.log, self.descriptors = name, log, descriptors
 
     def launch_keyed(self, grid, key, *args, **kwargs):
-        self.log.append((self.name, key, (tuple(map(arg_fact, args)), tuple(kwargs.items()))))
+        self.log.append((self.name, key, (tuple(map(arg_fact, triton_args(args))), tuple(kwargs.items()))))
+        for arg in args:
+            if type(arg) is HostDesc and self.descriptors is not None:
+                self.descriptors.append((arg.cache_key, (arg.base.data_ptr(), arg.base.dtype, tuple(arg.shape),
+                                                         tuple(arg.strides), tuple(arg.block_shape))))
 
 
 def _assert_keys_determine_facts(log):
@@ -38,6 +44,16 @@ def _assert_keys_determine_facts(log):
     for name, key, facts in log:
         first = seen.setdefault((name, key), facts)
         assert first == facts, f"{name}: one key, two argument facts:\n{first}\n{facts}"
+    return len(seen)
+
+
+def _assert_descriptor_keys_determine_descriptors(descriptors):
+    """A ``HostDesc.cache_key`` stands for one descriptor: the launcher reuses the expansion it made
+    for the first (its address, dtype, shape, strides and block shape) for every later one."""
+    seen = {}
+    for key, described in descriptors:
+        first = seen.setdefault(key, described)
+        assert first == described, f"one descriptor key, two descriptors:\n{first}\n{described}"
     return len(seen)
 
 
@@ -85,13 +101,14 @@ def test_cast_keys_determine_every_argument_fact(monkeypatch):
 
 
 class _FakeKernels:
-    def __init__(self, log):
+    def __init__(self, log, descriptors):
         from turbo_moe.kernels.triton import grouped_gemm
 
         self.module = grouped_gemm
+        self.HostDesc = HostDesc
         for name in ("m_grouped_gemm_kernel", "m_grouped_gemm_tma_kernel", "k_grouped_gemm_kernel",
                      "k_grouped_gemm_tma_kernel"):
-            setattr(self, name, _Recorder(name, log))
+            setattr(self, name, _Recorder(name, log, descriptors))
 
 
 def _problem(kind, m, n, k, groups, *, rowwise, shifts, out_given, accumulate=False):
@@ -120,8 +137,8 @@ def _problem(kind, m, n, k, groups, *, rowwise, shifts, out_given, accumulate=Fa
 
 
 def test_gemm_plan_keys_determine_every_argument_fact(monkeypatch):
-    log = []
-    monkeypatch.setattr(triton_backend, "_KERNELS", _FakeKernels(log))
+    log, descriptors = [], []
+    monkeypatch.setattr(triton_backend, "_KERNELS", _FakeKernels(log, descriptors))
     backend = triton_backend.TritonBackend()
     plans = {}  # as TritonBackend.run caches them: one plan per (problem signature, config)
     candidates = {kind: list(triton_backend.GPU_CANDIDATES[kind]) + [triton_backend.INTERPRETER_CONFIG]
@@ -151,6 +168,8 @@ def test_gemm_plan_keys_determine_every_argument_fact(monkeypatch):
     assert kernels == {"m_grouped_gemm_kernel", "m_grouped_gemm_tma_kernel", "k_grouped_gemm_kernel",
                        "k_grouped_gemm_tma_kernel"}
     assert _assert_keys_determine_facts(log) < len(log)
+    # Twins share a and b, so their descriptors' keys collide: the check compares real reuse.
+    assert 0 < _assert_descriptor_keys_determine_descriptors(descriptors) < len(descriptors)
 
 
 def test_a_key_that_misses_a_fact_is_caught():
@@ -162,3 +181,15 @@ def test_a_key_that_misses_a_fact_is_caught():
     recorder.launch_keyed((1,), "same-key", shifted, 8, BLOCK=16)
     with pytest.raises(AssertionError, match="one key, two argument facts"):
         _assert_keys_determine_facts(log)
+
+
+def test_a_descriptor_key_that_misses_a_field_is_caught():
+    """The descriptor checker itself: one cache key over two block shapes (as a plan whose key
+    dropped the slot would give a tile and its token tail) fails it."""
+    t = torch.empty(64, 64).to(E4M3)
+    descriptors = []
+    recorder = _Recorder("k", [], descriptors)
+    recorder.launch_keyed((1,), "k", HostDesc(t, [64, 64], [64, 1], [32, 32], ("plan", t.data_ptr())))
+    recorder.launch_keyed((1,), "k", HostDesc(t, [64, 64], [64, 1], [32, 16], ("plan", t.data_ptr())))
+    with pytest.raises(AssertionError, match="one descriptor key, two descriptors"):
+        _assert_descriptor_keys_determine_descriptors(descriptors)

@@ -202,3 +202,103 @@ def test_direct_launch_only_for_the_known_launcher_layout(monkeypatch):
 
     assert _launcher_layout_known(Installed) == (tuple(inspect.signature(Installed.__call__).parameters)
                                                  == _DIRECT_LAYOUT)
+
+
+# Triton 3.6's descriptor wrapper (triton/backends/nvidia/driver.py, wrap_handle_tensordesc), on a
+# recorder: the launcher object's ``launch`` is this ``inner`` closure when the kernel takes host
+# TMA descriptors. The direct launch unwraps it by these names, so the replica keeps them.
+_BASE_ARGS_FORMAT_LEN = 13
+_expansions = []
+
+
+def make_tensordesc_arg(arg, metadata):
+    _expansions.append(arg.base.data_ptr())
+    return [("tensor-map", arg.base.data_ptr(), tuple(arg.block_shape), metadata["swizzle"]), *arg.shape, *arg.strides]
+
+
+def _wrap_handle_tensordesc(launcher, signature, tensordesc_meta):
+    tensordesc_indices = set(i for i, sig in enumerate(signature.values()) if sig.startswith("tensordesc"))
+
+    def inner(*args):
+        final_args = list(args[:_BASE_ARGS_FORMAT_LEN])
+        tensordesc_idx = 0
+        for i, arg in enumerate(args[_BASE_ARGS_FORMAT_LEN:]):
+            if i in tensordesc_indices:
+                final_args.extend(make_tensordesc_arg(arg, tensordesc_meta[tensordesc_idx]))
+                tensordesc_idx += 1
+            else:
+                final_args.append(arg)
+        return launcher(*final_args)
+
+    return inner
+
+
+_DESC_SIGNATURE = {"a_desc": "tensordesc<fp8e4nv[16, 32]>", "b_desc": "tensordesc<fp8e4nv[16, 32]>",
+                   "n": "i32", "BLOCK": "constexpr", "FLAG": "constexpr"}
+
+
+class _DescLauncherOfTriton36(_LauncherOfTriton36):
+    def __init__(self, calls, metas=({"swizzle": 3}, {"swizzle": 2})):
+        super().__init__(calls)
+        self.launch = _wrap_handle_tensordesc(lambda *a: calls.append(("c", a)), _DESC_SIGNATURE, metas)
+
+
+_DescLauncherOfTriton36.__name__ = "CudaLauncher"
+
+
+class _DescJit(_FakeJit):
+    def __init__(self, runner_factory):
+        super().__init__(runner_factory)
+        self.params = [_Param("a_desc", False), _Param("b_desc", False), _Param("n", False), _Param("BLOCK", True),
+                       _Param("FLAG", True, False, True)]
+
+
+def _host_descs(a, b, plan="plan"):
+    from turbo_moe.kernels.triton.launch import HostDesc
+
+    return (HostDesc(a, [64, 64], [64, 1], [16, 32], (plan, 0, a.data_ptr())),
+            HostDesc(b, [32, 64], [64, 1], [16, 32], (plan, 1, b.data_ptr())))
+
+
+def test_direct_launch_expands_each_descriptor_once_per_key(fake_cuda):
+    """Unwrapped from Triton's descriptor wrapper, a hit passes the C entry exactly what the wrapper
+    would, and expands a descriptor once per cache key (again for a new address)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    direct, via_wrapper = [], []
+    fn = _DescJit(lambda: _DescLauncherOfTriton36(direct))
+    launcher = LeanLauncher(fn)
+    a, b, b2 = (torch.empty(64, 64).to(torch.float8_e4m3fn) for _ in range(3))
+    launcher.launch_keyed((4,), "k", *_host_descs(a, b), 5, BLOCK=16)  # miss: Triton's path gets TensorDescriptors
+    assert all(isinstance(d, TensorDescriptor) for d in fn.triton_path[-1][1][:2])
+    memo = next(iter(launcher._memo.values()))
+    assert memo.direct is not None and isinstance(memo.direct[4], tuple)  # unwrapped
+    _expansions.clear()
+    for _ in range(3):
+        launcher.launch_keyed((4,), "k", *_host_descs(a, b), 5, BLOCK=16)
+    assert _expansions == [a.data_ptr(), b.data_ptr()]  # once per key, not per launch
+    reference = _DescLauncherOfTriton36(via_wrapper)
+    reference(4, 1, 1, 77, "fn-handle", "packed", None, None, None,
+              TensorDescriptor(a, [64, 64], [64, 1], [16, 32]), TensorDescriptor(b, [32, 64], [64, 1], [16, 32]),
+              5, 16, False)
+    assert direct[-1] == via_wrapper[-1]
+    launcher.launch_keyed((4,), "k", *_host_descs(a, b2), 5, BLOCK=16)  # a new address: a new expansion
+    assert _expansions[-1] == b2.data_ptr() and direct[-1][1][13 + 5][1] == b2.data_ptr()
+
+
+def test_descriptor_wrapper_without_metadata_is_called_as_is(fake_cuda):
+    """Without TMA metadata Triton's wrapper passes the tensor itself (nothing address-only to
+    cache): the direct launch then calls the wrapper, with TensorDescriptor arguments."""
+    from turbo_moe.kernels.triton.launch import _WRAPPED
+
+    calls = []
+    seen = []
+    fn = _DescJit(lambda: _DescLauncherOfTriton36(calls, metas=(None, None)))
+    launcher = LeanLauncher(fn)
+    a, b = (torch.empty(64, 64).to(torch.float8_e4m3fn) for _ in range(2))
+    launcher.launch_keyed((4,), "k", *_host_descs(a, b), 5, BLOCK=16)
+    memo = next(iter(launcher._memo.values()))
+    assert memo.direct[4] is _WRAPPED
+    memo.direct = (lambda *args: seen.append(args),) + memo.direct[1:]
+    launcher.launch_keyed((4,), "k", *_host_descs(a, b), 5, BLOCK=16)
+    assert [type(x).__name__ for x in seen[-1][13:15]] == ["TensorDescriptor", "TensorDescriptor"]

@@ -25,6 +25,16 @@ as proton) or the interpreter always take Triton's own path. ``TURBO_MOE_LAUNCH_
 re-derives Triton's key on every hit and asserts it names the memoized kernel (the GPU tests run
 with it).
 
+Host TMA descriptors: a call site of ``launch_keyed`` passes them as :class:`HostDesc` (Triton's
+``TensorDescriptor`` fields plus a ``cache_key``). Triton's own path gets real ``TensorDescriptor``
+objects. A direct hit skips Triton's per-launch expansion of every descriptor (a Python wrapper
+around ``fill_tma_descriptor``, a few microseconds each, nine per fwd+bwd) where it can: the expanded
+arguments (a ``CUtensorMap`` and the shape and strides) are made once per ``cache_key`` by Triton's
+own ``make_tensordesc_arg`` and reused. The key must determine the base address, dtype, shape,
+strides and block shape: a GEMM launch plan uses (its id, the slot, ``base.data_ptr()``), the plan
+fixing the rest, and torch's caching allocator hands the same addresses back step after step. No
+tensor is kept alive by the cache: an expanded descriptor holds the address only.
+
 Runtime arguments are positional and come first in the kernel signature; constexprs and launch
 options are keywords (every kernel of this package is written that way).
 """
@@ -33,7 +43,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Dict
+from typing import Dict, Hashable, List, NamedTuple
 
 import torch
 
@@ -58,6 +68,34 @@ def arg_fact(arg):
     return (kind,)
 
 
+class HostDesc(NamedTuple):
+    """A host TMA descriptor argument of ``launch_keyed``: ``TensorDescriptor(base, shape, strides,
+    block_shape)`` plus ``cache_key``, which must determine ``base``'s address and dtype, the shape,
+    the strides and the block shape (the descriptor's every input; see the module docstring)."""
+
+    base: torch.Tensor
+    shape: List[int]
+    strides: List[int]
+    block_shape: List[int]
+    cache_key: Hashable
+
+
+@functools.lru_cache(maxsize=None)
+def _tensor_descriptor_type():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor
+
+
+def triton_args(args) -> tuple:
+    """``args`` with every :class:`HostDesc` made a ``triton.tools.tensor_descriptor.TensorDescriptor``
+    (what Triton's own path, its binder and its launcher wrapper take)."""
+    if not any(type(a) is HostDesc for a in args):
+        return args
+    make = _tensor_descriptor_type()
+    return tuple(make(a.base, a.shape, a.strides, a.block_shape) if type(a) is HostDesc else a for a in args)
+
+
 _RUNTIME_KNOBS = None
 
 
@@ -73,14 +111,16 @@ def _runtime_knobs():
 
 class _Memo:
     """A compiled kernel and how to launch it: the constexpr values appended to the runtime
-    arguments, and Triton's C launch entry when its launcher object is one this module knows."""
+    arguments, Triton's C launch entry when its launcher object is one this module knows, and the
+    descriptors' expansions made so far (``cache_key`` -> expanded arguments)."""
 
-    __slots__ = ("kernel", "constexpr_values", "direct")
+    __slots__ = ("kernel", "constexpr_values", "direct", "expanded")
 
     def __init__(self, kernel, constexpr_values):
         self.kernel = kernel
         self.constexpr_values = constexpr_values
         self.direct = _direct_launch(kernel.run)
+        self.expanded: Dict[Hashable, tuple] = {}
 
     def run(self, grid, device, args):
         kernel = self.kernel
@@ -90,9 +130,13 @@ class _Memo:
         direct = self.direct
         if direct is None:
             kernel.run(grid_x, grid_y, grid_z, stream, kernel.function, kernel.packed_metadata, None, None, None,
-                       *args, *self.constexpr_values)
+                       *triton_args(args), *self.constexpr_values)
             return
-        c_launch, cooperative, pdl, scratch_bytes = direct
+        c_launch, cooperative, pdl, scratch_bytes, descriptors = direct
+        if descriptors is _WRAPPED:  # Triton's descriptor wrapper, called as is
+            args = triton_args(args)
+        elif descriptors is not None:  # the wrapper unwrapped: the expansions made here, cached
+            args = self._expand(args, descriptors)
         # What CudaLauncher.__call__ does, less its per-call closures and allocator lookups: the
         # global scratch (device-side TMA descriptors) is a stream-ordered torch allocation, as
         # the allocator the backend hands Triton (triton.set_allocator) would make it.
@@ -101,12 +145,45 @@ class _Memo:
         c_launch(grid_x, grid_y, grid_z, stream, kernel.function, cooperative, pdl, scratch, None,
                  kernel.packed_metadata, None, None, None, *args, *self.constexpr_values)
 
+    def _expand(self, args, descs):
+        """``args`` with each descriptor replaced by what Triton's wrapper would put there
+        (``make_tensordesc_arg``'s list), made once per ``HostDesc.cache_key``."""
+        positions, make_arg = descs
+        expanded = self.expanded
+        flat = []
+        start = 0
+        for pos, meta in positions:
+            desc = args[pos]
+            if type(desc) is HostDesc:
+                parts = expanded.get(desc.cache_key)
+                if parts is None:
+                    if len(expanded) >= _MAX_EXPANDED:
+                        expanded.clear()
+                    parts = expanded[desc.cache_key] = tuple(make_arg(
+                        _tensor_descriptor_type()(desc.base, desc.shape, desc.strides, desc.block_shape), meta))
+            else:  # a TensorDescriptor (an unkeyed launch): no key to cache it under
+                parts = make_arg(desc, meta)
+            flat.extend(args[start:pos])
+            flat.extend(parts)
+            start = pos + 1
+        flat.extend(args[start:])
+        return flat
+
+
+# Expanded descriptors kept per memoized kernel (addresses seen: activations move between steps
+# only when the allocator's pattern changes; the cap bounds a long run's churn).
+_MAX_EXPANDED = 1024
+_WRAPPED = "wrapped"  # a direct entry whose launch is Triton's descriptor wrapper, not unwrapped
+
 
 # CudaLauncher.__call__(self, gridX, gridY, gridZ, stream, function, *args) calling
 # self.launch(gridX, gridY, gridZ, stream, function, launch_cooperative_grid, launch_pdl,
 # global_scratch, profile_scratch, *args): the layout of the Triton releases this was written
 # against (3.5, 3.6). Other layouts (3.9 passes hooks and signatures separately) keep kernel.run.
 _DIRECT_LAYOUT = ("self", "gridX", "gridY", "gridZ", "stream", "function", "args")
+# The arguments before the kernel's own in that C launch: grid (3), stream, function, cooperative,
+# pdl, global scratch, profile scratch, packed metadata, launch metadata, enter and exit hooks.
+_BASE_ARGS = 13
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,18 +199,46 @@ def _launcher_layout_known(launcher_type) -> bool:
     return params == _DIRECT_LAYOUT
 
 
+def _unwrap_descriptor_launch(launch):
+    """``(C launch, ((position, metadata), ...), make_tensordesc_arg)`` when ``launch`` is Triton
+    3.5/3.6's ``wrap_handle_tensordesc`` closure (``inner``) with TMA metadata for every descriptor;
+    None otherwise (then the wrapper itself is called, with ``TensorDescriptor`` arguments)."""
+    code = getattr(launch, "__code__", None)
+    if code is None or getattr(launch, "__name__", "") != "inner" or not launch.__closure__:
+        return None
+    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in launch.__closure__)))
+    c_launch, indices, metas = cells.get("launcher"), cells.get("tensordesc_indices"), cells.get("tensordesc_meta")
+    make_arg = launch.__globals__.get("make_tensordesc_arg")
+    if (c_launch is None or make_arg is None or not indices or metas is None or len(metas) != len(indices)
+            or any(meta is None for meta in metas) or launch.__globals__.get("_BASE_ARGS_FORMAT_LEN") != _BASE_ARGS):
+        return None  # no metadata: Triton decomposes the descriptor into the tensor itself (not cacheable)
+    # The wrapper hands the metadata out in the order of the descriptors' positions.
+    return c_launch, tuple(zip(sorted(indices), metas)), make_arg
+
+
 def _direct_launch(runner):
-    """``(C launch, cooperative, pdl, scratch bytes per program)`` of Triton's launcher object when
-    its layout is the known one and it needs no profile scratch; None otherwise (kernel.run)."""
+    """``(C launch, cooperative, pdl, scratch bytes per program, descriptors)`` of Triton's launcher
+    object when its layout is the known one and it needs no profile scratch; None otherwise
+    (kernel.run). ``descriptors``: None when the launch is the C entry itself (no descriptor
+    arguments); ``(positions with metadata, make_tensordesc_arg)`` when the C entry was unwrapped
+    from Triton's descriptor wrapper; ``_WRAPPED`` when the wrapper is called as is."""
     if os.environ.get("TURBO_MOE_DIRECT_LAUNCH", "1") in ("", "0") or not _launcher_layout_known(type(runner)):
         return None
     try:
         if runner.profile_scratch_size:
             return None
-        return (runner.launch, runner.launch_cooperative_grid, runner.launch_pdl,
-                runner.global_scratch_size * runner.num_ctas)
+        launch = runner.launch
+        scratch = runner.global_scratch_size * runner.num_ctas
+        common = (runner.launch_cooperative_grid, runner.launch_pdl, scratch)
     except AttributeError:
         return None
+    if getattr(launch, "__code__", None) is None:  # the C entry itself: no descriptor arguments
+        return (launch, *common, None)
+    unwrapped = _unwrap_descriptor_launch(launch)
+    if unwrapped is None:
+        return (launch, *common, _WRAPPED)
+    c_launch, positions, make_arg = unwrapped
+    return (c_launch, *common, (positions, make_arg))
 
 
 _LAUNCHERS = []
@@ -199,7 +304,7 @@ class LeanLauncher:
     def _hit(self, memo, grid, device, args, kwargs):
         self.hits += 1
         if self._check:
-            self._assert_same_kernel(memo.kernel, args, kwargs)
+            self._assert_same_kernel(memo.kernel, triton_args(args), kwargs)
         memo.run(grid, device, args)
         return memo.kernel
 
@@ -216,10 +321,11 @@ class LeanLauncher:
         that misses a fact fails the GPU tests instead of launching the wrong specialization.
         """
         if self._hooked():
-            return self.fn[grid](*args, **kwargs)
+            return self.fn[grid](*triton_args(args), **kwargs)
         device = _cuda_get_device()
         memo = self._keyed.get((device, key))
         if memo is None:
+            args = triton_args(args)
             full = self._full_key(device, args, kwargs)
             kernel = self._launch_memoized(full, grid, device, args, kwargs)
             memo = self._memo.get(full)
@@ -287,7 +393,7 @@ class _TritonPath:
         return self.fn[grid](*args, **kwargs)
 
     def launch_keyed(self, grid, key, *args, **kwargs):
-        return self.fn[grid](*args, **kwargs)
+        return self.fn[grid](*triton_args(args), **kwargs)
 
 
 def lean(fn):

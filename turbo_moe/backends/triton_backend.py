@@ -100,9 +100,10 @@ class _Kernels:
     """The GEMM kernels behind host-lean launchers (kernels/triton/launch.py)."""
 
     def __init__(self, module) -> None:
-        from turbo_moe.kernels.triton.launch import lean
+        from turbo_moe.kernels.triton.launch import HostDesc, lean
 
         self.module = module
+        self.HostDesc = HostDesc
         for name in ("m_grouped_gemm_kernel", "m_grouped_gemm_tma_kernel", "k_grouped_gemm_kernel",
                      "k_grouped_gemm_tma_kernel"):
             setattr(self, name, lean(getattr(module, name)))
@@ -255,6 +256,7 @@ class TritonBackend(GroupedGemmBackend):
         return _LaunchPlan(
             key=next(_PLAN_IDS), kind=problem.kind, config=config, grid=(ts.persistent_grid_size(bound, limit),), use_tma=use_tma,
             tma_store=tma_store, constexprs=flags,
+            descriptor_geometry=_descriptor_geometry(problem, out, config, flags) if use_tma else (),
         )
 
     # ------------------------------------------------------------------ tuning
@@ -326,43 +328,44 @@ class _LaunchPlan:
     use_tma: bool
     tma_store: bool
     constexprs: dict  # the launch's keywords (scales, accumulation, tiles...) and launch options
+    # (shape, strides, block shape) of each host TMA descriptor, by slot: M_GROUPED a, b; K_GROUPED
+    # a, b, a's and b's token tails, out. Empty without TMA.
+    descriptor_geometry: tuple = ()
 
     def launch(self, problem: GroupedGemmProblem, out: torch.Tensor) -> None:
         k = _kernels()
-        cfg = self.config
         a, b, offs = problem.a, problem.b, problem.group_offs
         a_scale, b_scale = problem.a_scale.contiguous(), problem.b_scale.contiguous()
-        M, N, K = problem.mnk
+        _, N, K = problem.mnk
         G = offs.shape[0] - 1
         key = (self.key, a_scale.data_ptr() % 16 == 0, b_scale.data_ptr() % 16 == 0, offs.data_ptr() % 16 == 0,
                out.data_ptr() % 16 == 0)
         if self.use_tma:
-            descriptor, set_allocator = _tma_api()
             # Device-side TMA descriptors need global scratch memory; hand Triton torch's allocator
             # (stream-ordered, so also legal while a CUDA graph is captured). triton.set_allocator
             # sets a per-thread context variable, and autograd runs backward on its own device
             # threads: so before every TMA launch, not once per process (a one-shot flag left the
             # forward thread without one).
-            set_allocator(_torch_scratch_allocator)
+            _tma_api()(_torch_scratch_allocator)
+            # Host descriptors as HostDesc: the geometry is the plan's (fixed by its signature), so
+            # (plan id, slot, address) determines each one, and the launcher expands it once per key.
+            geometry, HostDesc = self.descriptor_geometry, k.HostDesc
         if self.kind is GemmKind.M_GROUPED and self.use_tma:
-            a_desc = descriptor(a, [M, K], [a.stride(0), 1], [cfg.block_m, cfg.block_k])
             # b's groups stacked as one [G*N, K] matrix (checked contiguous across groups).
-            b_desc = descriptor(b, [G * N, K], [b.stride(1), 1], [cfg.block_n, cfg.block_k])
+            a_desc = HostDesc(a, *geometry[0], (self.key, 0, a.data_ptr()))
+            b_desc = HostDesc(b, *geometry[1], (self.key, 1, b.data_ptr()))
             k.m_grouped_gemm_tma_kernel.launch_keyed(
                 self.grid, key, a_desc, b_desc, out, a_scale, b_scale, offs, N, K, G, out.stride(0), out.stride(1),
                 **self.constexprs,
             )
         elif self.kind is GemmKind.K_GROUPED and self.use_tma:
-            a_desc = descriptor(a, [N, M], [a.stride(0), 1], [cfg.block_m, cfg.block_k])
-            b_desc = descriptor(b, [K, M], [b.stride(0), 1], [cfg.block_n, cfg.block_k])
+            a_ptr, b_ptr = a.data_ptr(), b.data_ptr()
+            a_desc = HostDesc(a, *geometry[0], (self.key, 0, a_ptr))
+            b_desc = HostDesc(b, *geometry[1], (self.key, 1, b_ptr))
             # Narrow boxes for a group's first and last tokens (32: the FP8 dot's smallest K).
-            tail_k = self.constexprs["TAIL_K"]
-            a_tail_desc = descriptor(a, [N, M], [a.stride(0), 1], [cfg.block_m, tail_k])
-            b_tail_desc = descriptor(b, [K, M], [b.stride(0), 1], [cfg.block_n, tail_k])
-            out_desc = (
-                descriptor(out, list(out.shape), list(out.stride()), [1, cfg.block_m, cfg.block_n])
-                if self.tma_store else None
-            )
+            a_tail_desc = HostDesc(a, *geometry[2], (self.key, 2, a_ptr))
+            b_tail_desc = HostDesc(b, *geometry[3], (self.key, 3, b_ptr))
+            out_desc = HostDesc(out, *geometry[4], (self.key, 4, out.data_ptr())) if self.tma_store else None
             k.k_grouped_gemm_tma_kernel.launch_keyed(
                 self.grid, key, a_desc, b_desc, a_tail_desc, b_tail_desc, out_desc, out, a_scale, b_scale, offs, N, K, G,
                 out.stride(0), out.stride(1), out.stride(2), **self.constexprs,
@@ -383,12 +386,27 @@ class _LaunchPlan:
 
 @functools.lru_cache(maxsize=None)
 def _tma_api():
-    """``(TensorDescriptor, triton.set_allocator)``, imported once (an import statement costs
-    microseconds on every launch)."""
+    """``triton.set_allocator``, imported once (an import statement costs microseconds on every launch)."""
     import triton
-    from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor, triton.set_allocator
+    return triton.set_allocator
+
+
+def _descriptor_geometry(problem: GroupedGemmProblem, out: torch.Tensor, cfg: KernelConfig, flags: dict) -> tuple:
+    """(shape, strides, block shape) of each host TMA descriptor of a TMA plan, by slot (see
+    ``_LaunchPlan.descriptor_geometry``): all of it fixed by the problem's signature."""
+    a, b = problem.a, problem.b
+    M, N, K = problem.mnk
+    if problem.kind is GemmKind.M_GROUPED:
+        G = problem.num_groups
+        return (([M, K], [a.stride(0), 1], [cfg.block_m, cfg.block_k]),
+                ([G * N, K], [b.stride(1), 1], [cfg.block_n, cfg.block_k]))
+    tail_k = flags["TAIL_K"]
+    return (([N, M], [a.stride(0), 1], [cfg.block_m, cfg.block_k]),
+            ([K, M], [b.stride(0), 1], [cfg.block_n, cfg.block_k]),
+            ([N, M], [a.stride(0), 1], [cfg.block_m, tail_k]),
+            ([K, M], [b.stride(0), 1], [cfg.block_n, tail_k]),
+            (list(out.shape), list(out.stride()), [1, cfg.block_m, cfg.block_n]))
 
 
 def _output(problem: GroupedGemmProblem) -> torch.Tensor:
