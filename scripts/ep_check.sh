@@ -75,7 +75,7 @@ run_step() {  # run_step NAME CAP_S COMMAND...
 }
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node 2)
 
-has_step train && run_step ep_train "${TRAIN_S:-180}" "${TORCHRUN[@]}" scripts/ep_train.py --etp --overlap \
+has_step train && run_step ep_train "${TRAIN_S:-180}" "${TORCHRUN[@]}" scripts/ep_train.py --etp --overlap --bf16-pairs \
   --steps "${TRAIN_STEPS:-20}" --out "$OUT"
 has_step overlap && run_step ep_overlap "${OVERLAP_S:-150}" "${TORCHRUN[@]}" scripts/ep_overlap_bench.py --out "$OUT" \
   ${OVERLAP_ARGS:-}

@@ -37,12 +37,12 @@ def _check(proc, verdict):
 @pytest.mark.slow
 def test_ep_train_two_gloo_ranks(tmp_path):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
-    proc = _torchrun("ep_train.py", "--cpu", "--steps", "2", "--overlap", "--out", str(tmp_path), timeout=280)
+    proc = _torchrun("ep_train.py", "--cpu", "--steps", "2", "--overlap", "--bf16-pairs", "--out", str(tmp_path), timeout=280)
     _check(proc, "EP_TRAIN PASS")
     result = json.loads((tmp_path / "ep_train.json").read_text())
-    assert set(result["curves"]) == {"ep1_bf16", "ep1", "ep2", "ep2_overlap"}
+    assert set(result["curves"]) == {"ep1_bf16", "ep1", "ep2", "ep2_overlap", "ep2_bf16"}
     assert set(result["checks"]) == {"ckpt_ep1_to_ep2", "loss_ep2", "ckpt_ep2_to_ep1_and_back", "ckpt_sequential",
-                                     "overlap_path_taken", "loss_ep2_overlap"}
+                                     "overlap_path_taken", "loss_ep2_overlap", "bf16_parallel_math"}
 
 
 def test_ep_overlap_bench_two_gloo_ranks(tmp_path):
@@ -61,7 +61,7 @@ def test_ep2_matches_ep1_and_checkpoints_reshard_on_two_gpus(tmp_path):
     overlap_moe_expert_parallel_comm + delay_wgrad_compute (num_cu="comm") loss vs EP=1, and
     distributed checkpoints EP=1 -> EP=2 -> EP=1 -> EP=2 and across SequentialMLP, bit-exact."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
-    proc = _torchrun("ep_train.py", "--steps", "8", "--etp", "--overlap", "--out", str(tmp_path), timeout=400)
+    proc = _torchrun("ep_train.py", "--steps", "8", "--etp", "--overlap", "--bf16-pairs", "--out", str(tmp_path), timeout=400)
     _check(proc, "EP_TRAIN PASS")
 
 
