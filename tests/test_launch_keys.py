@@ -105,7 +105,6 @@ class _FakeKernels:
         from turbo_moe.kernels.triton import grouped_gemm
 
         self.module = grouped_gemm
-        self.HostDesc = HostDesc
         for name in ("m_grouped_gemm_kernel", "m_grouped_gemm_tma_kernel", "k_grouped_gemm_kernel",
                      "k_grouped_gemm_tma_kernel"):
             setattr(self, name, _Recorder(name, log, descriptors))

@@ -31,6 +31,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from ..kernels.triton.launch import HostDesc  # torch only: importing it needs no triton
 from .base import GemmKind, GroupedGemmBackend, GroupedGemmProblem
 from .triton_checks import _tma_reason, _tma_store_ok, _validate
 
@@ -100,10 +101,9 @@ class _Kernels:
     """The GEMM kernels behind host-lean launchers (kernels/triton/launch.py)."""
 
     def __init__(self, module) -> None:
-        from turbo_moe.kernels.triton.launch import HostDesc, lean
+        from turbo_moe.kernels.triton.launch import lean
 
         self.module = module
-        self.HostDesc = HostDesc
         for name in ("m_grouped_gemm_kernel", "m_grouped_gemm_tma_kernel", "k_grouped_gemm_kernel",
                      "k_grouped_gemm_tma_kernel"):
             setattr(self, name, lean(getattr(module, name)))
@@ -346,10 +346,10 @@ class _LaunchPlan:
             # sets a per-thread context variable, and autograd runs backward on its own device
             # threads: so before every TMA launch, not once per process (a one-shot flag left the
             # forward thread without one).
-            _tma_api()(_torch_scratch_allocator)
+            _triton_set_allocator()(_torch_scratch_allocator)
             # Host descriptors as HostDesc: the geometry is the plan's (fixed by its signature), so
             # (plan id, slot, address) determines each one, and the launcher expands it once per key.
-            geometry, HostDesc = self.descriptor_geometry, k.HostDesc
+            geometry = self.descriptor_geometry
         if self.kind is GemmKind.M_GROUPED and self.use_tma:
             # b's groups stacked as one [G*N, K] matrix (checked contiguous across groups).
             a_desc = HostDesc(a, *geometry[0], (self.key, 0, a.data_ptr()))
@@ -385,7 +385,7 @@ class _LaunchPlan:
 
 
 @functools.lru_cache(maxsize=None)
-def _tma_api():
+def _triton_set_allocator():
     """``triton.set_allocator``, imported once (an import statement costs microseconds on every launch)."""
     import triton
 

@@ -1,0 +1,162 @@
+"""turbo_moe's own Python in one GroupedLinearFP8 fwd+bwd, measured on any machine (no GPU needed).
+
+``scripts/host_breakdown.py`` measures the host cost on a GPU, where the device machine's load moves
+it by 20-50% between minutes. This runs the GPU code path itself on CPU tensors, with every kernel
+launch a no-op:
+
+* the Triton backend's dispatch, launch plans and TMA descriptors (the first GPU candidate config);
+* the Triton casts' and the offsets kernel's host code;
+* the lean launcher's keys, memo lookups and hook checks. Only ``_Memo.run`` (Triton's C entry)
+  is skipped, and a miss memoizes a stand-in kernel instead of compiling.
+
+What it leaves out, so read its numbers as turbo_moe's Python alone:
+* the C launches themselves;
+* CUDA's caching allocator (CPU ``torch.empty`` is cheaper);
+* the autograd engine's hand-off to its device thread (CPU backward runs inline).
+
+Nothing is computed: outputs are uninitialized memory, only time is read.
+
+Usage: ``python scripts/host_glue_cpu.py [--shape tiny|dsv3] [--granularity tensorwise|rowwise]
+[--cache] [--profile N]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class _StandInKernel:
+    """What a miss memoizes instead of a compiled kernel (its launcher is never called)."""
+
+    run = None
+    function = None
+    packed_metadata = None
+
+
+@contextlib.contextmanager
+def gpu_path_on_cpu():
+    """Route CPU tensors through the GPU code path with every launch a no-op (see the module doc)."""
+    from turbo_moe import checks, quantize
+    from turbo_moe.backends import clear_dispatch_cache, triton_backend
+    from turbo_moe.kernels.triton import fp8_cast, group_offsets, launch
+
+    patches = [
+        (launch, "_cuda_get_device", lambda: 0),
+        (launch._Memo, "run", lambda self, grid, device, args: None),
+        (launch.LeanLauncher, "_first_launch", _memoize_stand_in),
+        (quantize, "_cast_kernels", lambda t: fp8_cast if t.dim() in (2, 3) else None),
+        (checks, "_offsets_kernel", lambda t: group_offsets),
+        (triton_backend, "_interpreting", lambda: False),
+        (triton_backend, "_tma_reason", lambda problem: ""),
+        (triton_backend.TritonBackend, "is_available", lambda self: (True, "")),
+        (triton_backend.TritonBackend, "_device_reason", lambda self, device: ""),
+        (triton_backend.TritonBackend, "_choose_config",
+         lambda self, problem, out: triton_backend.GPU_CANDIDATES[problem.kind][0]),
+    ]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, value in patches:
+        setattr(obj, name, value)
+    clear_dispatch_cache()
+    try:
+        yield
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+        clear_dispatch_cache()
+        triton_backend.BACKEND._plans.clear()
+
+
+def _memoize_stand_in(self, key, grid, args, kwargs):
+    from turbo_moe.kernels.triton import launch
+
+    self.misses += 1
+    self._memo[key] = launch._Memo(_StandInKernel(), self._constexpr_values(args, kwargs))
+    return self._memo[key].kernel
+
+
+def _issue_us(fn, steps, reps):
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        out.append((time.perf_counter() - t0) / steps * 1e6)
+    return min(out), statistics.median(out)
+
+
+def main(argv=None):
+    import turbo_moe
+    from turbo_moe.kernels.triton.launch import launch_stats
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="tiny", choices=["tiny", "dsv3"])
+    p.add_argument("--granularity", default="tensorwise", choices=["tensorwise", "rowwise"])
+    p.add_argument("--cache", action="store_true", help="the FP8 weight cache on (quantized once, not per call)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--profile", type=int, default=0, help="cProfile this many fwd+bwd instead of timing")
+    p.add_argument("--top", type=int, default=40)
+    args = p.parse_args(argv)
+    g, t, n, k = {"tiny": (8, 128, 256, 256), "dsv3": (32, 512, 4096, 7168)}[args.shape]
+    # No memory is touched: empty tensors of the real shapes (uninitialized, never read).
+    x = torch.empty(g * t, k, dtype=torch.bfloat16).requires_grad_()
+    dy = torch.empty(g * t, n, dtype=torch.bfloat16)
+    lens = torch.full((g,), t, dtype=torch.int64)
+    config = turbo_moe.Float8Config(granularity=args.granularity)
+    layer = turbo_moe.GroupedLinearFP8(g, k, n, device="meta", dtype=torch.bfloat16, config=config,
+                                       cache_fp8_weight=args.cache, backend="triton")
+    layer.weight = torch.nn.Parameter(torch.empty(g, n, k, dtype=torch.bfloat16))
+
+    def step():
+        return torch.autograd.grad(layer(x, lens), (x, layer.weight), dy)
+
+    with gpu_path_on_cpu():
+        for _ in range(3):
+            step()
+        if args.profile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.profile):
+                step()
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+            return
+        lo, med = _issue_us(step, args.steps, args.reps)
+        empty = _empty_function_us(args.steps, args.reps)
+    print(f"shape {args.shape} G={g} tokens/expert={t} N={n} K={k} {args.granularity}"
+          f"{' +weight cache' if args.cache else ''}, launches stubbed")
+    print(f"fwd+bwd turbo_moe Python: min {lo:.1f} us, median {med:.1f} us")
+    print(f"empty autograd.Function fwd + autograd.grad (CPU): min {empty[0]:.1f} us, median {empty[1]:.1f} us")
+    print("lean launches (hits, misses, direct):",
+          {name: stats for name, stats in launch_stats().items() if stats[0] or stats[1]})
+
+
+def _empty_function_us(steps, reps):
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a.view_as(a)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    a = torch.empty(4, requires_grad=True)
+    g = torch.empty(4)
+    return _issue_us(lambda: torch.autograd.grad(Identity.apply(a), a, g), steps, reps)
+
+
+if __name__ == "__main__":
+    main()
