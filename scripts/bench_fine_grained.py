@@ -8,6 +8,10 @@ Triton backend's tuned kernels), blockwise (1x128 / 128x128) and mxfp8 (promotio
 ``TURBO_MOE_MX_DOT_SCALED=1`` for the bf16-emulated tl.dot_scaled). Prints TFLOPS and the ratio
 to tensorwise; issue 12 asks blockwise fwd/dgrad >= 0.9x tensorwise and wgrad >= 0.9x.
 
+``--sweep``: instead, time the blockwise kernels (fwd, dgrad, wgrad) under each candidate tile
+configuration of ``SWEEP_CONFIGS`` at the first shape, beside tensorwise: which tiles, warps and
+stages the defaults (``turbo_moe/fine_grained/triton_gemm.py``) should be.
+
 Peer: DeepGEMM's m-grouped contiguous blockwise GEMM, if ``deep_gemm`` imports; the adapter is
 not written yet (its per-group 128-row alignment and TMA-aligned scale layout differ from ours),
 so the script only reports whether it is installed. Also runs the quantization kernels' time.
@@ -16,7 +20,6 @@ so the script only reports whether it is installed. Also runs the quantization k
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import torch
 
@@ -25,6 +28,84 @@ SHAPES = {
     "deepseek": [(8, 4096, 7168, 4096), (8, 4096, 2048, 7168), (32, 512, 7168, 4096)],
     "small": [(4, 1024, 1024, 2048)],
 }
+
+
+def _sweep_configs():
+    from turbo_moe.fine_grained.triton_gemm import BlockKernelConfig as C
+
+    # The default first; then one warpgroup (two CTAs per SM, so one CTA's promotion can overlap
+    # the other's wgmma), other pipeline depths, wider N tiles.
+    return [C(128, 128, 128, num_warps=8, num_stages=4), C(128, 128, 128, num_warps=8, num_stages=3),
+            C(64, 128, 128, num_warps=4, num_stages=4), C(64, 128, 128, num_warps=4, num_stages=3),
+            C(128, 128, 128, num_warps=4, num_stages=3), C(64, 256, 128, num_warps=4, num_stages=3),
+            C(128, 256, 128, num_warps=8, num_stages=3), C(128, 64, 128, num_warps=4, num_stages=4)]
+
+
+def sweep_shape(G, T, K, N):
+    """Blockwise fwd/dgrad/wgrad TFLOPS per candidate config (see the module docstring)."""
+    from turbo_moe.config import Float8Config
+    from turbo_moe.fine_grained import triton_gemm
+
+    problems, flops, tensorwise_ms, _ = _problems(G, T, K, N, Float8Config(granularity="blockwise"))
+    lines = [f"blockwise config sweep, G={G} tokens/expert={T} K={K} N={N}",
+             "| config | fwd TFLOPS | dgrad TFLOPS | wgrad TFLOPS |", "|---|---|---|---|",
+             "| tensorwise (tuned) | " + " | ".join(f"{_tflops(*flops[op], tensorwise_ms[op]):.0f}"
+                                                  for op in ("fwd", "dgrad", "wgrad")) + " |"]
+    for cfg in _sweep_configs():
+        cells = []
+        for op in ("fwd", "dgrad", "wgrad"):
+            try:
+                ms = _bench(lambda p=problems[op]: triton_gemm.run(p, cfg))
+                cells.append(f"{_tflops(*flops[op], ms):.0f} ({tensorwise_ms[op] / ms:.2f}x)")
+            except Exception as exc:  # e.g. out of shared memory for this tile shape
+                cells.append(f"fails: {type(exc).__name__}")
+        name = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+def _problems(G, T, K, N, cfg, time_tensorwise=True):
+    """The recipe's fwd/dgrad/wgrad problems on fresh operands, their (M, N, K) for TFLOPS, the
+    tensorwise kernels' ms on the same shapes (None unless ``time_tensorwise``), and a function
+    that quantizes x as the recipe does (rows and tokens layouts)."""
+    from turbo_moe.autograd import quantize_weight
+    from turbo_moe.backends import triton_backend
+    from turbo_moe.backends.base import GemmKind, GroupedGemmProblem
+    from turbo_moe.config import Float8Config
+    from turbo_moe.fine_grained import BlockScaledProblem, quantize as Q
+    from turbo_moe.quantize import quantize_tensorwise_layouts
+
+    M = G * T
+    dev = "cuda"
+    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device=dev, dtype=torch.bfloat16) / K**0.5
+    dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
+    offs = torch.arange(0, M + 1, T, device=dev, dtype=torch.int64)
+    e4 = torch.float8_e4m3fn
+    xq, xt, xs = quantize_tensorwise_layouts(x, e4, transposed=True)
+    dq, dt, ds = quantize_tensorwise_layouts(dy, e4, transposed=True)
+    wq = quantize_weight(w, Float8Config())
+    tensorwise = {
+        "fwd": GroupedGemmProblem(GemmKind.M_GROUPED, xq, wq.data, xs, wq.scale, offs, torch.bfloat16),
+        "dgrad": GroupedGemmProblem(GemmKind.M_GROUPED, dq, wq.data_t, ds, wq.scale_t, offs, torch.bfloat16),
+        "wgrad": GroupedGemmProblem(GemmKind.K_GROUPED, dt, xt, ds, xs, offs, torch.bfloat16),
+    }
+    tensorwise_ms = ({op: _bench(lambda p=p: triton_backend.BACKEND.run(p)) for op, p in tensorwise.items()}
+                     if time_tensorwise else None)
+    r = Q.recipe_of(cfg)
+    xq, xs = Q.quantize_rows(x, r, e4)
+    dq, ds = Q.quantize_rows(dy, r, e4)
+    xt, xts = Q.quantize_tokens(x, offs, r, e4)
+    dt, dts = Q.quantize_tokens(dy, offs, r, e4)
+    wf = quantize_weight(w, cfg)
+    problems = {
+        "fwd": BlockScaledProblem(GemmKind.M_GROUPED, xq, wf.data, xs, wf.scale, offs, torch.bfloat16, r),
+        "dgrad": BlockScaledProblem(GemmKind.M_GROUPED, dq, wf.data_t, ds, wf.scale_t, offs, torch.bfloat16, r),
+        "wgrad": BlockScaledProblem(GemmKind.K_GROUPED, dt, xt, dts, xts, offs, torch.bfloat16, r),
+    }
+    flops = {"fwd": (M, N, K), "dgrad": (M, K, N), "wgrad": (M, N, K)}
+    return problems, flops, tensorwise_ms, lambda: (Q.quantize_rows(x, r, e4), Q.quantize_tokens(x, offs, r, e4))
 
 
 def _bench(fn):
@@ -39,46 +120,16 @@ def _tflops(m, n, k, ms):
 
 
 def run_shape(G, T, K, N):
-    from turbo_moe.autograd import quantize_weight
-    from turbo_moe.backends import triton_backend
-    from turbo_moe.backends.base import GemmKind, GroupedGemmProblem
     from turbo_moe.config import Float8Config
-    from turbo_moe.fine_grained import BlockScaledProblem, quantize as Q, triton_gemm
-    from turbo_moe.quantize import quantize_tensorwise_layouts
+    from turbo_moe.fine_grained import triton_gemm
 
-    M = G * T
-    dev = "cuda"
-    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(G, N, K, device=dev, dtype=torch.bfloat16) / K**0.5
-    dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
-    offs = torch.arange(0, M + 1, T, device=dev, dtype=torch.int64)
     rows = {}
-    # tensorwise
-    e4 = torch.float8_e4m3fn
-    xq, xt, xs = quantize_tensorwise_layouts(x, e4, transposed=True)
-    dq, dt, ds = quantize_tensorwise_layouts(dy, e4, transposed=True)
-    wq = quantize_weight(w, Float8Config())
-    problems = {
-        "fwd": GroupedGemmProblem(GemmKind.M_GROUPED, xq, wq.data, xs, wq.scale, offs, torch.bfloat16),
-        "dgrad": GroupedGemmProblem(GemmKind.M_GROUPED, dq, wq.data_t, ds, wq.scale_t, offs, torch.bfloat16),
-        "wgrad": GroupedGemmProblem(GemmKind.K_GROUPED, dt, xt, ds, xs, offs, torch.bfloat16),
-    }
-    rows["tensorwise"] = {op: _bench(lambda p=p: triton_backend.BACKEND.run(p)) for op, p in problems.items()}
-    for name, cfg in (("blockwise", Float8Config(granularity="blockwise")), ("mxfp8", Float8Config(granularity="mxfp8"))):
-        r = Q.recipe_of(cfg)
-        xq, xs = Q.quantize_rows(x, r, e4)
-        dq, ds = Q.quantize_rows(dy, r, e4)
-        xt, xts = Q.quantize_tokens(x, offs, r, e4)
-        dt, dts = Q.quantize_tokens(dy, offs, r, e4)
-        wf = quantize_weight(w, cfg)
-        fine = {
-            "fwd": BlockScaledProblem(GemmKind.M_GROUPED, xq, wf.data, xs, wf.scale, offs, torch.bfloat16, r),
-            "dgrad": BlockScaledProblem(GemmKind.M_GROUPED, dq, wf.data_t, ds, wf.scale_t, offs, torch.bfloat16, r),
-            "wgrad": BlockScaledProblem(GemmKind.K_GROUPED, dt, xt, dts, xts, offs, torch.bfloat16, r),
-        }
-        rows[name] = {op: _bench(lambda p=p: triton_gemm.run(p)) for op, p in fine.items()}
-        rows[name]["quant x (rows+tokens)"] = _bench(lambda: (Q.quantize_rows(x, r, e4), Q.quantize_tokens(x, offs, r, e4)))
-    flops = {"fwd": (M, N, K), "dgrad": (M, K, N), "wgrad": (M, N, K)}
+    for name in ("blockwise", "mxfp8"):
+        problems, flops, tensorwise_ms, quantize_x = _problems(G, T, K, N, Float8Config(granularity=name),
+                                                               time_tensorwise="tensorwise" not in rows)
+        rows.setdefault("tensorwise", tensorwise_ms)
+        rows[name] = {op: _bench(lambda p=p: triton_gemm.run(p)) for op, p in problems.items()}
+        rows[name]["quant x (rows+tokens)"] = _bench(quantize_x)
     lines = [f"G={G} tokens/expert={T} K={K} N={N}",
              "| recipe | fwd TFLOPS | dgrad TFLOPS | wgrad TFLOPS | x quant ms |", "|---|---|---|---|---|"]
     for name, ms in rows.items():
@@ -96,6 +147,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="deepseek", choices=sorted(SHAPES))
     parser.add_argument("--out", default=None)
+    parser.add_argument("--sweep", action="store_true", help="blockwise tile configs at the first shape instead")
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}")
     try:
@@ -105,7 +157,10 @@ def main() -> int:
     except Exception as exc:
         peer = f"no peer: deep_gemm does not import ({type(exc).__name__}: {exc})"
     print(peer)
-    tables = [run_shape(*shape) for shape in SHAPES[args.shapes]]
+    if args.sweep:
+        tables = [sweep_shape(*SHAPES[args.shapes][0])]
+    else:
+        tables = [run_shape(*shape) for shape in SHAPES[args.shapes]]
     text = "\n\n".join(tables)
     print(text)
     if args.out:
