@@ -134,6 +134,37 @@ def _batched(x):
     return (*x.shape, x.stride(0))
 
 
+class _TensorwiseGeometry:
+    """What a tensorwise cast of one source shape derives before its launches: the output shapes,
+    the amax partition, the grids and the constant parts of both launch keys. Cached per (shape,
+    dtypes, flags): a fwd+bwd casts the same few shapes every step."""
+
+    __slots__ = ("rows_shape", "trans_shape", "numel", "num_partials", "chunk", "amax_grid", "cast_grid",
+                 "amax_key", "cast_key", "r", "c", "stride_b")
+
+    def __init__(self, x, fp8_dtype, fp8_max, margin, write_rows, write_transposed):
+        batches, r, c, stride_b = _batched(x)
+        self.rows_shape, self.trans_shape = x.shape, x.shape[:-2] + (c, r)
+        self.numel = numel = batches * r * c
+        self.r, self.c, self.stride_b = r, c, stride_b
+        num_partials = min(MAX_PARTIALS, _cdiv(numel, _AMAX_BLOCK)) if numel else 0
+        self.chunk = chunk = _cdiv(_cdiv(numel, num_partials), _AMAX_BLOCK) * _AMAX_BLOCK if numel else 0
+        self.num_partials = num_partials = _cdiv(numel, chunk) if numel else 0
+        self.amax_grid = (num_partials,)
+        self.cast_grid = (_cdiv(r, _CAST_BLOCK), _cdiv(c, _CAST_BLOCK), batches)
+        # The launch keys (LeanLauncher.launch_keyed), less the tensors' alignments added per call:
+        # what the integer arguments' facts and the tensors' dtypes depend on. Row counts and sizes
+        # that follow the token count enter as their facts, so a new token count is no new key.
+        n_fact = arg_fact(numel)
+        self.amax_key = (x.dtype, n_fact, arg_fact(chunk))
+        self.cast_key = (x.dtype, fp8_dtype, fp8_max, margin, write_rows, write_transposed, n_fact, arg_fact(r),
+                         arg_fact(num_partials), c, batches, stride_b)
+
+
+_TENSORWISE_GEOMETRY = {}
+_MAX_GEOMETRIES = 1024
+
+
 def fp8_tensorwise_cast(x, fp8_dtype, fp8_max: float, margin: int = 0, write_rows: bool = True,
                         write_transposed: bool = False):
     """Tensorwise current-scaling FP8 of a 2-D ``[R, C]`` or 3-D ``[B, R, C]`` tensor in two
@@ -144,38 +175,34 @@ def fp8_tensorwise_cast(x, fp8_dtype, fp8_max: float, margin: int = 0, write_row
     import torch
 
     x = x if x.is_contiguous() else x.contiguous()  # the amax pass walks flat memory
-    batches, r, c, stride_b = _batched(x)
-    rows_shape, trans_shape = x.shape, x.shape[:-2] + (c, r)
-    numel = batches * r * c
+    lookup = (x.shape, x.dtype, fp8_dtype, fp8_max, margin, write_rows, write_transposed)
+    geo = _TENSORWISE_GEOMETRY.get(lookup)
+    if geo is None:
+        if len(_TENSORWISE_GEOMETRY) >= _MAX_GEOMETRIES:
+            _TENSORWISE_GEOMETRY.clear()
+        geo = _TENSORWISE_GEOMETRY[lookup] = _TensorwiseGeometry(x, fp8_dtype, fp8_max, margin, write_rows,
+                                                                 write_transposed)
     device = x.device
-    dequant = torch.empty((), dtype=torch.float32, device=device)
-    rows = torch.empty(rows_shape, dtype=fp8_dtype, device=device) if write_rows else None
-    trans = torch.empty(trans_shape, dtype=fp8_dtype, device=device) if write_transposed else None
-    if numel == 0:
-        dequant.fill_(1.0)
-    else:
-        num_partials = min(MAX_PARTIALS, _cdiv(numel, _AMAX_BLOCK))
-        chunk = _cdiv(_cdiv(numel, num_partials), _AMAX_BLOCK) * _AMAX_BLOCK
-        num_partials = _cdiv(numel, chunk)
-        partials = torch.empty((num_partials,), dtype=torch.float32, device=device)
-        out = rows if rows is not None else trans
-        # The launch keys (LeanLauncher.launch_keyed): what the integer arguments' facts and the
-        # tensors' dtypes and alignments depend on. Row counts and sizes that follow the token
-        # count enter as their facts, so a new token count is no new key.
-        n_fact, r_fact = arg_fact(numel), arg_fact(r)
-        aligned = (x.data_ptr() % 16 == 0, partials.data_ptr() % 16 == 0)
-        _amax_partials.launch_keyed((num_partials,), (x.dtype, n_fact, arg_fact(chunk), aligned), x, partials, numel, chunk,
-                                    BLOCK=_AMAX_BLOCK, num_warps=8)
-        cast_key = (x.dtype, fp8_dtype, fp8_max, margin, write_rows, write_transposed, n_fact, r_fact,
-                    arg_fact(num_partials), c, batches, stride_b, aligned, out.data_ptr() % 16 == 0,
-                    trans is None or trans.data_ptr() % 16 == 0, dequant.data_ptr() % 16 == 0)
-        _tensorwise_cast.launch_keyed(
-            (_cdiv(r, _CAST_BLOCK), _cdiv(c, _CAST_BLOCK), batches), cast_key,
-            x, partials, num_partials, out, trans if trans is not None else out, dequant,
-            r, c, stride_b, c, 1,
-            FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, WRITE_ROWS=write_rows, WRITE_T=write_transposed,
-            BLOCK_R=_CAST_BLOCK, BLOCK_C=_CAST_BLOCK, BLOCK_P=MAX_PARTIALS, num_warps=4,
-        )
+    rows = torch.empty(geo.rows_shape, dtype=fp8_dtype, device=device) if write_rows else None
+    trans = torch.empty(geo.trans_shape, dtype=fp8_dtype, device=device) if write_transposed else None
+    if geo.numel == 0:
+        dequant = torch.ones((), dtype=torch.float32, device=device)
+        return rows, trans, dequant
+    # The amax partials and the dequantization scale share one allocation (the scale last).
+    stats = torch.empty((geo.num_partials + 1,), dtype=torch.float32, device=device)
+    dequant = stats[-1]
+    out = rows if rows is not None else trans
+    aligned = (x.data_ptr() % 16 == 0, stats.data_ptr() % 16 == 0)
+    _amax_partials.launch_keyed(geo.amax_grid, geo.amax_key + aligned, x, stats, geo.numel, geo.chunk,
+                                BLOCK=_AMAX_BLOCK, num_warps=8)
+    _tensorwise_cast.launch_keyed(
+        geo.cast_grid, geo.cast_key + aligned + (out.data_ptr() % 16 == 0, trans is None or trans.data_ptr() % 16 == 0,
+                                                 dequant.data_ptr() % 16 == 0),
+        x, stats, geo.num_partials, out, trans if trans is not None else out, dequant,
+        geo.r, geo.c, geo.stride_b, geo.c, 1,
+        FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, WRITE_ROWS=write_rows, WRITE_T=write_transposed,
+        BLOCK_R=_CAST_BLOCK, BLOCK_C=_CAST_BLOCK, BLOCK_P=MAX_PARTIALS, num_warps=4,
+    )
     return rows, trans, dequant
 
 

@@ -257,6 +257,9 @@ class TritonBackend(GroupedGemmBackend):
             key=next(_PLAN_IDS), kind=problem.kind, config=config, grid=(ts.persistent_grid_size(bound, limit),), use_tma=use_tma,
             tma_store=tma_store, constexprs=flags,
             descriptor_geometry=_descriptor_geometry(problem, out, config, flags) if use_tma else (),
+            kernel_name=("m" if problem.kind is GemmKind.M_GROUPED else "k") + "_grouped_gemm"
+                        + ("_tma" if use_tma else "") + "_kernel",
+            int_args=_int_args(problem, out, use_tma),
         )
 
     # ------------------------------------------------------------------ tuning
@@ -331,57 +334,42 @@ class _LaunchPlan:
     # (shape, strides, block shape) of each host TMA descriptor, by slot: M_GROUPED a, b; K_GROUPED
     # a, b, a's and b's token tails, out. Empty without TMA.
     descriptor_geometry: tuple = ()
+    # The kernel's lean launcher (an attribute of _kernels()) and its integer arguments after the
+    # tensors: sizes and strides, all fixed by the signature.
+    kernel_name: str = ""
+    int_args: tuple = ()
 
     def launch(self, problem: GroupedGemmProblem, out: torch.Tensor) -> None:
-        k = _kernels()
+        launcher = getattr(_kernels(), self.kernel_name)
         a, b, offs = problem.a, problem.b, problem.group_offs
         a_scale, b_scale = problem.a_scale.contiguous(), problem.b_scale.contiguous()
-        _, N, K = problem.mnk
-        G = offs.shape[0] - 1
         key = (self.key, a_scale.data_ptr() % 16 == 0, b_scale.data_ptr() % 16 == 0, offs.data_ptr() % 16 == 0,
                out.data_ptr() % 16 == 0)
-        if self.use_tma:
-            # Device-side TMA descriptors need global scratch memory; hand Triton torch's allocator
-            # (stream-ordered, so also legal while a CUDA graph is captured). triton.set_allocator
-            # sets a per-thread context variable, and autograd runs backward on its own device
-            # threads: so before every TMA launch, not once per process (a one-shot flag left the
-            # forward thread without one).
-            _triton_set_allocator()(_torch_scratch_allocator)
-            # Host descriptors as HostDesc: the geometry is the plan's (fixed by its signature), so
-            # (plan id, slot, address) determines each one, and the launcher expands it once per key.
-            geometry = self.descriptor_geometry
-        if self.kind is GemmKind.M_GROUPED and self.use_tma:
-            # b's groups stacked as one [G*N, K] matrix (checked contiguous across groups).
-            a_desc = HostDesc(a, *geometry[0], (self.key, 0, a.data_ptr()))
-            b_desc = HostDesc(b, *geometry[1], (self.key, 1, b.data_ptr()))
-            k.m_grouped_gemm_tma_kernel.launch_keyed(
-                self.grid, key, a_desc, b_desc, out, a_scale, b_scale, offs, N, K, G, out.stride(0), out.stride(1),
-                **self.constexprs,
-            )
-        elif self.kind is GemmKind.K_GROUPED and self.use_tma:
-            a_ptr, b_ptr = a.data_ptr(), b.data_ptr()
-            a_desc = HostDesc(a, *geometry[0], (self.key, 0, a_ptr))
-            b_desc = HostDesc(b, *geometry[1], (self.key, 1, b_ptr))
-            # Narrow boxes for a group's first and last tokens (32: the FP8 dot's smallest K).
-            a_tail_desc = HostDesc(a, *geometry[2], (self.key, 2, a_ptr))
-            b_tail_desc = HostDesc(b, *geometry[3], (self.key, 3, b_ptr))
-            out_desc = HostDesc(out, *geometry[4], (self.key, 4, out.data_ptr())) if self.tma_store else None
-            k.k_grouped_gemm_tma_kernel.launch_keyed(
-                self.grid, key, a_desc, b_desc, a_tail_desc, b_tail_desc, out_desc, out, a_scale, b_scale, offs, N, K, G,
-                out.stride(0), out.stride(1), out.stride(2), **self.constexprs,
-            )
-        elif self.kind is GemmKind.M_GROUPED:
-            k.m_grouped_gemm_kernel.launch_keyed(
-                self.grid, key, a, b, out, a_scale, b_scale, offs, N, K, G,
-                a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
-                **self.constexprs,
-            )
-        else:
-            k.k_grouped_gemm_kernel.launch_keyed(
-                self.grid, key, a, b, out, a_scale, b_scale, offs, N, K, G,
-                a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
-                **self.constexprs,
-            )
+        if not self.use_tma:
+            launcher.launch_keyed(self.grid, key, a, b, out, a_scale, b_scale, offs, *self.int_args, **self.constexprs)
+            return
+        # Device-side TMA descriptors need global scratch memory; hand Triton torch's allocator
+        # (stream-ordered, so also legal while a CUDA graph is captured). triton.set_allocator sets
+        # a per-thread context variable, and autograd runs backward on its own device threads: so
+        # before every TMA launch, not once per process (a one-shot flag left the forward thread
+        # without one).
+        _triton_set_allocator()(_torch_scratch_allocator)
+        # Host descriptors as HostDesc: the geometry is the plan's (fixed by its signature), so
+        # (plan id, slot, address) determines each one, and the launcher expands it once per key.
+        geometry, plan = self.descriptor_geometry, self.key
+        a_ptr, b_ptr = a.data_ptr(), b.data_ptr()
+        a_desc = HostDesc(a, *geometry[0], (plan, 0, a_ptr))
+        b_desc = HostDesc(b, *geometry[1], (plan, 1, b_ptr))  # M_GROUPED: b's groups as one [G*N, K]
+        if self.kind is GemmKind.M_GROUPED:
+            launcher.launch_keyed(self.grid, key, a_desc, b_desc, out, a_scale, b_scale, offs, *self.int_args,
+                                  **self.constexprs)
+            return
+        # Narrow boxes for a group's first and last tokens (32: the FP8 dot's smallest K).
+        a_tail_desc = HostDesc(a, *geometry[2], (plan, 2, a_ptr))
+        b_tail_desc = HostDesc(b, *geometry[3], (plan, 3, b_ptr))
+        out_desc = HostDesc(out, *geometry[4], (plan, 4, out.data_ptr())) if self.tma_store else None
+        launcher.launch_keyed(self.grid, key, a_desc, b_desc, a_tail_desc, b_tail_desc, out_desc, out, a_scale, b_scale,
+                              offs, *self.int_args, **self.constexprs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -390,6 +378,20 @@ def _triton_set_allocator():
     import triton
 
     return triton.set_allocator
+
+
+def _int_args(problem: GroupedGemmProblem, out: torch.Tensor, use_tma: bool) -> tuple:
+    """The kernel's integer arguments after its tensors (see each kernel's signature)."""
+    a, b = problem.a, problem.b
+    _, N, K = problem.mnk
+    sizes = (N, K, problem.num_groups)
+    if problem.kind is GemmKind.M_GROUPED:
+        if use_tma:
+            return (*sizes, out.stride(0), out.stride(1))
+        return (*sizes, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1))
+    if use_tma:
+        return (*sizes, out.stride(0), out.stride(1), out.stride(2))
+    return (*sizes, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2))
 
 
 def _descriptor_geometry(problem: GroupedGemmProblem, out: torch.Tensor, cfg: KernelConfig, flags: dict) -> tuple:
