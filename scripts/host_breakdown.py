@@ -72,6 +72,18 @@ def _profile(name, fn, steps, top):
         print(text)
 
 
+class Nop(torch.autograd.Function):
+    """An autograd.Function that does nothing: the engine's own cost of one fwd+bwd."""
+
+    @staticmethod
+    def forward(ctx, a):
+        return a.view_as(a)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 @contextlib.contextmanager
 def _patched(obj, name, value):
     old = getattr(obj, name)
@@ -150,15 +162,6 @@ def main(argv=None):
 
     a8 = torch.empty((g * t, k), dtype=torch.float8_e4m3fn, device=dev)
     rows.append(("TensorDescriptor(...) construction", many(lambda: TensorDescriptor(a8, [g * t, k], [k, 1], [128, 128]))))
-
-    class Nop(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, a):
-            return a.view_as(a)
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad
 
     rows.append(("empty autograd.Function fwd + autograd.grad", many(lambda: torch.autograd.grad(Nop.apply(x), x, dy[:, :1].expand(-1, k)), 500)))
     print(f"shape {args.shape}: G={g} tokens/expert={t} N={n} K={k}")
