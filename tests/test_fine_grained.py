@@ -345,7 +345,7 @@ def test_backend_choice_and_refusals():
     offs = _offs([8])
     problem = BlockScaledProblem(GemmKind.M_GROUPED, q, wq, s, ws, offs, torch.float32, Q.MXFP8)
     assert run_block_scaled(problem).shape == (8, 16)  # auto on a CPU without the interpreter: torch
-    with pytest.raises(BackendUnavailable, match="FlyDSL MXFP8 variant writes bfloat16"):
+    with pytest.raises(BackendUnavailable, match="FlyDSL MXFP8 M-grouped variant writes bfloat16"):
         run_block_scaled(problem, "flydsl")
     with pytest.raises(BackendUnavailable, match="triton"):
         run_block_scaled(problem, "triton")

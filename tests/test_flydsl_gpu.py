@@ -181,3 +181,33 @@ def test_mxfp8_forward_and_dgrad_through_the_block_scaled_dispatch(backend, lens
         problem = BlockScaledProblem(GemmKind.M_GROUPED, a, b, sa, sb, offs, torch.bfloat16, Q.MXFP8, num_cu=7)
         assert select_block_scaled_backend(problem, "auto") == "flydsl"
         _check(run_block_scaled(problem, "flydsl"), reference_block_scaled_gemm(problem, torch.float64), torch.bfloat16)
+
+
+@pytest.mark.parametrize("lens", [[1], [300], [128, 0, 129, 1, 0, 300], [45, 7, 0, 33]])
+def test_mxfp8_wgrad_through_the_block_scaled_dispatch(backend, lens):
+    """The K-grouped MX variant as auto picks it: dW[g] = dy_g^T x_g from quantize_tokens'
+    operands, into a bf16 out and added into a float32 main_grad (an empty group leaves its slice
+    as it was), vs reference_block_scaled_gemm in float64."""
+    from turbo_moe.fine_grained import quantize as Q
+    from turbo_moe.fine_grained.gemm import BlockScaledProblem, reference_block_scaled_gemm, run_block_scaled
+    from turbo_moe.fine_grained.gemm import select_block_scaled_backend
+
+    torch.manual_seed(1)
+    dev = torch.device("cuda")
+    m, n, k, g = sum(lens), 200, 228, len(lens)
+    offs = _offs(lens, dev)
+    dy_t, sdy = Q.quantize_tokens(torch.randn(m, n, device=dev), offs, Q.MXFP8, torch.float8_e4m3fn)
+    x_t, sx = Q.quantize_tokens(torch.randn(m, k, device=dev) * 3, offs, Q.MXFP8, torch.float8_e4m3fn)
+    problem = BlockScaledProblem(GemmKind.K_GROUPED, dy_t, x_t, sdy, sx, offs, torch.bfloat16, Q.MXFP8, num_cu=7)
+    assert select_block_scaled_backend(problem, "auto") == "flydsl"
+    ref = reference_block_scaled_gemm(problem, torch.float64)
+    _check(run_block_scaled(problem, "flydsl"), ref, torch.bfloat16)
+    start = torch.randn(g, n, k, device=dev)
+    main_grad = start.clone()
+    problem = BlockScaledProblem(GemmKind.K_GROUPED, dy_t, x_t, sdy, sx, offs, torch.float32, Q.MXFP8, num_cu=7,
+                                 out=main_grad, accumulate=True)
+    assert run_block_scaled(problem, "flydsl") is main_grad
+    _check(main_grad, start.double() + ref, torch.float32)
+    for index, rows in enumerate(lens):
+        if rows == 0:
+            assert torch.equal(main_grad[index], start[index])

@@ -25,18 +25,19 @@ M, N, K, G = 40, 48, 96, 2  # K: 3 scale groups of 32
 OFFS = [0, 15, 40]
 
 
-def _problem(kind=GemmKind.M_GROUPED, recipe=Q.MXFP8, a_dtype=E4M3, out_dtype=torch.bfloat16, out=None, n=N):
+def _problem(kind=GemmKind.M_GROUPED, recipe=Q.MXFP8, a_dtype=E4M3, out_dtype=torch.bfloat16, out=None, n=N, k=K,
+             accumulate=False):
     offs = torch.tensor(OFFS, dtype=torch.int64)
     if kind is GemmKind.K_GROUPED:
         a, sa = Q.quantize_tokens(torch.randn(M, n), offs, recipe, a_dtype)
-        b, sb = Q.quantize_tokens(torch.randn(M, K), offs, recipe, E4M3)
+        b, sb = Q.quantize_tokens(torch.randn(M, k), offs, recipe, E4M3)
     else:
         a, sa = Q.quantize_rows(torch.randn(M, K), recipe, a_dtype)
         if recipe.e8m0:
             b, sb = Q.quantize_rows(torch.randn(G, n, K), recipe, E4M3)
         else:
             b, _, sb = Q.quantize_weight_blocks(torch.randn(G, n, K), recipe, E4M3, transposed=False)
-    problem = BlockScaledProblem(kind, a, b, sa, sb, offs, out_dtype, recipe, num_cu=8, out=out)
+    problem = BlockScaledProblem(kind, a, b, sa, sb, offs, out_dtype, recipe, num_cu=8, out=out, accumulate=accumulate)
     assert not problem.reason(), problem.reason()
     return problem
 
@@ -77,12 +78,15 @@ def test_flydsl_refusal_on_this_machine_is_the_backends_own_reason():
 
 
 @pytest.mark.parametrize("make, reason", [
-    (lambda: _problem(GemmKind.K_GROUPED), "K_GROUPED (wgrad) runs on triton or torch"),
     (lambda: _problem(recipe=Q.BLOCKWISE, n=256), "blockwise runs on triton or torch"),
-    (lambda: _problem(a_dtype=E5M2), "a is torch.float8_e5m2; the FlyDSL MXFP8 variant is e4m3 x e4m3"),
+    (lambda: _problem(GemmKind.K_GROUPED, recipe=Q.BLOCKWISE), "blockwise runs on triton or torch"),
+    (lambda: _problem(a_dtype=E5M2), "a is torch.float8_e5m2; the FlyDSL MXFP8 variants are e4m3 x e4m3"),
+    (lambda: _problem(GemmKind.K_GROUPED, a_dtype=E5M2), "a is torch.float8_e5m2; the FlyDSL MXFP8 variants are"),
     (lambda: _problem(out=torch.zeros(M, N, dtype=torch.bfloat16)), "no out / accumulate"),
     (lambda: _problem(out_dtype=torch.float32), "writes bfloat16"),
+    (lambda: _problem(GemmKind.K_GROUPED, out_dtype=torch.float32), "writes bfloat16 or adds into a float32 out"),
     (lambda: _problem(n=50), "out has 50 columns"),
+    (lambda: _problem(GemmKind.K_GROUPED, k=50), "out has 50 columns"),
 ])
 def test_unsupported_cases_are_refused_with_their_reason_even_on_gfx950(gfx950, make, reason):
     problem = make()
@@ -116,20 +120,61 @@ def test_dgrad_operand_from_quantize_weight_fine_has_the_layout_the_kernel_reads
     _check_launch(gfx950[0], problem, M, K, N)
 
 
-def test_training_step_sends_forward_and_dgrad_to_flydsl_and_wgrad_to_torch(gfx950):
+def _check_wgrad_launch(call, problem, accumulate=False):
+    """The recorded launch is the K-grouped MX variant with the problem's token-major operands, its
+    slot-major token scales and the tensorwise K-grouped plan."""
+    config, lds_dma, kind, args, device = call
+    assert config.mx and kind is GemmKind.K_GROUPED and lds_dma is False and device == problem.device
+    assert (config.a_format, config.b_format, config.out_dtype, config.accumulate) == (
+        "e4m3", "e4m3", "f32" if accumulate else "bf16", accumulate)
+    (n, m), (k, _) = problem.a.shape, problem.b.shape
+    slots = m // 32 + G
+    assert args[:2] == (problem.a.data_ptr(), problem.b.data_ptr())
+    assert args[3:5] == (problem.a_scale.data_ptr(), problem.b_scale.data_ptr())
+    assert args[6:8] == (n * slots, k * slots)
+    assert problem.a_scale.stride() == (1, n) and problem.b_scale.stride() == (1, k)  # slot-major
+    plan = host.plan_k_grouped((n, m), (m, 1), (k, m), (m, 1), G, "f32" if accumulate else "bf16", 8)
+    assert args[8:] == plan.scalar_args()
+
+
+def test_supported_wgrad_picks_flydsl_and_launches_the_mx_variant(gfx950):
+    problem = _problem(GemmKind.K_GROUPED)
+    assert select_block_scaled_backend(problem, "auto") == "flydsl"
+    out = run_block_scaled(problem, "flydsl")
+    assert out.shape == (G, N, K)
+    _check_wgrad_launch(gfx950[0], problem)
+    # Into an fp32 main_grad: the accumulating epilogue, out given.
+    main_grad = torch.zeros(G, N, K)
+    problem = _problem(GemmKind.K_GROUPED, out_dtype=torch.float32, out=main_grad, accumulate=True)
+    assert run_block_scaled(problem, "flydsl") is main_grad
+    _check_wgrad_launch(gfx950[1], problem, accumulate=True)
+
+
+def test_training_step_sends_all_three_gemms_to_flydsl(gfx950):
     config = Float8Config(granularity="mxfp8")
     offs = torch.tensor(OFFS)
     x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(G, N, K, dtype=torch.bfloat16, requires_grad=True)
     grouped_gemm_fine(x, w, offs, config=config, out_dtype=torch.bfloat16).float().sum().backward()
-    (fwd, _, _, fwd_args, _), (dgrad, _, _, dgrad_args, _) = gfx950
-    assert len(gfx950) == 2 and fwd.mx and dgrad.mx
+    (fwd, _, _, fwd_args, _), (dgrad, _, _, dgrad_args, _), (wgrad, _, wgrad_kind, wgrad_args, _) = gfx950
+    assert len(gfx950) == 3 and fwd.mx and dgrad.mx and wgrad.mx and wgrad_kind is GemmKind.K_GROUPED
     assert (fwd_args[8:11], dgrad_args[8:11]) == ((M, N, K), (M, K, N))
     assert fwd_args[6:8] == (M * 3, G * N * 3) and dgrad_args[6:8] == (M * 2, G * K * 2)  # cdiv(N, 32) = 2
-    # wgrad stays on torch: the same dW as an all-torch step
+    slots = M // 32 + G
+    assert wgrad_args[6:8] == (N * slots, K * slots) and wgrad_args[8:12] == (N, K, M, G)
+    assert w.grad.shape == (G, N, K)  # (the recorded launches computed nothing: shapes only)
+
+
+def test_hybrid_training_step_keeps_the_e5m2_gradient_gemms_off_flydsl(gfx950):
+    config = Float8Config(granularity="mxfp8", format="hybrid")
+    offs = torch.tensor(OFFS)
+    x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(G, N, K, dtype=torch.bfloat16, requires_grad=True)
+    grouped_gemm_fine(x, w, offs, config=config, out_dtype=torch.bfloat16).float().sum().backward()
+    assert len(gfx950) == 1 and gfx950[0][2] is GemmKind.M_GROUPED  # the forward only: dy is e5m2
     x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     grouped_gemm_fine(x2, w2, offs, config=config, backend="torch", out_dtype=torch.bfloat16).float().sum().backward()
-    assert torch.equal(w.grad, w2.grad)
+    assert torch.equal(w.grad, w2.grad) and torch.equal(x.grad, x2.grad)
 
 
 @pytest.mark.parametrize("name", ["a_scale", "b_scale"])

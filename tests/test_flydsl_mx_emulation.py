@@ -1,5 +1,5 @@
-"""CPU emulation of the FlyDSL MXFP8 M-grouped variant (``KernelConfig.mx``), built from the index
-functions the kernel calls: the operand loaders into the swizzled LDS tiles (as in
+"""CPU emulation of the FlyDSL MXFP8 variants (``KernelConfig.mx``: M-grouped and the K-grouped wgrad),
+built from the index functions the kernels call: the operand loaders into the swizzled LDS tiles (as in
 test_flydsl_emulation.py), the fragment reads (``host.fragment_row`` / ``fragment_k_group``), the
 scale loads (``mx_host``: re-based descriptor with its range, lane / block / fragment offsets, the
 packed byte per fragment = op_sel) and the scaled MFMA's semantics as ``mx_host`` states them
@@ -14,7 +14,7 @@ import torch
 
 from turbo_moe.backends.base import GemmKind
 from turbo_moe.fine_grained.gemm import BlockScaledProblem, reference_block_scaled_gemm
-from turbo_moe.fine_grained.quantize import MXFP8
+from turbo_moe.fine_grained.quantize import MXFP8, num_token_slots, token_slots
 from turbo_moe.kernels.flydsl import host, mx_host
 from turbo_moe.kernels.flydsl.main_loop import wave_quadrant
 
@@ -45,7 +45,8 @@ def _slot(block, wave_first, frag, word):
     for lane in range(host.WAVE_SIZE):
         row = host.fragment_row(wave_first, frag, lane)
         q = host.fragment_k_group(lane)
-        scale = 2.0 ** (int(exponent[lane]) - 127)
+        # e8m0: 255 is NaN (OCP MX), and NaN times zero bytes is NaN: a stray read shows.
+        scale = float("nan") if int(exponent[lane]) == 255 else 2.0 ** (int(exponent[lane]) - 127)
         out[lane % 16, q * mx_host.MX_BLOCK:(q + 1) * mx_host.MX_BLOCK] = (
             block[row, q * mx_host.MX_BLOCK:(q + 1) * mx_host.MX_BLOCK] * scale)
     return out
@@ -131,3 +132,90 @@ def test_scale_layout_check():
     mx_host.check_scale_layout("b_scale", (3, 150, 5), (750, 1, 150))
     with pytest.raises(ValueError, match="block-major"):
         mx_host.check_scale_layout("a_scale", (200, 5), (5, 1))
+
+
+def _emulate_k_grouped(a, a_scale, b, b_scale, offs):
+    """The K-grouped MX kernel (wgrad): a [N, M], b [K, M] token-major, scales slot-major
+    ([rows, slots] views of [slots, rows] storage, what quantize_tokens returns)."""
+    (n, m), (k, _) = a.shape, b.shape
+    groups = len(offs) - 1
+    plan = host.plan_k_grouped(tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), groups, "f32", 3)
+    a_mem, b_mem = a.view(torch.uint8).flatten(), b.view(torch.uint8).flatten()
+    sa_mem = a_scale.transpose(0, 1).contiguous().flatten()  # slot s of row r at s * n + r
+    sb_mem = b_scale.transpose(0, 1).contiguous().flatten()
+    out_mem = torch.full((groups * n * k,), float("nan"), dtype=torch.float64)
+    for pid in range(plan.grid):
+        for tile in host.k_grouped_kernel_tiles(plan, pid):
+            g, mb, nb = tile
+            lo, tokens = offs[g], offs[g + 1] - offs[g]
+            row0, col0 = mb * BM, nb * BN
+            first = mx_host.token_first_slot(lo, g)
+            sa_base, sb_base = mx_host.token_scale_tile_base(first, n, row0), mx_host.token_scale_tile_base(first, k, col0)
+            sa_nrec = host.rebased_nrec(mx_host.token_scale_end(first, tokens, n), sa_base)
+            sb_nrec = host.rebased_nrec(mx_host.token_scale_end(first, tokens, k), sb_base)
+            acc = torch.zeros(BM, BN, dtype=torch.float32)
+            for k0 in range(0, tokens, BK):  # cdiv(tokens, BK) blocks: none for an empty group
+                bases = host.k_grouped_tile_bases(plan, offs, tile, k0)
+                ab = _gather_block(a_mem, bases["a"][0], bases["a"][1], plan.lda, bases["a"][2], tokens, k0)
+                bb = _gather_block(b_mem, bases["b"][0], bases["b"][1], plan.ldb, bases["b"][2], tokens, k0)
+                ab, bb = ab.view(a.dtype).double(), bb.view(b.dtype).double()
+                for wave in range(host.NUM_THREADS // host.WAVE_SIZE):
+                    wave_row0, wave_col0 = wave_quadrant(wave)
+                    a_word = _scale_words(sa_mem, sa_base, sa_nrec, n, wave_row0, k0)
+                    b_word = _scale_words(sb_mem, sb_base, sb_nrec, k, wave_col0, k0)
+                    for i in range(4):
+                        a_slot = _slot(ab, wave_row0, i, a_word)
+                        for j in range(4):
+                            d = _slot(bb, wave_col0, j, b_word) @ a_slot.T
+                            for e in range(4):
+                                rows = host.acc_row(wave_row0, i, LANES)
+                                cols = host.acc_col(wave_col0, j, LANES, e)
+                                vals = d[4 * (LANES // 16) + e, LANES % 16]
+                                acc[rows, cols] = (acc[rows, cols].double() + vals).float()
+            c_base, c_nrec, _ = host.k_grouped_tile_bases(plan, offs, tile, 0)["c"]
+            _store_tile(out_mem, acc.double(), c_base, c_nrec, plan.ldc, 4, n - row0, k - col0)
+    return out_mem.view(groups, n, k)
+
+
+def test_emulated_mx_k_grouped_matches_the_reference_and_reads_no_other_groups_scales():
+    """Groups with no tokens, fewer than 32, a ragged tail, several K blocks, a first token off the
+    32-token grid; N and K off the tile. Every scale slot no group owns holds 255 (NaN), and so do
+    all of group 2's (its dW is NaN, as in the reference): a tile whose descriptor reached past its
+    group's last slot would read a NaN scale for its zeroed tail bytes and put NaN into its dW."""
+    torch.manual_seed(3)
+    lens = [0, 45, 7, 300, 0, 33]
+    offs = offsets(lens)
+    m, n, k, groups = sum(lens), 140, 150, len(lens)
+    a = _fp8(torch.randn(n, m) * 4, torch.float8_e4m3fn)  # dy^T
+    b = _fp8(torch.randn(k, m) * 4, torch.float8_e4m3fn)  # x^T
+    slots = num_token_slots(m, groups, mx_host.MX_BLOCK)
+    owned = [slot for group in token_slots(offs, mx_host.MX_BLOCK) for slot in group]
+    assert len(owned) < slots  # there are unowned slots to poison
+    stored_a = torch.full((slots, n), 255, dtype=torch.uint8)
+    stored_b = torch.full((slots, k), 255, dtype=torch.uint8)
+    stored_a[owned] = torch.randint(117, 138, (len(owned), n), dtype=torch.uint8)
+    stored_b[owned] = torch.randint(117, 138, (len(owned), k), dtype=torch.uint8)
+    nan_group = 2  # right after group 1 (45 tokens: its last K block reads 2 K groups past its tokens)
+    stored_a[token_slots(offs, mx_host.MX_BLOCK)[nan_group]] = 255
+    a_scale, b_scale = stored_a.T, stored_b.T  # what quantize_tokens returns: [rows, slots] views
+    out = _emulate_k_grouped(a, a_scale, b, b_scale, offs)
+
+    def problem(a_, b_):
+        return BlockScaledProblem(GemmKind.K_GROUPED, a_, b_, a_scale, b_scale, torch.tensor(offs, dtype=torch.int64),
+                                  torch.float32, MXFP8)
+
+    ref = reference_block_scaled_gemm(problem(a, b), torch.float32).double()
+    mag = reference_block_scaled_gemm(problem(a.double().abs(), b.double().abs()), torch.float64)
+    assert torch.isnan(ref[nan_group]).all() and torch.isnan(out[nan_group]).all()
+    for g, tokens in enumerate(lens):
+        if g == nan_group:
+            continue
+        assert not torch.isnan(out[g]).any(), g  # no poisoned slot read; every (n, k) stored
+        if tokens == 0:
+            assert torch.equal(out[g], torch.zeros(n, k, dtype=torch.float64))
+        # As the M-grouped test: fp32 sums on both sides, differing in order only.
+        kb = mx_host.scale_groups(tokens)
+        n_add = 32 + kb + -(-tokens // BK) + 1
+        bound = 2 * n_add * 2.0 ** -24 * mag[g] + 1e-30
+        err = (out[g] - ref[g]).abs()
+        assert torch.all(err <= bound), (g, float((err / bound).max()))

@@ -116,6 +116,9 @@ VARIANTS = {
     # wgrad into an fp32 main_grad: out += result in the epilogue.
     "k_grouped_e4m3_f32_accumulate": ("k_grouped", "e4m3", "e4m3", "f32", False, False, False, True, True),
     "k_grouped_e4m3_f32_accumulate_scalar_store": ("k_grouped", "e4m3", "e4m3", "f32", False, False, False, True, False),
+    # MXFP8 wgrad: e8m0 scales per 32 tokens of each group (slot-major), bf16 out or into main_grad.
+    "k_grouped_mx_e4m3_bf16": ("k_grouped", "e4m3", "e4m3", "bf16", False, False, False, False, True, True),
+    "k_grouped_mx_e4m3_f32_accumulate": ("k_grouped", "e4m3", "e4m3", "f32", False, False, False, True, True, True),
 }
 
 

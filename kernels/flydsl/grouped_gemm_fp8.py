@@ -80,9 +80,10 @@ KERNEL_NAMES = {"m_grouped": "turbo_moe_m_grouped_fp8", "k_grouped": "turbo_moe_
 class KernelConfig(tuple):
     """(a_format, b_format, out_dtype, a_rowwise, b_rowwise, accumulate, vec_store, mx): what a compiled
     variant depends on. ``accumulate`` (K-grouped, f32 out): the epilogue adds the fp32 result to
-    out's existing values instead of overwriting them. ``mx`` (M-grouped, register-staged): MXFP8,
-    the per-32-element e8m0 scales (uint8, ``mx_host`` layout) go into the scaled MFMA's scale
-    operands and the epilogue multiplies by nothing."""
+    out's existing values instead of overwriting them. ``mx`` (register-staged main loop): MXFP8,
+    the per-32-element e8m0 scales (uint8, ``mx_host`` layouts: block-major along K for the
+    M-grouped kernel, slot-major along each group's tokens for the K-grouped one) go into the
+    scaled MFMA's scale operands and the epilogue multiplies by nothing (it still accumulates)."""
 
     def __new__(cls, a_format="e4m3", b_format="e4m3", out_dtype="bf16", a_rowwise=False, b_rowwise=False,
                 accumulate=False, vec_store=False, mx=False):
@@ -93,8 +94,8 @@ class KernelConfig(tuple):
             raise ValueError(f"out_dtype must be one of {host.OUT_DTYPES}, got {out_dtype!r}")
         if accumulate and out_dtype != "f32":
             raise ValueError(f"accumulate needs out_dtype 'f32' (an fp32 out), got {out_dtype!r}")
-        if mx and (a_rowwise or b_rowwise or accumulate):
-            raise ValueError("mx (e8m0 block scales in the MFMA) excludes rowwise scales and accumulate")
+        if mx and (a_rowwise or b_rowwise):
+            raise ValueError("mx (e8m0 block scales in the MFMA) excludes rowwise scales")
         return super().__new__(cls, (a_format, b_format, out_dtype, bool(a_rowwise), bool(b_rowwise),
                                      bool(accumulate), bool(vec_store), bool(mx)))
 
@@ -209,6 +210,22 @@ def _mx_scale_loaders(config, sa_addr, sb_addr, row0, group, col0, m, n, k, wave
     return (_MxScaleLoader(sa_addr, on_dsl(mx_host.a_scale_end)(fx.Int64(m), k64), on_dsl(mx_host.a_scale_tile_base)(row0), m, 0),
             _MxScaleLoader(sb_addr, on_dsl(mx_host.b_scale_end)(g, n64, k64),
                            on_dsl(mx_host.b_scale_tile_base)(g, n64, k64, fx.Int64(col0)), n, 1))
+
+
+def _mx_token_scale_loaders(config, sa_addr, sb_addr, lo, group, tokens, row0, col0, n, k):
+    """(a's, b's) ``_MxScaleLoader`` of a K-grouped tile for the MX variant, (None, None) else.
+    The scales of group ``group``'s token blocks sit in slots ``mx_host.token_first_slot`` on
+    (slot-major: one slot is N (a) or K (b) bytes); each descriptor ends at the group's last slot,
+    so a K group past the group's tokens reads 0, never the next group's scale (which may be NaN)."""
+    if not config.mx:
+        return None, None
+    fx = _flydsl().fx
+    first = fx.Int64(on_dsl(mx_host.token_first_slot)(lo, group))
+    t64, n64, k64 = fx.Int64(tokens), fx.Int64(n), fx.Int64(k)
+    return (_MxScaleLoader(sa_addr, on_dsl(mx_host.token_scale_end)(first, t64, n64),
+                           on_dsl(mx_host.token_scale_tile_base)(first, n64, fx.Int64(row0)), n, 0),
+            _MxScaleLoader(sb_addr, on_dsl(mx_host.token_scale_end)(first, t64, k64),
+                           on_dsl(mx_host.token_scale_tile_base)(first, k64, fx.Int64(col0)), k, 1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -371,9 +388,11 @@ def build_m_grouped(config: KernelConfig, lds_dma: bool = False):
 
 @functools.lru_cache(maxsize=None)
 def build_k_grouped(config: KernelConfig, band_cyclic: bool = True):
-    """The launcher of the K-grouped (wgrad) kernel for ``config``."""
-    if config.mx:
-        raise ValueError("the MX variant is M-grouped (forward) only")
+    """The launcher of the K-grouped (wgrad) kernel for ``config``.
+
+    ``config.mx``: ``sa_addr`` / ``sb_addr`` are the uint8 e8m0 token-block scales, slot-major
+    (``mx_host``: ``quantize_tokens``' storage), one descriptor per tile ending at the group's last
+    slot; ``sa_numel`` / ``sb_numel`` are not read."""
     d = _flydsl()
     flyc, fx = d.flyc, d.fx
     const_expr = d.fx.const_expr
@@ -398,8 +417,11 @@ def build_k_grouped(config: KernelConfig, band_cyclic: bool = True):
             tokens = hi - lo
             row0 = m_block * BM
             col0 = n_block * BN
-            a_ld = _OperandLoader(a_addr, a_extent, fx.Int64(row0) * fx.Int64(lda) + fx.Int64(lo), lda, n - row0, tokens)
-            b_ld = _OperandLoader(b_addr, b_extent, fx.Int64(col0) * fx.Int64(ldb) + fx.Int64(lo), ldb, k - col0, tokens)
+            sa_ld, sb_ld = _mx_token_scale_loaders(config, sa_addr, sb_addr, lo, group, tokens, row0, col0, n, k)
+            a_ld = _OperandLoader(a_addr, a_extent, fx.Int64(row0) * fx.Int64(lda) + fx.Int64(lo), lda, n - row0, tokens,
+                                  sa_ld)
+            b_ld = _OperandLoader(b_addr, b_extent, fx.Int64(col0) * fx.Int64(ldb) + fx.Int64(lo), ldb, k - col0, tokens,
+                                  sb_ld)
             # An empty group runs no K block: the accumulators stay exactly zero.
             k_blocks = cdiv_fn(tokens, BK)
             acc = _zero_acc()

@@ -1,5 +1,5 @@
-"""Host model of the MXFP8 M-grouped forward variant (``KernelConfig.mx``): where each lane finds
-the e8m0 scale byte it hands to ``v_mfma_scale_f32_16x16x128_f8f6f4``.
+"""Host model of the MXFP8 variants (``KernelConfig.mx``; M-grouped fwd/dgrad, K-grouped wgrad): where
+each lane finds the e8m0 scale byte it hands to ``v_mfma_scale_f32_16x16x128_f8f6f4``.
 
 Scaled-MFMA semantics relied on (gfx950 / CDNA4, 16x16x128, 8-bit formats): each lane's 32 bytes
 of an operand are row ``lane % 16`` and K group ``lane // 16`` (32 elements) of the 16x128 operand
@@ -95,6 +95,32 @@ def a_scale_end(m, k_len):
 def b_scale_end(group, n, k_len):
     """End (bytes) of expert ``group``'s scales in b_scale: the extent of its tiles' descriptors."""
     return ((group + 1) * scale_groups(k_len)) * n
+
+
+# K-grouped (wgrad) operands: a = dy^T [N, M], b = x^T [K, M], contracted over each group's tokens
+# in 32-token blocks restarting at the group's first token. Their scales are what
+# ``turbo_moe.fine_grained.quantize.quantize_tokens`` stores: slot-major, slot s of row r at byte
+# ``s * rows_total + r`` (rows_total: N for a, K for b), group g's j-th block in slot
+# ``offs[g] // 32 + g + j`` (``fine_grained.quantize.token_slots``). A tile reads them like the
+# M-grouped variant reads K groups (scale_lane_offset / scale_block_offset with the K block's
+# offset counted from the group's first token), from a descriptor re-based at the group's first
+# slot and ending at its last: K groups past the group's tokens read 0 (their FP8 bytes are zero
+# too), never a neighbouring group's scale.
+
+
+def token_first_slot(lo, group):
+    """Slot of the first 32-token block of the group whose tokens start at ``lo``."""
+    return lo // MX_BLOCK + group
+
+
+def token_scale_tile_base(first_slot, rows_total, row0):
+    """Byte offset of the tile's (first row ``row0``, the group's first block) scale."""
+    return first_slot * rows_total + row0
+
+
+def token_scale_end(first_slot, tokens, rows_total):
+    """End (bytes) of the group's scales: one past its last slot (``cdiv(tokens, 32)`` slots)."""
+    return (first_slot + scale_groups(tokens)) * rows_total
 
 
 def check_scale_layout(name: str, shape: Sequence[int], strides: Sequence[int]) -> None:

@@ -1,15 +1,22 @@
-"""Host launcher of the FlyDSL MXFP8 M-grouped variant (``KernelConfig(mx=True)``, gfx950's
+"""Host launcher of the FlyDSL MXFP8 variants (``KernelConfig(mx=True)``, gfx950's
 ``v_mfma_scale_f32_16x16x128_f8f6f4``) for the block-scaled dispatch
 (``turbo_moe.fine_grained.gemm.select_block_scaled_backend``).
 
-It takes the M-grouped ``BlockScaledProblem`` s of the ``mxfp8`` recipe: the forward
-``y = x W^T`` (``a = x [M, K]``, ``b = W [G, N, K]``) and dgrad ``dx = dy W`` (``a = dy [M, N]``,
-``b = W^T [G, K, N]`` quantized along N by ``quantize_weight_fine``); both have their e8m0 scales
-along the contraction in the block-major storage ``quantize_rows`` returns, which is the layout
-``kernels/flydsl/mx_host.py`` reads (checked with ``mx_host.check_scale_layout``). e4m3 x e4m3
-operands (not the hybrid recipe's e5m2 gradients), a bf16 out whose column count is a multiple
-of 4 (the compiled and ISA-checked variant has vector stores), no ``out`` / ``accumulate``.
-Everything else (K_GROUPED wgrad, blockwise) stays on triton / torch.
+It takes the ``BlockScaledProblem`` s of the ``mxfp8`` recipe:
+
+* M-grouped: the forward ``y = x W^T`` (``a = x [M, K]``, ``b = W [G, N, K]``) and dgrad
+  ``dx = dy W`` (``a = dy [M, N]``, ``b = W^T [G, K, N]`` quantized along N by
+  ``quantize_weight_fine``). Their e8m0 scales run along the contraction in the block-major
+  storage ``quantize_rows`` returns, the layout ``kernels/flydsl/mx_host.py`` reads (checked with
+  ``mx_host.check_scale_layout``).
+* K-grouped: the wgrad ``dW[g] = dy_g^T x_g`` (``a = dy^T [N, M]``, ``b = x^T [K, M]``). Their
+  scales run along each group's tokens in the slot-major storage ``quantize_tokens`` returns
+  (``mx_host``, "K-grouped"): a bf16 dW, or added in the epilogue into a float32 ``out`` (Megatron's
+  ``main_grad``, ``accumulate``).
+
+e4m3 x e4m3 operands only (the hybrid recipe's e5m2 gradients run on triton or torch). The out's
+column count must be a multiple of 4: the compiled and ISA-checked variants have vector stores.
+M-grouped allocates its bf16 out (no ``out`` / ``accumulate``). Blockwise stays on triton / torch.
 
 Compiled and ISA-checked for gfx950 and emulated on CPU (docs/flydsl.md); never run on hardware.
 """
@@ -25,51 +32,71 @@ __all__ = ["unsupported_reason", "plan", "run"]
 
 
 def unsupported_reason(problem) -> str:
-    """Why the MX variant does not apply to ``problem`` on any machine ("" if it does)."""
+    """Why the MX variants do not apply to ``problem`` on any machine ("" if they do)."""
     from ..fine_grained.quantize import MXFP8
 
-    if problem.kind is not GemmKind.M_GROUPED:
-        return ("FlyDSL has an MXFP8 M-grouped (forward / dgrad) variant only; K_GROUPED (wgrad) runs on "
-                "triton or torch")
     if problem.recipe != MXFP8:
-        return "FlyDSL has an MXFP8 M-grouped variant only; blockwise runs on triton or torch"
+        return "FlyDSL has MXFP8 variants only; blockwise runs on triton or torch"
     for name, t in (("a", problem.a), ("b", problem.b)):
         if t.dtype != torch.float8_e4m3fn:
-            return (f"{name} is {t.dtype}; the FlyDSL MXFP8 variant is e4m3 x e4m3 (e5m2 gradients of the "
+            return (f"{name} is {t.dtype}; the FlyDSL MXFP8 variants are e4m3 x e4m3 (e5m2 gradients of the "
                     "hybrid format run on triton or torch)")
-    if problem.out_dtype != torch.bfloat16:
-        return f"out_dtype is {problem.out_dtype}; the FlyDSL MXFP8 variant writes bfloat16"
-    if problem.out is not None or problem.accumulate:
-        return "the FlyDSL MXFP8 variant allocates its out (no out / accumulate)"
+    if problem.kind is GemmKind.M_GROUPED:
+        if problem.out_dtype != torch.bfloat16:
+            return f"out_dtype is {problem.out_dtype}; the FlyDSL MXFP8 M-grouped variant writes bfloat16"
+        if problem.out is not None or problem.accumulate:
+            return "the FlyDSL MXFP8 M-grouped variant allocates its out (no out / accumulate)"
+    elif problem.accumulate:
+        if problem.out_dtype != torch.float32:
+            return f"accumulate needs a float32 out, got out_dtype {problem.out_dtype}"
+    elif problem.out_dtype != torch.bfloat16:
+        return (f"out_dtype is {problem.out_dtype}; the FlyDSL MXFP8 wgrad writes bfloat16 or adds into a "
+                "float32 out (accumulate)")
     if problem.out_shape[-1] % 4:
-        return (f"out has {problem.out_shape[-1]} columns; the FlyDSL MXFP8 variant is compiled with vector "
+        return (f"out has {problem.out_shape[-1]} columns; the FlyDSL MXFP8 variants are compiled with vector "
                 "stores (a multiple of 4 columns)")
     return ""
 
 
 def plan(problem):
-    """The launch plan (``host.MGroupedLaunch``, the persistent grid of the tensorwise M-grouped
-    launch) after checking what the kernel reads; raises ValueError naming the argument."""
-    from ..kernels.flydsl import mx_host
+    """The launch plan (``host.MGroupedLaunch`` / ``host.KGroupedLaunch``: the tensorwise launches'
+    persistent grids) after checking what the kernel reads; raises ValueError naming the argument."""
+    from ..kernels.flydsl import host, mx_host
 
     why = unsupported_reason(problem)
     if why:
         raise ValueError(why)
+    why = problem.reason()
+    if why:
+        raise ValueError(why)
     flydsl_backend.check_offsets(problem)
-    m, n, k = problem.a.shape[0], problem.b.shape[1], problem.a.shape[1]
-    # The kernel's descriptors end at mx_host.a_scale_end / b_scale_end (of the last expert):
-    # the scale tensors must hold exactly those bytes, block-major.
-    ends = {"a_scale": mx_host.a_scale_end(m, k), "b_scale": mx_host.b_scale_end(problem.num_groups - 1, n, k)}
+    m, n, k = problem.mnk
+    if problem.kind is GemmKind.M_GROUPED:
+        # The kernel's descriptors end at mx_host.a_scale_end / b_scale_end (of the last expert):
+        # the scale tensors must hold exactly those bytes, block-major.
+        ends = {"a_scale": mx_host.a_scale_end(m, k), "b_scale": mx_host.b_scale_end(problem.num_groups - 1, n, k)}
+    else:
+        # Slot-major token-block scales ([rows, slots] views of [slots, rows] storage); each tile's
+        # descriptor ends at its group's last slot (mx_host.token_scale_end).
+        slots = problem.expected_scale_shapes()[0][1]
+        ends = {"a_scale": slots * n, "b_scale": slots * k}
     for name, s in (("a_scale", problem.a_scale), ("b_scale", problem.b_scale)):
         if s.dtype != torch.uint8 or s.device != problem.device:
             raise ValueError(f"{name} must be uint8 e8m0 scales on the operands' device, got {s.dtype} on {s.device}")
         mx_host.check_scale_layout(name, tuple(s.shape), s.stride())
         if s.numel() != ends[name]:
-            raise ValueError(f"{name} holds {s.numel()} scale bytes; the kernel reads {ends[name]} "
-                             "(cdiv(K, 32) per row)")
+            raise ValueError(f"{name} holds {s.numel()} scale bytes; the kernel reads {ends[name]}")
         if s.numel() >= 2**31:
             raise ValueError(f"{name} holds {s.numel()} scale bytes; the kernel takes the count as 32-bit")
-    launch_plan = flydsl_backend.plan_m_grouped(problem, "bf16")
+    if problem.kind is GemmKind.M_GROUPED:
+        launch_plan = flydsl_backend.plan_m_grouped(problem, "bf16")
+    else:
+        a, b = problem.a, problem.b
+        if m >= 2**31:
+            raise ValueError(f"{m} tokens; group offsets are read as 32-bit (< 2^31 tokens)")
+        out = "f32" if problem.accumulate else "bf16"
+        launch_plan = host.plan_k_grouped(tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), problem.num_groups,
+                                          out, flydsl_backend.resolve_num_cu(problem))
     flydsl_backend.require_rocm(problem)  # last: the checks above run (and are tested) on CPU
     return launch_plan
 
@@ -79,5 +106,6 @@ def run(problem) -> torch.Tensor:
     from ..kernels.flydsl import grouped_gemm_fp8 as kernels
 
     launch_plan = plan(problem)
-    config = kernels.KernelConfig("e4m3", "e4m3", "bf16", vec_store=True, mx=True)
+    out = "f32" if problem.accumulate else "bf16"
+    config = kernels.KernelConfig("e4m3", "e4m3", out, accumulate=problem.accumulate, vec_store=True, mx=True)
     return flydsl_backend.execute(problem, launch_plan, config, False)
