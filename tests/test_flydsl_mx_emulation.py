@@ -52,6 +52,26 @@ def _slot(block, wave_first, frag, word):
     return out
 
 
+def _mx_block(acc, ab, bb, k0, a_scales, b_scales):
+    """acc (fp32, [BM, BN]) += one 128-deep K block of the tile: the 4 waves' 4x4 scaled MFMAs.
+    ``ab`` / ``bb``: the operands' [BM, BK] / [BN, BK] blocks (float64 of the FP8 bytes);
+    ``a_scales`` / ``b_scales``: (scale memory, descriptor base, its range, rows between K groups)."""
+    for wave in range(host.NUM_THREADS // host.WAVE_SIZE):
+        wave_row0, wave_col0 = wave_quadrant(wave)
+        a_word = _scale_words(*a_scales[:3], a_scales[3], wave_row0, k0)
+        b_word = _scale_words(*b_scales[:3], b_scales[3], wave_col0, k0)
+        for i in range(4):
+            a_slot = _slot(ab, wave_row0, i, a_word)
+            for j in range(4):
+                # B's fragment in the MFMA's A slot: d[m_, n_] = sum_k b_slot[m_] a_slot[n_].
+                d = _slot(bb, wave_col0, j, b_word) @ a_slot.T
+                for e in range(4):
+                    rows = host.acc_row(wave_row0, i, LANES)
+                    cols = host.acc_col(wave_col0, j, LANES, e)
+                    vals = d[4 * (LANES // 16) + e, LANES % 16]
+                    acc[rows, cols] = (acc[rows, cols].double() + vals).float()
+
+
 def _emulate(a, a_scale, b, b_scale, offs, n, k):
     m = a.shape[0]
     plan = host.plan_m_grouped(tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), "f32", 3)
@@ -72,22 +92,8 @@ def _emulate(a, a_scale, b, b_scale, offs, n, k):
                 bases = host.m_grouped_tile_bases(plan, offs, tile, k0)
                 ab = _gather_block(a_mem, bases["a"][0], bases["a"][1], plan.lda, bases["a"][2], k, k0)
                 bb = _gather_block(b_mem, bases["b"][0], bases["b"][1], plan.ldb, bases["b"][2], k, k0)
-                ab = ab.view(a.dtype).double()
-                bb = bb.view(b.dtype).double()
-                for wave in range(host.NUM_THREADS // host.WAVE_SIZE):
-                    wave_row0, wave_col0 = wave_quadrant(wave)
-                    a_word = _scale_words(sa_mem, sa_base, sa_nrec, m, wave_row0, k0)
-                    b_word = _scale_words(sb_mem, sb_base, sb_nrec, n, wave_col0, k0)
-                    for i in range(4):
-                        a_slot = _slot(ab, wave_row0, i, a_word)
-                        for j in range(4):
-                            # B's fragment in the MFMA's A slot: d[m_, n_] = sum_k b_slot[m_] a_slot[n_].
-                            d = _slot(bb, wave_col0, j, b_word) @ a_slot.T
-                            for e in range(4):
-                                rows = host.acc_row(wave_row0, i, LANES)
-                                cols = host.acc_col(wave_col0, j, LANES, e)
-                                vals = d[4 * (LANES // 16) + e, LANES % 16]
-                                acc[rows, cols] = (acc[rows, cols].double() + vals).float()
+                _mx_block(acc, ab.view(a.dtype).double(), bb.view(b.dtype).double(), k0,
+                          (sa_mem, sa_base, sa_nrec, m), (sb_mem, sb_base, sb_nrec, n))
             c_base, c_nrec, _ = host.m_grouped_tile_bases(plan, offs, tile, 0)["c"]
             _store_tile(out_mem, acc.double(), c_base, c_nrec, plan.ldc, 4, offs[g + 1] - row0, n - col0)
     return out_mem.view(m, n)
@@ -158,20 +164,8 @@ def _emulate_k_grouped(a, a_scale, b, b_scale, offs):
                 bases = host.k_grouped_tile_bases(plan, offs, tile, k0)
                 ab = _gather_block(a_mem, bases["a"][0], bases["a"][1], plan.lda, bases["a"][2], tokens, k0)
                 bb = _gather_block(b_mem, bases["b"][0], bases["b"][1], plan.ldb, bases["b"][2], tokens, k0)
-                ab, bb = ab.view(a.dtype).double(), bb.view(b.dtype).double()
-                for wave in range(host.NUM_THREADS // host.WAVE_SIZE):
-                    wave_row0, wave_col0 = wave_quadrant(wave)
-                    a_word = _scale_words(sa_mem, sa_base, sa_nrec, n, wave_row0, k0)
-                    b_word = _scale_words(sb_mem, sb_base, sb_nrec, k, wave_col0, k0)
-                    for i in range(4):
-                        a_slot = _slot(ab, wave_row0, i, a_word)
-                        for j in range(4):
-                            d = _slot(bb, wave_col0, j, b_word) @ a_slot.T
-                            for e in range(4):
-                                rows = host.acc_row(wave_row0, i, LANES)
-                                cols = host.acc_col(wave_col0, j, LANES, e)
-                                vals = d[4 * (LANES // 16) + e, LANES % 16]
-                                acc[rows, cols] = (acc[rows, cols].double() + vals).float()
+                _mx_block(acc, ab.view(a.dtype).double(), bb.view(b.dtype).double(), k0,
+                          (sa_mem, sa_base, sa_nrec, n), (sb_mem, sb_base, sb_nrec, k))
             c_base, c_nrec, _ = host.k_grouped_tile_bases(plan, offs, tile, 0)["c"]
             _store_tile(out_mem, acc.double(), c_base, c_nrec, plan.ldc, 4, n - row0, k - col0)
     return out_mem.view(groups, n, k)
