@@ -73,6 +73,11 @@ def gpu_path_on_cpu():
             setattr(obj, name, value)
         clear_dispatch_cache()
         triton_backend.BACKEND._plans.clear()
+        # Forget the stand-in kernels, so that no later launch in this process can hit one.
+        for launcher in launch._LAUNCHERS:
+            for memos in (launcher._memo, launcher._keyed):
+                for key in [key for key, memo in memos.items() if isinstance(memo.kernel, _StandInKernel)]:
+                    del memos[key]
 
 
 def _memoize_stand_in(self, key, grid, args, kwargs):
