@@ -60,13 +60,11 @@ def unsupported_reason(problem) -> str:
 
 def plan(problem):
     """The launch plan (``host.MGroupedLaunch`` / ``host.KGroupedLaunch``: the tensorwise launches'
-    persistent grids) after checking what the kernel reads; raises ValueError naming the argument."""
+    persistent grids) after checking what the kernel reads; raises ValueError naming the argument.
+    ``problem`` is well-formed (``BlockScaledProblem.reason``, which ``run_block_scaled`` checks first)."""
     from ..kernels.flydsl import host, mx_host
 
     why = unsupported_reason(problem)
-    if why:
-        raise ValueError(why)
-    why = problem.reason()
     if why:
         raise ValueError(why)
     flydsl_backend.check_offsets(problem)
