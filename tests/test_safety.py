@@ -81,9 +81,23 @@ def test_every_finite_magnitude_quantizes_within_the_fp8_bound(seed, exponent, r
     assert (err <= allowed).all(), (err - allowed).max()
     # The largest element of every slice is never flushed to zero while it is above the FP8 grid's
     # floor at the capped scale (the issue's bug: tiny amax -> scale inf -> all zeros / NaN).
+    # (Smaller elements of a slice may round to zero at the slice's scale, within the bound above:
+    # with a margin of 6, 1e-4 next to an amax of 1.9 does.)
     floor = FP8_HALF_SUBNORMAL[fp8] * 2.0**-126
-    big = exact.abs() > 2 * floor
-    assert (deq[big] != 0).all()
+    for rows_of, cols_of in _slices(granularity, offs, rows, cols):
+        slice_exact, slice_deq = exact[rows_of, cols_of].flatten(), deq[rows_of, cols_of].flatten()
+        if slice_exact.numel() and slice_exact.abs().max() > 2 * floor:
+            assert slice_deq[slice_exact.abs().argmax()] != 0, (rows_of, cols_of)
+
+
+def _slices(granularity, offs, rows, cols):
+    """(row slice, column slice) of every set of elements that shares one scale."""
+    if granularity == "tensorwise":
+        return [(slice(None), slice(None))]
+    if granularity == "rowwise":
+        return [(slice(r, r + 1), slice(None)) for r in range(rows)]
+    bounds = offs.tolist()
+    return [(slice(bounds[g], bounds[g + 1]), slice(c, c + 1)) for g in range(len(bounds) - 1) for c in range(cols)]
 
 
 def test_tiny_amax_gets_the_capped_scale_and_zero_rows_stay_zero():
