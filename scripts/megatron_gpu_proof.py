@@ -247,7 +247,9 @@ def check_input_dtypes(model) -> None:
 
     def hook(module, args, kwargs, *, name):
         dtype = param_dtype(module, name)
-        for value in (*args, *kwargs.values()):
+        # swiglu_probs: the routing weights fc2 fuses into its input (turbo_moe.swiglu), the router's
+        # dtype by design (Megatron's activation takes them so too)
+        for value in (*args, *(v for k, v in kwargs.items() if k != "swiglu_probs")):
             if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
                 raise RuntimeError(f"dtype mismatch at {name or 'model'} ({type(module).__name__}): input "
                                    f"{value.dtype} {tuple(value.shape)}, parameters {dtype}")

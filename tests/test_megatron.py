@@ -143,6 +143,42 @@ def test_experts_fp8_within_tolerance_of_float64(world, fmt, granularity):
     assert {"fwd", "dgrad", "wgrad"} <= set(roles)
 
 
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+def test_fp8_fc2_fuses_the_swiglu_where_it_can(world, granularity, monkeypatch):
+    """Tensorwise: fc2 takes fc1's output and computes the weighted SwiGLU inside its FP8
+    quantization (turbo_moe.swiglu), and agrees with the unfused path (Megatron's activation, then
+    fc2) to FP8 rounding of the same float32 activation. Rowwise, or an activation option the
+    fused path does not implement: the unfused path."""
+    import turbo_moe.megatron.linear as linear_module
+
+    calls = []
+    real = linear_module.grouped_gemm_fp8_swiglu
+    monkeypatch.setattr(linear_module, "grouped_gemm_fp8_swiglu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    config = make_config(num_moe_experts=4)
+    _, turbo_layer = experts_pair(config, fp8="hybrid", granularity=granularity)
+    experts = turbo_layer.experts
+    x, tpe, probs = ragged_inputs([7, 0, 12, 5], config.hidden_size, seed=11)
+    grad = torch.randn(24, config.hidden_size, generator=torch.Generator().manual_seed(12))
+    results = []
+    for fused in (True, False):
+        if not fused:
+            experts._fuses_activation = lambda: False
+        xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        experts.zero_grad()
+        out, _ = experts(xi, tpe, pi)
+        out.backward(grad)
+        results.append([out.detach(), xi.grad, pi.grad, experts.linear_fc1.weight.grad.clone(),
+                        experts.linear_fc2.weight.grad.clone()])
+    assert len(calls) == (1 if granularity == "tensorwise" else 0)
+    for ours, unfused in zip(*results):
+        # float32 activations here: the two paths quantize the same values, up to the order of
+        # float32 operations (an FP8 rounding flips now and then)
+        assert rel_err(ours, unfused.double()) < 0.02
+    config = make_config(num_moe_experts=4, activation_func_clamp_value=0.5)
+    _, clamped = experts_pair(config, fp8="hybrid")
+    assert not clamped.experts._fuses_activation()
+
+
 def test_experts_with_bias_match_float64(world):
     config = make_config(num_moe_experts=3, add_bias_linear=True)
     tokens_per_expert = [4, 0, 7]

@@ -315,6 +315,7 @@ def test_megatron_fused_main_grad_bits_equal_fp32_accumulation(world, fp8, granu
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from turbo_moe.autograd import grouped_wgrad_fp8
     from turbo_moe.megatron import TurboMoEGroupedMLP, TurboMoEOptions
+    from turbo_moe.swiglu import weighted_swiglu
 
     config = make_config(num_moe_experts=4, params_dtype=torch.bfloat16)
     config.gradient_accumulation_fusion = True
@@ -332,7 +333,11 @@ def test_megatron_fused_main_grad_bits_equal_fp32_accumulation(world, fp8, granu
 
     def record(name):
         def pre_hook(module, args, kwargs):
-            seen.setdefault(name, []).append([args[0].detach(), kwargs["group_offs"], None])
+            x = args[0].detach()
+            if kwargs.get("swiglu_probs") is not None:  # fc2 fusing the activation: its input is fc1's
+                # output, and the GEMMs read the float32 activation (turbo_moe.swiglu)
+                x = weighted_swiglu(x, kwargs["swiglu_probs"].detach().reshape(-1))
+            seen.setdefault(name, []).append([x, kwargs["group_offs"], None])
 
         def hook(module, args, kwargs, output):
             entry = seen[name][-1]

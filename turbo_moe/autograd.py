@@ -188,6 +188,48 @@ class WgradTarget(NamedTuple):
     defer: Optional[Callable[[DeferredWgrad], None]] = None
 
 
+def fp8_gemm_backward(ctx, dy, w_nk, w_kn_scale, x_km, x_km_scale, group_offs, need_dx: bool, need_dw: bool):
+    """``(dx, dw)`` of an FP8 grouped GEMM ``y = x @ W[g]^T`` from ``dy``: quantizes ``dy`` and runs
+    dgrad (``need_dx``) and wgrad (``need_dw``). What the forward left: ``ctx.w_kn`` (W^T in FP8,
+    taken and dropped here), ``ctx.config``, ``num_cu``, ``backend``, ``x_dtype``, ``w_dtype``,
+    ``wgrad_target``; saved ``w_nk`` (to re-derive W^T on a second backward), ``w_kn_scale`` and
+    x's token-major FP8 copy ``x_km`` with its scale. Shared by every Function whose forward ends
+    in this GEMM (``GroupedGemmFP8Function``, ``turbo_moe.swiglu``'s)."""
+    w_kn, ctx.w_kn = ctx.w_kn, None
+    if w_kn is None and need_dx:  # a second backward (retain_graph): re-derive W^T
+        requantized = quantize_weight(w_nk, ctx.config, transposed=True)
+        w_kn, w_kn_scale = requantized.data_t, requantized.scale_t
+    config = ctx.config
+    rowwise = config.granularity is ScalingGranularity.ROWWISE
+    gdtype, margin = config.grad_dtype, config.margin
+    dy = dy.contiguous()
+    dx = dw = None
+    if rowwise:
+        dy_fp8 = dy_t = None
+        if need_dx:
+            dy_fp8, dy_scale = quantize_rowwise(dy, gdtype, margin)
+    else:  # one pass writes both layouts (tensorwise shares one amax)
+        dy_fp8, dy_t, dy_scale = quantize_tensorwise_layouts(dy, gdtype, margin, rows=need_dx, transposed=need_dw)
+        dy_t_scale = dy_scale
+    if need_dx:
+        dx = _run(GemmKind.M_GROUPED, dy_fp8, w_kn, dy_scale, w_kn_scale, group_offs,
+                  ctx.x_dtype, ctx.num_cu, ctx.backend, "dgrad", config)
+    # dgrad's operands are dead: release them before wgrad allocates dW (the peak of the step).
+    del w_kn, dy_fp8
+    if need_dw and rowwise:  # its own pass anyway: made after dgrad's rows copy is freed
+        dy_t, dy_t_scale = _token_major_operand(dy, group_offs, gdtype, margin, rowwise=True)
+    if need_dw:
+        target = ctx.wgrad_target
+        if target is None:
+            dw = _run(GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs,
+                      ctx.w_dtype, ctx.num_cu, ctx.backend, "wgrad", config)
+        else:
+            dw = finish_wgrad(target, DeferredWgrad(functools.partial(
+                _run, GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs,
+                num_cu=ctx.num_cu, backend=ctx.backend, role="wgrad", config=config)))
+    return dx, dw
+
+
 class GroupedGemmFP8Function(torch.autograd.Function):
     """FP8 grouped GEMM; see the module docstring. ``w`` is always passed here as ``[G, N, K]``."""
 
@@ -231,39 +273,8 @@ class GroupedGemmFP8Function(torch.autograd.Function):
     @torch.autograd.function.once_differentiable  # no double backward: one clear error, never a wrong one
     def backward(ctx, dy):
         w_nk, w_kn_scale, x_km, x_km_scale, group_offs = ctx.saved_tensors
-        w_kn, ctx.w_kn = ctx.w_kn, None
-        if w_kn is None and ctx.needs_input_grad[0]:  # a second backward (retain_graph): re-derive W^T
-            requantized = quantize_weight(w_nk, ctx.config, transposed=True)
-            w_kn, w_kn_scale = requantized.data_t, requantized.scale_t
-        config = ctx.config
-        rowwise = config.granularity is ScalingGranularity.ROWWISE
-        gdtype, margin = config.grad_dtype, config.margin
-        dy = dy.contiguous()
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx = dw = None
-        if rowwise:
-            dy_fp8 = dy_t = None
-            if need_dx:
-                dy_fp8, dy_scale = quantize_rowwise(dy, gdtype, margin)
-        else:  # one pass writes both layouts (tensorwise shares one amax)
-            dy_fp8, dy_t, dy_scale = quantize_tensorwise_layouts(dy, gdtype, margin, rows=need_dx, transposed=need_dw)
-            dy_t_scale = dy_scale
-        if need_dx:
-            dx = _run(GemmKind.M_GROUPED, dy_fp8, w_kn, dy_scale, w_kn_scale, group_offs,
-                      ctx.x_dtype, ctx.num_cu, ctx.backend, "dgrad", config)
-        # dgrad's operands are dead: release them before wgrad allocates dW (the peak of the step).
-        del w_kn, dy_fp8
-        if need_dw and rowwise:  # its own pass anyway: made after dgrad's rows copy is freed
-            dy_t, dy_t_scale = _token_major_operand(dy, group_offs, gdtype, margin, rowwise=True)
-        if need_dw:
-            target = ctx.wgrad_target
-            if target is None:
-                dw = _run(GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs,
-                          ctx.w_dtype, ctx.num_cu, ctx.backend, "wgrad", config)
-            else:
-                dw = finish_wgrad(target, DeferredWgrad(functools.partial(
-                    _run, GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs,
-                    num_cu=ctx.num_cu, backend=ctx.backend, role="wgrad", config=config)))
+        dx, dw = fp8_gemm_backward(ctx, dy, w_nk, w_kn_scale, x_km, x_km_scale, group_offs,
+                                   ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return dx, dw, None, None, None, None, None, None, None
 
 

@@ -18,7 +18,7 @@ import contextlib
 import gc
 import statistics
 import time
-from typing import Dict, Iterable, Iterator, List, Optional
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -116,6 +116,19 @@ def expert_time_split(events, on_gpu: bool, range_name: str = EXPERTS_RANGE) -> 
         expert = sum(e.self_cpu_time_total for e in mine)
     return {"expert_ms": expert / 1e3, "total_ms": total / 1e3, "unattributed_ms": max(total - linked, 0.0) / 1e3,
             "launches": launches, "expert_launches": expert_launches}
+
+
+def expert_kernel_table(events, range_name: str = EXPERTS_RANGE, top: int = 12) -> List[Tuple[str, float, int]]:
+    """``(kernel name, ms, launches)`` of the experts' GPU kernels in one profiled step, most time first:
+    which kernels the expert share is made of (GEMMs, casts, the activation, gradient adds)."""
+    by_name: Dict[str, List[float]] = {}
+    for evt in attributed_events(events, range_name):
+        for kernel in getattr(evt, "kernels", ()):
+            acc = by_name.setdefault(kernel.name, [0.0, 0])
+            acc[0] += kernel.duration / 1e3
+            acc[1] += 1
+    rows = sorted(((name, ms, int(n)) for name, (ms, n) in by_name.items()), key=lambda r: -r[1])
+    return rows[:top]
 
 
 # ------------------------------------------------------------------------------ training
@@ -281,7 +294,8 @@ def _profile_step(model, opt, sampler, step: int, inputs: _Inputs, device: torch
             if on_gpu:
                 torch.cuda.synchronize(device)
     split = expert_time_split(prof.events(), on_gpu)
-    return {"gpu_ms": split["total_ms"], "expert_gpu_ms": split["expert_ms"],
+    kernels = expert_kernel_table(prof.events()) if on_gpu else []
+    return {"expert_kernels": kernels, "gpu_ms": split["total_ms"], "expert_gpu_ms": split["expert_ms"],
             "expert_share": split["expert_ms"] / split["total_ms"] if split["total_ms"] > 0 else None,
             "unattributed_ms": split["unattributed_ms"], "launches": split["launches"],
             "expert_launches": split["expert_launches"]}
@@ -319,6 +333,9 @@ def _summary(rec: dict) -> str:
         parts.append(f"experts {rec['expert_gpu_ms']:.2f}/{rec['gpu_ms']:.2f} ms ({100 * rec['expert_share']:.0f}%)")
     if rec["peak_mb"] is not None:
         parts.append(f"peak {rec['peak_mb']:.0f} MB")
+    if rec.get("expert_kernels"):
+        parts.append("expert kernels: " + "; ".join(f"{name[:60]} {ms:.2f} ms x{n}"
+                                                      for name, ms, n in rec["expert_kernels"]))
     if rec["train_loss"] is not None:
         parts.append(f"loss {rec['train_loss']:.4f}")
     if rec["val_loss"] is not None:

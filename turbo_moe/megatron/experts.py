@@ -12,7 +12,7 @@ from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupe
 
 from ..autograd import add_group_bias, group_rows
 from ..checks import resolve_group_offs
-from .linear import TurboColumnParallelGroupedLinear, TurboRowParallelGroupedLinear, _as_group_lens
+from .linear import TurboColumnParallelGroupedLinear, TurboGroupedLinear, TurboRowParallelGroupedLinear, _as_group_lens
 from .options import TurboMoEOptions
 
 __all__ = ["TurboMoEGroupedMLP"]
@@ -80,7 +80,11 @@ class TurboMoEGroupedMLP(TEGroupedMLP):
         fc1_output, fc1_bias = self.linear_fc1(x, group_offs=offs)
         if fc1_bias is not None:  # a fc1 built with skip_bias_add=True by a custom spec
             fc1_output = add_group_bias(fc1_output, fc1_bias, offs)
-        if self.activation_recompute:  # recompute_modules=['moe_act'], set by TEGroupedMLP.__init__
+        if self._fuses_activation():
+            # The FP8 fc2 computes the weighted SwiGLU inside its input quantization: the
+            # activation is never materialized in high precision (turbo_moe.swiglu).
+            output, fc2_bias = self.linear_fc2(fc1_output, group_offs=offs, swiglu_probs=probs)
+        elif self.activation_recompute:  # recompute_modules=['moe_act'], set by TEGroupedMLP.__init__
             # Megatron's own mechanism: the activation runs without saving its intermediates, its
             # output storage is freed once fc2 has consumed it, and fc2's output-gradient hook
             # recomputes it (from fc1's output and the probs) before fc2's and its own backward.
@@ -89,16 +93,29 @@ class TurboMoEGroupedMLP(TEGroupedMLP):
             # fp8=None: no TE FP8 autocast state to restore (its default False means "TE FP8 on").
             self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=None)
             intermediate = self.activation_checkpoint.checkpoint(self._activation, fc1_output, probs)
+            output, fc2_bias = self.linear_fc2(intermediate, group_offs=offs)
+            self.activation_checkpoint.discard_output_and_register_recompute(output)
         else:
             intermediate = self._activation(fc1_output, probs)
-        output, fc2_bias = self.linear_fc2(intermediate, group_offs=offs)
-        if self.activation_recompute:
-            self.activation_checkpoint.discard_output_and_register_recompute(output)
+            output, fc2_bias = self.linear_fc2(intermediate, group_offs=offs)
         if fc2_bias is not None:
             # Megatron weights the fc2 bias by the routing probability, like the rest of the output.
             bias_rows = group_rows(fc2_bias, offs, num_tokens)
             output = (output + bias_rows * probs).to(output.dtype)
         return output, None
+
+    def _fuses_activation(self) -> bool:
+        """Whether fc2 takes fc1's output and fuses the activation into its FP8 quantization:
+        SwiGLU with nothing around it (no clamp, offset, interleaving), an FP8 tensorwise fc2, and
+        no activation option the fused path would ignore (recompute, FP8 input store: there the
+        activation runs unfused, as configured)."""
+        fc2 = self.linear_fc2
+        cfg = self.config
+        return (isinstance(fc2, TurboGroupedLinear) and fc2.fuses_swiglu_input()
+                and cfg.gated_linear_unit and self.activation_func == F.silu
+                and cfg.moe_mlp_glu_interleave_size is None and cfg.activation_func_clamp_value is None
+                and not getattr(cfg, "glu_linear_offset", 0.0)
+                and not self.activation_recompute and not cfg.activation_func_fp8_input_store)
 
     def _activation(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """TEGroupedMLP's activation (all of its non-TE branches), weighted by the routing probs."""

@@ -12,6 +12,7 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 from .. import autograd as _autograd  # quantize_weight is looked up at call time (tests count it)
 from ..autograd import DeferredWgrad, WgradTarget, _grouped_gemm_fp8_resolved, add_group_bias, grouped_gemm
 from ..checks import resolve_group_offs
+from ..swiglu import fuses_swiglu, grouped_gemm_fp8_swiglu
 from .checkpoint import GroupedLinearCheckpointMixin
 from .main_grad import (
     _AccumulateWgradIntoMainGrad,
@@ -210,9 +211,19 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
         lens = _as_group_lens(m_splits, self.num_gemms, x.device)
         return resolve_group_offs(lens, None, self.num_gemms, x.shape[0], x.device)
 
+    def fuses_swiglu_input(self) -> bool:
+        """Whether ``forward(h, swiglu_probs=probs)`` can take fc1's output and fuse the weighted
+        SwiGLU into this layer's FP8 input quantization (``turbo_moe.swiglu``)."""
+        return fuses_swiglu(self.fp8_config)
+
     def _gemm(self, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
-              wgrad_target: Optional[WgradTarget] = None) -> torch.Tensor:
+              wgrad_target: Optional[WgradTarget] = None, swiglu_probs: Optional[torch.Tensor] = None) -> torch.Tensor:
         out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+        if swiglu_probs is not None:  # forward checked fuses_swiglu_input()
+            return grouped_gemm_fp8_swiglu(
+                x, swiglu_probs, weight, offs, config=self.fp8_config, num_cu=self.num_cu,
+                backend=self.options.backend, out_dtype=out_dtype, w_fp8=self._cached_fp8_weight(),
+                wgrad_target=wgrad_target)
         if self.fp8_config is None:
             return grouped_gemm(x, weight, group_offs=offs, out_dtype=out_dtype)
         return _grouped_gemm_fp8_resolved(  # offs resolved (checked) once in forward
@@ -284,17 +295,26 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
             getattr(weight, "main_grad", None) is not None or callable(getattr(weight, "get_main_grad", None))
         )
 
-    def forward(self, x: torch.Tensor, m_splits=None, *, group_offs: Optional[torch.Tensor] = None):
+    def forward(self, x: torch.Tensor, m_splits=None, *, group_offs: Optional[torch.Tensor] = None,
+                swiglu_probs: Optional[torch.Tensor] = None):
         """``(y, bias)``: ``bias`` is the ``[E, out]`` bias when ``skip_bias_add`` (else added, None).
 
         ``m_splits``: tokens per local expert, a list (Megatron's ``TEGroupedMLP`` passes
         ``tokens_per_expert.tolist()``) or an integer tensor; or pass ``group_offs`` (int64
         ``[E+1]`` on x's device) instead.
+        ``swiglu_probs``: ``[tokens]`` or ``[tokens, 1]`` routing weights; then ``x`` is fc1's output
+        ``[tokens, 2 * in]`` and the layer computes ``(silu(x[:, :in]) * x[:, in:] * probs) @ W^T``
+        with the activation fused into its FP8 quantization (only where ``fuses_swiglu_input()``).
         """
+        width = self.in_features if swiglu_probs is None else 2 * self.in_features
+        if swiglu_probs is not None and not self.fuses_swiglu_input():
+            raise ValueError("swiglu_probs needs an FP8 tensorwise recipe (fuses_swiglu_input() is False): "
+                             "apply the activation and pass its output instead")
         if x.dim() != 2:
-            raise ValueError(f"x must be 2-D [tokens, {self.in_features}], got shape {tuple(x.shape)}")
-        if x.shape[1] != self.in_features:
-            raise ValueError(f"x.shape[1]={x.shape[1]} but this layer's input size is {self.in_features}")
+            raise ValueError(f"x must be 2-D [tokens, {width}], got shape {tuple(x.shape)}")
+        if x.shape[1] != width:
+            raise ValueError(f"x.shape[1]={x.shape[1]} but this layer's input is {width} wide"
+                             + (" (fc1's output: 2 x its input size)" if swiglu_probs is not None else ""))
         if group_offs is None:
             if m_splits is None:
                 raise ValueError("pass m_splits (tokens per local expert) or group_offs")
@@ -311,7 +331,9 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
             # forward and dgrad (each quantized once per fwd+bwd): into main_grad at once (fp32: in
             # the wgrad kernel's epilogue), or handed over for backward_dw() (delayed wgrad).
             target = WgradTarget(defer=self._defer_wgrad) if self.delay_wgrad_compute else self._main_grad_target()
-            y = self._gemm(x, weight, offs, wgrad_target=target)
+            y = self._gemm(x, weight, offs, wgrad_target=target, swiglu_probs=swiglu_probs)
+        elif swiglu_probs is not None:
+            y = self._gemm(x, weight, offs, swiglu_probs=swiglu_probs)
         elif wants_wgrad and self.delay_wgrad_compute:
             # High precision: the GEMM's backward computes dgrad only; _StashGradOutputForWgrad's
             # backward queues (x, dy) for backward_dw().

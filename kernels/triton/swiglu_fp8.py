@@ -1,0 +1,206 @@
+"""The routing-weighted SwiGLU between an expert's fc1 and fc2, fused with fc2's FP8 quantization.
+
+``a[r, f] = silu(h[r, f]) * h[r, F + f] * probs[r]`` for fc1's output ``h [M, 2F]`` (gate half,
+then linear half, as Megatron's ``weighted_bias_swiglu_impl``) and the routing weights
+``probs [M]``. In an FP8 expert MLP ``a`` exists only to be quantized for fc2 (row-major for the
+forward, token-major for wgrad), so these kernels never write it in high precision:
+
+* forward, tensorwise (two launches): :func:`swiglu_amax_partials_kernel` computes ``a`` from
+  ``h`` and reduces ``max|a|`` per program; :func:`swiglu_fp8_cast_kernel` computes ``a`` again,
+  reduces the partials to the scale on the device and writes both FP8 layouts. Against the
+  activation kernel, an amax pass and a cast pass over a bf16 ``a``, this reads ``h`` twice and
+  writes no ``a`` (10 instead of 12+ bytes per element of ``a``, and 2 launches instead of the
+  activation's several plus 2).
+* backward (one launch): :func:`swiglu_backward_kernel` turns ``da`` (fc2's dgrad output) into
+  ``dh [M, 2F]`` and ``dprobs [M]``, each program owning whole rows, so the row sums behind
+  ``dprobs`` are ordered (deterministic) and need no atomics.
+
+All arithmetic is float32 from the stored inputs (Megatron's own fusion rounds ``silu(gate) *
+linear`` to bf16 before weighting it; here only FP8 rounds ``a``). The scale math and the cast
+(round to nearest even, NaN kept) are ``fp8_cast``'s, so the quantization is the one
+``turbo_moe.quantize`` applies to any tensor; only the activation's float32 values may differ
+from torch's by an ulp (exp). Every transposed FP8 copy comes from its own transposed loads of
+``h`` (``fp8_cast``'s module docstring: a Hopper miscompilation of dual row/transposed stores).
+Offsets are int64: ``M * 2F`` may pass 2**31.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .fp8_cast import MAX_PARTIALS, _amax_from_partials, _cdiv, _quant_scales, abs_max_keep_nan, clamp_keep_nan
+from .launch import arg_fact, lean
+
+
+@triton.jit
+def _weighted_swiglu_tile(h_ptr, probs_ptr, rows, cols, R, F, stride_h, ROWS_FIRST: tl.constexpr):
+    """float32 ``a`` of a tile: ``[rows, cols]`` when ROWS_FIRST, else ``[cols, rows]`` (the
+    transposed tile, from transposed loads). Masked-out elements are 0."""
+    if ROWS_FIRST:
+        mask = (rows[:, None] < R) & (cols[None, :] < F)
+        offs = rows[:, None] * stride_h + cols[None, :]
+        p = tl.load(probs_ptr + rows, mask=rows < R, other=0.0).to(tl.float32)[:, None]
+    else:
+        mask = (cols[:, None] < F) & (rows[None, :] < R)
+        offs = cols[:, None] + rows[None, :] * stride_h
+        p = tl.load(probs_ptr + rows, mask=rows < R, other=0.0).to(tl.float32)[None, :]
+    gate = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    linear = tl.load(h_ptr + offs + F, mask=mask, other=0.0).to(tl.float32)
+    return gate * tl.sigmoid(gate) * linear * p
+
+
+@triton.jit
+def swiglu_amax_partials_kernel(h_ptr, probs_ptr, partials_ptr, R, F, stride_h, rows_per_program,
+                                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program p writes max |a| over rows [p * rows_per_program, (p + 1) * rows_per_program) to
+    partials[p] (NaN if any is NaN); every program writes its slot (no zero-fill launch)."""
+    pid = tl.program_id(0)
+    first = pid.to(tl.int64) * rows_per_program
+    last = tl.minimum(first + rows_per_program, R)
+    acc = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
+    for r0 in range(0, rows_per_program, BLOCK_R):
+        rows = first + r0 + tl.arange(0, BLOCK_R)
+        for c0 in range(0, F, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            a = _weighted_swiglu_tile(h_ptr, probs_ptr, rows, cols, last, F, stride_h, True)
+            acc = abs_max_keep_nan(acc, a)
+    amax = tl.max(tl.max(acc, axis=1), axis=0)
+    has_nan = tl.sum(tl.sum((acc != acc).to(tl.int32), axis=1), axis=0) > 0
+    tl.store(partials_ptr + pid, tl.where(has_nan, float("nan"), amax))
+
+
+@triton.jit
+def swiglu_fp8_cast_kernel(
+    h_ptr, probs_ptr, partials_ptr, num_partials, out_ptr, out_t_ptr, dequant_ptr,
+    R, F, stride_h,
+    FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_T: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """Tensorwise FP8 of ``a``: ``out [R, F]`` and/or ``out_t [F, R]``; program (0, 0) stores the
+    dequantization scale (``fp8_cast_kernel``'s contract, with ``a`` computed from ``h``)."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    amax = _amax_from_partials(partials_ptr, num_partials, BLOCK_P)
+    scale, dequant = _quant_scales(amax, FP8_MAX, MARGIN_FACTOR)
+    if (pid_r == 0) & (pid_c == 0):
+        tl.store(dequant_ptr, dequant)
+    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    if WRITE_ROWS:
+        a = _weighted_swiglu_tile(h_ptr, probs_ptr, rows, cols, R, F, stride_h, True)
+        q = clamp_keep_nan(a * scale, FP8_MAX).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(out_ptr + rows[:, None] * F + cols[None, :], q, mask=(rows[:, None] < R) & (cols[None, :] < F))
+    if WRITE_T:
+        a_t = _weighted_swiglu_tile(h_ptr, probs_ptr, rows, cols, R, F, stride_h, False)
+        q_t = clamp_keep_nan(a_t * scale, FP8_MAX).to(out_t_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(out_t_ptr + cols[:, None] * R + rows[None, :], q_t, mask=(cols[:, None] < F) & (rows[None, :] < R))
+
+
+@triton.jit
+def swiglu_backward_kernel(h_ptr, probs_ptr, da_ptr, dh_ptr, dprobs_ptr, R, F, stride_h, stride_da,
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``dh = [da * p * linear * s * (1 + gate * (1 - s)), da * p * silu(gate)]`` (s = sigmoid(gate))
+    and ``dprobs[r] = sum_f da * silu(gate) * linear``, float32 inside; each program owns BLOCK_R
+    whole rows and sums them in a fixed order."""
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    dp = tl.zeros((BLOCK_R,), tl.float32)
+    for c0 in range(0, F, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        mask = row_ok[:, None] & (cols[None, :] < F)
+        offs = rows[:, None] * stride_h + cols[None, :]
+        gate = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        linear = tl.load(h_ptr + offs + F, mask=mask, other=0.0).to(tl.float32)
+        da = tl.load(da_ptr + rows[:, None] * stride_da + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(gate)
+        silu = gate * s
+        dap = da * p
+        dgate = dap * linear * s * (1.0 + gate * (1.0 - s))
+        dlinear = dap * silu
+        dp += tl.sum(da * silu * linear, axis=1)
+        out = dh_ptr + rows[:, None] * (2 * F) + cols[None, :]
+        tl.store(out, dgate.to(dh_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + F, dlinear.to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dprobs_ptr + rows, dp.to(dprobs_ptr.dtype.element_ty), mask=row_ok)
+
+
+# Tiles: the cast's square tile as fp8_cast's; the amax and backward passes walk whole rows.
+_CAST_BLOCK = 64
+_AMAX_BLOCK_R, _AMAX_BLOCK_C = 16, 128
+_BWD_BLOCK_R, _BWD_BLOCK_C = 8, 128
+
+
+def _amax_partition(rows: int):
+    """(programs, rows per program) of the amax pass: at most MAX_PARTIALS programs (the cast
+    reduces every partial in one block), each a multiple of its row tile."""
+    num = min(MAX_PARTIALS, _cdiv(rows, _AMAX_BLOCK_R))
+    per = _cdiv(_cdiv(rows, num), _AMAX_BLOCK_R) * _AMAX_BLOCK_R
+    return _cdiv(rows, per), per
+
+
+def swiglu_fp8_tensorwise(h, probs, fp8_dtype, fp8_max: float, margin: int = 0, write_rows: bool = True,
+                          write_transposed: bool = False):
+    """Tensorwise FP8 of ``a = silu(h[:, :F]) * h[:, F:] * probs`` without materializing ``a``.
+
+    ``h``: ``[M, 2F]`` with unit column stride (any row stride); ``probs``: ``[M]`` contiguous.
+    Returns ``(rows [M, F] or None, transposed [F, M] or None, dequant)`` as
+    ``fp8_cast.fp8_tensorwise_cast`` does for a materialized ``a``.
+    """
+    import torch
+
+    r, two_f = h.shape
+    f = two_f // 2
+    device = h.device
+    rows = torch.empty((r, f), dtype=fp8_dtype, device=device) if write_rows else None
+    trans = torch.empty((f, r), dtype=fp8_dtype, device=device) if write_transposed else None
+    if r * f == 0:
+        return rows, trans, torch.ones((), dtype=torch.float32, device=device)
+    num_partials, per = _amax_partition(r)
+    stats = torch.empty((num_partials + 1,), dtype=torch.float32, device=device)  # partials, then the scale
+    dequant = stats[-1]
+    out = rows if rows is not None else trans
+    stride_h = h.stride(0)
+    aligned = (h.data_ptr() % 16 == 0, probs.data_ptr() % 16 == 0, stats.data_ptr() % 16 == 0)
+    facts = (h.dtype, probs.dtype, arg_fact(r), arg_fact(f), arg_fact(stride_h))
+    _amax.launch_keyed((num_partials,), facts + aligned + (arg_fact(per),), h, probs, stats, r, f, stride_h, per,
+                       BLOCK_R=_AMAX_BLOCK_R, BLOCK_C=_AMAX_BLOCK_C, num_warps=4)
+    _cast.launch_keyed(
+        (_cdiv(r, _CAST_BLOCK), _cdiv(f, _CAST_BLOCK)),
+        facts + aligned + (fp8_dtype, fp8_max, margin, write_rows, write_transposed, arg_fact(num_partials),
+                           out.data_ptr() % 16 == 0, trans is None or trans.data_ptr() % 16 == 0,
+                           dequant.data_ptr() % 16 == 0),
+        h, probs, stats, num_partials, out, trans if trans is not None else out, dequant, r, f, stride_h,
+        FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, WRITE_ROWS=write_rows, WRITE_T=write_transposed,
+        BLOCK_R=_CAST_BLOCK, BLOCK_C=_CAST_BLOCK, BLOCK_P=MAX_PARTIALS, num_warps=4,
+    )
+    return rows, trans, dequant
+
+
+def swiglu_backward(h, probs, da, dprobs_dtype):
+    """``(dh [M, 2F] in h's dtype, dprobs [M] in dprobs_dtype)`` from ``da [M, F]`` (unit column
+    strides; ``probs [M]`` contiguous)."""
+    import torch
+
+    r, two_f = h.shape
+    f = two_f // 2
+    dh = torch.empty((r, two_f), dtype=h.dtype, device=h.device)
+    dprobs = torch.empty((r,), dtype=dprobs_dtype, device=h.device)
+    if r == 0:
+        return dh, dprobs
+    if f == 0:
+        return dh, dprobs.zero_()
+    stride_h, stride_da = h.stride(0), da.stride(0)
+    key = (h.dtype, probs.dtype, da.dtype, dprobs_dtype, arg_fact(r), arg_fact(f), arg_fact(stride_h),
+           arg_fact(stride_da), h.data_ptr() % 16 == 0, probs.data_ptr() % 16 == 0, da.data_ptr() % 16 == 0,
+           dh.data_ptr() % 16 == 0, dprobs.data_ptr() % 16 == 0)
+    _backward.launch_keyed((_cdiv(r, _BWD_BLOCK_R),), key, h, probs, da, dh, dprobs, r, f, stride_h, stride_da,
+                           BLOCK_R=_BWD_BLOCK_R, BLOCK_C=_BWD_BLOCK_C, num_warps=4)
+    return dh, dprobs
+
+
+# Host-lean launchers of the kernels above (kernels/triton/launch.py).
+_amax, _cast, _backward = (lean(k) for k in (swiglu_amax_partials_kernel, swiglu_fp8_cast_kernel,
+                                               swiglu_backward_kernel))

@@ -1,0 +1,190 @@
+"""fc2 of an expert MLP with the routing-weighted SwiGLU fused into its FP8 input quantization.
+
+``grouped_gemm_fp8_swiglu(h, probs, w, offs)`` is ``grouped_gemm_fp8(a, w)`` for
+``a = silu(h[:, :F]) * h[:, F:] * probs[:, None]``, where ``h [M, 2F]`` is fc1's output and
+``probs`` the routing weights: what Megatron's grouped experts compute between fc1 and fc2
+(``weighted_bias_swiglu_impl``), then fc2. In an FP8 MLP ``a`` is only ever read as FP8, so:
+
+* forward computes ``a`` inside its quantization (``kernels/triton/swiglu_fp8.py``: an amax pass
+  and a cast pass over ``h``) and runs fc2's NT kernel on it; ``a`` never exists in bf16, and the
+  activation's own kernels (several elementwise launches in Megatron's path) are gone;
+* backward runs fc2's dgrad and wgrad as ``grouped_gemm_fp8`` does (``da``, ``dW``), then one
+  kernel turns ``da`` into ``dh`` and ``dprobs``.
+
+Saved for backward: ``h`` (Megatron's activation saves it too), ``probs``, ``a``'s token-major FP8
+copy (wgrad) and, held on ctx, W^T in FP8 (dgrad) -- never ``a`` in high precision.
+
+Tensorwise scaling only (one scale for ``a``: the amax pass sees the whole tensor before the cast);
+:func:`fuses_swiglu` says whether a recipe is supported, and callers fall back to the activation
+followed by ``grouped_gemm_fp8`` otherwise. The activation's arithmetic is float32 from ``h``
+(Megatron's rounds ``silu(gate) * linear`` to bf16 first); the quantization is
+``turbo_moe.quantize``'s. On a GPU with Triton the kernels run; elsewhere torch ops with the
+same math (to an ulp of float32 ``exp``) do.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import autograd as _autograd  # quantize_weight looked up at call time (tests count the calls)
+from ._triton_kernels import triton_kernels
+from .autograd import (
+    Float8Weight,
+    WgradTarget,
+    _autocast_out_dtype,
+    _check_num_cu,
+    _run,
+    fp8_gemm_backward,
+)
+from .backends import GemmKind
+from .checks import HIGH_PRECISION_DTYPES, check_group_offs
+from .config import Float8Config, ScalingGranularity, fp8_max
+from .quantize import _cast, _quant_scale
+
+__all__ = ["fuses_swiglu", "grouped_gemm_fp8_swiglu", "weighted_swiglu", "quantize_weighted_swiglu",
+           "weighted_swiglu_backward"]
+
+
+def fuses_swiglu(config: Optional[Float8Config]) -> bool:
+    """Whether :func:`grouped_gemm_fp8_swiglu` supports this FP8 recipe (per-tensor scaling)."""
+    return config is not None and not config.fine_grained and config.granularity is ScalingGranularity.TENSORWISE
+
+
+def _halves(h: torch.Tensor):
+    f = h.shape[1] // 2
+    return h[:, :f].float(), h[:, f:].float()
+
+
+def weighted_swiglu(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """float32 ``silu(h[:, :F]) * h[:, F:] * probs[:, None]``, in the kernels' order of operations."""
+    gate, linear = _halves(h)
+    return gate * torch.sigmoid(gate) * linear * probs.float()[:, None]
+
+
+def _swiglu_kernels(h: torch.Tensor):
+    return triton_kernels("swiglu_fp8") if h.is_cuda else None
+
+
+def quantize_weighted_swiglu(h: torch.Tensor, probs: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, *,
+                             rows: bool = True, transposed: bool = False):
+    """Tensorwise FP8 of :func:`weighted_swiglu` ``(h, probs)`` in the layouts asked for:
+    ``(rows [M, F] or None, transposed [F, M] or None, 0-dim dequant scale)``, as
+    ``quantize.quantize_tensorwise_layouts`` returns them for a materialized activation."""
+    kernels = _swiglu_kernels(h)
+    if kernels is not None:
+        return kernels.swiglu_fp8_tensorwise(h, probs, fp8_dtype, fp8_max(fp8_dtype), margin, write_rows=rows,
+                                             write_transposed=transposed)
+    a = weighted_swiglu(h, probs)
+    amax = torch.linalg.vector_norm(a, float("inf")) if a.numel() else a.new_zeros(())
+    scale = _quant_scale(amax, fp8_dtype, margin)
+    q = _cast(a, scale, fp8_dtype)
+    return (q.contiguous() if rows else None), (q.t().contiguous() if transposed else None), scale.reciprocal()
+
+
+def weighted_swiglu_backward(h: torch.Tensor, probs: torch.Tensor, da: torch.Tensor):
+    """``(dh [M, 2F] in h's dtype, dprobs [M] in probs' dtype)`` of :func:`weighted_swiglu`, given
+    ``da`` ``[M, F]``; float32 inside, ``dprobs`` summed per row in a fixed order."""
+    kernels = _swiglu_kernels(h)
+    if kernels is not None:
+        return kernels.swiglu_backward(h, probs, da, probs.dtype)
+    gate, linear = _halves(h)
+    s = torch.sigmoid(gate)
+    silu = gate * s
+    d = da.float()
+    dap = d * probs.float()[:, None]
+    dgate = dap * linear * s * (1.0 + gate * (1.0 - s))
+    dh = torch.cat((dgate, dap * silu), dim=1).to(h.dtype)
+    return dh, (d * silu * linear).sum(dim=1).to(probs.dtype)
+
+
+class GroupedSwiGLUGemmFP8Function(torch.autograd.Function):
+    """``grouped_gemm_fp8(weighted_swiglu(h, probs), w)``; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, h, probs, w_nk, group_offs, config: Float8Config, num_cu, backend, out_dtype,
+                w_fp8: Optional[Float8Weight] = None, wgrad_target: Optional[WgradTarget] = None):
+        need_da = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        need_dw = ctx.needs_input_grad[2]
+        if w_fp8 is None or (need_da and w_fp8.data_t is None):
+            w_fp8 = _autograd.quantize_weight(w_nk, config, transposed=need_da)
+        w_q, w_scale, w_kn, w_kn_scale = w_fp8
+        a_fp8, a_km, a_scale = quantize_weighted_swiglu(h, probs, config.forward_dtype, config.margin,
+                                                        transposed=need_dw)
+        y = _run(GemmKind.M_GROUPED, a_fp8, w_q, a_scale, w_scale, group_offs, out_dtype, num_cu, backend, "fwd",
+                 config)
+        if not need_da:
+            w_kn = w_kn_scale = None
+        ctx.w_kn = w_kn  # dgrad's alone: fp8_gemm_backward drops it before wgrad (see GroupedGemmFP8Function)
+        ctx.save_for_backward(h if need_da else None, probs if need_da else None, w_nk if need_da else None,
+                              w_kn_scale, a_km, a_scale if need_dw else None, group_offs)
+        ctx.config, ctx.num_cu, ctx.backend = config, num_cu, backend
+        ctx.x_dtype, ctx.w_dtype = h.dtype, w_nk.dtype
+        ctx.wgrad_target = wgrad_target
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        h, probs, w_nk, w_kn_scale, a_km, a_scale, group_offs = ctx.saved_tensors
+        need_da = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        da, dw = fp8_gemm_backward(ctx, dy, w_nk, w_kn_scale, a_km, a_scale, group_offs, need_da,
+                                   ctx.needs_input_grad[2])
+        dh = dprobs = None
+        if need_da:
+            dh, dprobs = weighted_swiglu_backward(h, probs, da)
+        return dh, dprobs, dw, None, None, None, None, None, None, None
+
+
+@torch.compiler.disable
+def grouped_gemm_fp8_swiglu(h: torch.Tensor, probs: torch.Tensor, w: torch.Tensor, group_offs: torch.Tensor, *,
+                            config: Optional[Float8Config] = None, num_cu: Optional[int] = None,
+                            backend: str = "auto", out_dtype: Optional[torch.dtype] = None,
+                            w_fp8: Optional[Float8Weight] = None,
+                            wgrad_target: Optional[WgradTarget] = None) -> torch.Tensor:
+    """Differentiable ``y[rows of g] = weighted_swiglu(h, probs)[rows of g] @ w[g]^T``.
+
+    Args:
+        h: ``[M, 2F]`` bf16/fp16/fp32 (fc1's output: gate half, then linear half), tokens sorted
+            by group; unit column stride.
+        probs: ``[M]`` or ``[M, 1]`` routing weights (any float dtype; ``dprobs`` comes back in it).
+        w: ``[G, N, F]`` (fc2's weight, ``trans_b=True`` layout).
+        group_offs: int64 ``[G+1]`` offsets on h's device, checked (and on a GPU clamped) as
+            ``grouped_gemm_fp8`` checks its ``group_offs``.
+        config: a tensorwise ``Float8Config`` (see :func:`fuses_swiglu`); default ``Float8Config()``.
+        num_cu, backend, out_dtype, w_fp8, wgrad_target: as ``grouped_gemm_fp8`` and
+            ``autograd._grouped_gemm_fp8_resolved``.
+    """
+    config = Float8Config() if config is None else config
+    if not isinstance(config, Float8Config):
+        raise TypeError(f"config must be a turbo_moe.Float8Config, got {type(config).__name__}")
+    if not fuses_swiglu(config):
+        raise ValueError(f"grouped_gemm_fp8_swiglu supports tensorwise scaling only, got {config.granularity.value}; "
+                         "apply the activation, then grouped_gemm_fp8")
+    for name, t in (("h", h), ("w", w), ("probs", probs)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if h.dtype not in HIGH_PRECISION_DTYPES or w.dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"h and w must be bfloat16, float16 or float32, got {h.dtype} and {w.dtype}")
+    if not probs.dtype.is_floating_point:
+        raise TypeError(f"probs must be a floating-point tensor, got {probs.dtype}")
+    if h.dim() != 2 or h.shape[1] % 2:
+        raise ValueError(f"h must be 2-D [tokens, 2 * F] (gate, then linear half), got shape {tuple(h.shape)}")
+    if w.dim() != 3 or w.shape[2] != h.shape[1] // 2:
+        raise ValueError(f"w must be [G, N, F] with F = h.shape[1] / 2 = {h.shape[1] // 2}, got {tuple(w.shape)}")
+    squeeze = probs.dim() == 2 and probs.shape[1] == 1
+    if probs.dim() not in (1, 2) or (probs.dim() == 2 and not squeeze) or probs.shape[0] != h.shape[0]:
+        raise ValueError(f"probs must be [M] or [M, 1] with M = {h.shape[0]}, got {tuple(probs.shape)}")
+    if h.device != w.device or h.device != probs.device:
+        raise ValueError(f"h, probs and w must be on one device, got {h.device}, {probs.device}, {w.device}")
+    _check_num_cu(num_cu)
+    if out_dtype is not None and out_dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    offs = check_group_offs(group_offs, w.shape[0], h.shape[0], h.device, name="group_offs")
+    if h.stride(1) != 1:
+        h = h.contiguous()
+    p = probs.reshape(-1)
+    p = p if p.is_contiguous() else p.contiguous()
+    out_dtype = _autocast_out_dtype(h, out_dtype)
+    return GroupedSwiGLUGemmFP8Function.apply(h, p, w, offs, config, num_cu, backend, out_dtype, w_fp8, wgrad_target)
