@@ -158,8 +158,11 @@ def _transformer_config(cfg: TrainConfig, device: torch.device):
         moe_token_dispatcher_type=cfg.dispatcher, moe_router_dtype="fp32", moe_aux_loss_coeff=1e-2,
         moe_router_load_balancing_type="aux_loss",
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        # No TE, no apex: every fusion that needs them off.
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        # No TE, no apex: every fusion that needs them off. The SwiGLU fusion needs neither (Megatron's
+        # weighted_bias_swiglu_impl, compiled by torch.compile through megatron.core.jit): on, as in
+        # Megatron's training scripts, so the bf16 experts' activation is one fused kernel each way,
+        # not torch's eager elementwise ops. (CPU: off, no compiler needed for the smoke mode.)
+        bias_activation_fusion=on_gpu, bias_dropout_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=not on_gpu,
