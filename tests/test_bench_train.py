@@ -13,7 +13,13 @@ import torch
 
 from turbo_moe.bench import cli, report, step_metrics
 from turbo_moe.bench.text_corpus import HOLDOUT_EVERY, BatchSampler, load_corpus, stdlib_source_files
-from turbo_moe.bench.train_step import EXPERTS_RANGE, attributed_events, expert_ranges, expert_time_split
+from turbo_moe.bench.train_step import (
+    EXPERTS_RANGE,
+    attributed_events,
+    expert_kernel_table,
+    expert_ranges,
+    expert_time_split,
+)
 
 SMALL_CORPUS = 256 << 10
 
@@ -100,6 +106,25 @@ def test_expert_attribution_takes_the_range_and_its_backward_only():
     assert "aten::tanh" not in names and "aten::sigmoid" not in names
     split = expert_time_split(events, on_gpu=False)
     assert 0 < split["expert_ms"] < split["total_ms"]
+
+
+def test_expert_kernel_table_sums_the_experts_kernels_by_name():
+    from types import SimpleNamespace as NS
+
+    def op(name, kernels=(), children=(), seq=-1):
+        return NS(name=name, device_type=None, sequence_nr=seq, cpu_children=list(children),
+                  kernels=[NS(name=k, duration=us) for k, us in kernels])
+
+    gemm = op("aten::mm", [("gemm", 300.0)], seq=7)
+    cast = op("cast", [("cast_kernel", 50.0), ("cast_kernel", 25.0)])
+    outside = op("aten::tanh", [("tanh_kernel", 999.0)])
+    backward = op("autograd::engine::evaluate_function: MmBackward0", [("gemm", 600.0)], seq=7)
+    other_backward = op("autograd::engine::evaluate_function: TanhBackward0", [("tanh_kernel", 999.0)], seq=3)
+    events = [op(EXPERTS_RANGE, children=[gemm, cast]), gemm, cast, outside, backward, other_backward]
+    table = expert_kernel_table(events)
+    assert [(name, n) for name, _, n in table] == [("gemm", 2), ("cast_kernel", 2)]  # the tanh kernels are not the experts'
+    assert [ms for _, ms, _ in table] == pytest.approx([0.9, 0.075])
+    assert [name for name, _, _ in expert_kernel_table(events, top=1)] == ["gemm"]
 
 
 # ---------------------------------------------------------------- hot-path helpers on the CPU
