@@ -41,7 +41,7 @@ from .autograd import (
 from .backends import GemmKind
 from .checks import HIGH_PRECISION_DTYPES, check_group_offs
 from .config import Float8Config, ScalingGranularity, fp8_max
-from .quantize import _cast, _quant_scale
+from .quantize import quantize_tensorwise_layouts
 
 __all__ = ["fuses_swiglu", "grouped_gemm_fp8_swiglu", "weighted_swiglu", "quantize_weighted_swiglu",
            "weighted_swiglu_backward"]
@@ -76,11 +76,7 @@ def quantize_weighted_swiglu(h: torch.Tensor, probs: torch.Tensor, fp8_dtype: to
     if kernels is not None:
         return kernels.swiglu_fp8_tensorwise(h, probs, fp8_dtype, fp8_max(fp8_dtype), margin, write_rows=rows,
                                              write_transposed=transposed)
-    a = weighted_swiglu(h, probs)
-    amax = torch.linalg.vector_norm(a, float("inf")) if a.numel() else a.new_zeros(())
-    scale = _quant_scale(amax, fp8_dtype, margin)
-    q = _cast(a, scale, fp8_dtype)
-    return (q.contiguous() if rows else None), (q.t().contiguous() if transposed else None), scale.reciprocal()
+    return quantize_tensorwise_layouts(weighted_swiglu(h, probs), fp8_dtype, margin, rows=rows, transposed=transposed)
 
 
 def weighted_swiglu_backward(h: torch.Tensor, probs: torch.Tensor, da: torch.Tensor):

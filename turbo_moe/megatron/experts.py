@@ -46,7 +46,9 @@ class TurboMoEGroupedMLP(TEGroupedMLP):
     Same constructor, parameters, checkpoint layout (``sharded_state_dict`` is inherited from
     ``TEGroupedMLP``) and ``backward_dw`` as ``TEGroupedMLP``. Differences: no ``.tolist()`` of
     the routing (the offsets are computed on the device once and shared by fc1, fc2 and the bias),
-    and no FP8 padding of each expert's tokens (turbo_moe's kernels take any token count).
+    and no FP8 padding of each expert's tokens (turbo_moe's kernels take any token count). With
+    FP8 tensorwise SwiGLU experts, fc2 computes the routing-weighted activation inside its FP8
+    quantization (``_fuses_activation``, ``turbo_moe.swiglu``): no high-precision activation.
     """
 
     def __init__(self, num_local_experts: int, config, submodules: Optional[GroupedMLPSubmodules] = None,
