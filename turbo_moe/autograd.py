@@ -188,11 +188,30 @@ class WgradTarget(NamedTuple):
     defer: Optional[Callable[[DeferredWgrad], None]] = None
 
 
+def fp8_weight_for(w_nk, w_fp8: Optional[Float8Weight], config: Float8Config, need_dx: bool) -> Float8Weight:
+    """The forward's FP8 weight: the caller's copy (a cache) unless dgrad needs a W^T it lacks,
+    else ``w_nk`` quantized now (with W^T only when dgrad runs)."""
+    if w_fp8 is None or (need_dx and w_fp8.data_t is None):
+        w_fp8 = quantize_weight(w_nk, config, transposed=need_dx)
+    return w_fp8
+
+
+def stash_for_fp8_gemm_backward(ctx, w_kn, config, num_cu, backend, x_dtype, w_dtype, wgrad_target) -> None:
+    """What :func:`fp8_gemm_backward` reads from ``ctx`` besides the saved tensors. W^T in FP8 is
+    dgrad's alone: held on ctx (not saved) so backward can drop it before the wgrad output is
+    allocated -- unless it belongs to the caller's cache, which keeps it anyway."""
+    ctx.w_kn = w_kn
+    ctx.config, ctx.num_cu, ctx.backend = config, num_cu, backend
+    ctx.x_dtype, ctx.w_dtype = x_dtype, w_dtype
+    ctx.wgrad_target = wgrad_target
+
+
 def fp8_gemm_backward(ctx, dy, w_nk, w_kn_scale, x_km, x_km_scale, group_offs, need_dx: bool, need_dw: bool):
     """``(dx, dw)`` of an FP8 grouped GEMM ``y = x @ W[g]^T`` from ``dy``: quantizes ``dy`` and runs
     dgrad (``need_dx``) and wgrad (``need_dw``). What the forward left: ``ctx.w_kn`` (W^T in FP8,
     taken and dropped here), ``ctx.config``, ``num_cu``, ``backend``, ``x_dtype``, ``w_dtype``,
-    ``wgrad_target``; saved ``w_nk`` (to re-derive W^T on a second backward), ``w_kn_scale`` and
+    ``wgrad_target`` (:func:`stash_for_fp8_gemm_backward`); saved ``w_nk`` (to re-derive W^T on a
+    second backward), ``w_kn_scale`` and
     x's token-major FP8 copy ``x_km`` with its scale. Shared by every Function whose forward ends
     in this GEMM (``GroupedGemmFP8Function``, ``turbo_moe.swiglu``'s)."""
     w_kn, ctx.w_kn = ctx.w_kn, None
@@ -240,9 +259,7 @@ class GroupedGemmFP8Function(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # Backward's operands, contiguous along their contraction dims: dgrad reads W as
         # [G, K, N] (contracted over N), wgrad reads x as [K, M] (contracted over tokens).
-        if w_fp8 is None or (need_dx and w_fp8.data_t is None):
-            w_fp8 = quantize_weight(w_nk, config, transposed=need_dx)
-        w_q, w_scale, w_kn, w_kn_scale = w_fp8
+        w_q, w_scale, w_kn, w_kn_scale = fp8_weight_for(w_nk, w_fp8, config, need_dx)
         rowwise = config.granularity is ScalingGranularity.ROWWISE
         if rowwise:
             x_fp8, x_scale = quantize_rowwise(x, dtype, margin)
@@ -258,15 +275,10 @@ class GroupedGemmFP8Function(torch.autograd.Function):
             # the forward's rows copy is freed (one FP8 copy of x less at the forward's peak).
             del x_fp8
             x_km, x_km_scale = _token_major_operand(x, group_offs, dtype, margin, rowwise=True)
-        # W^T in FP8 is dgrad's alone: held on ctx (not saved) so backward can drop it before the
-        # wgrad output is allocated -- unless it belongs to the caller's cache, which keeps it anyway.
-        # w itself is saved (a live parameter: no memory) to re-derive it if backward runs again
+        # w itself is saved (a live parameter: no memory) to re-derive W^T if backward runs again
         # (retain_graph); the saved-tensor version check then also catches an in-place change of w.
-        ctx.w_kn = w_kn
+        stash_for_fp8_gemm_backward(ctx, w_kn, config, num_cu, backend, x.dtype, w_nk.dtype, wgrad_target)
         ctx.save_for_backward(w_nk if need_dx else None, w_kn_scale, x_km, x_km_scale, group_offs)
-        ctx.config, ctx.num_cu, ctx.backend = config, num_cu, backend
-        ctx.x_dtype, ctx.w_dtype = x.dtype, w_nk.dtype
-        ctx.wgrad_target = wgrad_target
         return y
 
     @staticmethod
@@ -282,6 +294,18 @@ def _prepare(x, w, group_lens, group_offs, trans_b):
     num_groups, num_rows, _, _ = check_operands(x, w, trans_b)
     offs = resolve_group_offs(group_lens, group_offs, num_groups, num_rows, x.device)
     return offs
+
+
+def resolve_call_options(config, num_cu, out_dtype) -> Float8Config:
+    """The FP8 entry points' shared checks: ``config`` (None: ``Float8Config()``), ``num_cu`` and
+    ``out_dtype``, each named when wrong; returns the config."""
+    config = Float8Config() if config is None else config
+    if not isinstance(config, Float8Config):
+        raise TypeError(f"config must be a turbo_moe.Float8Config, got {type(config).__name__}")
+    _check_num_cu(num_cu)
+    if out_dtype is not None and out_dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    return config
 
 
 def _check_num_cu(num_cu):
@@ -341,12 +365,7 @@ def _grouped_gemm_fp8_resolved(x, w, offs, *, trans_b=True, config=None, num_cu=
     """``grouped_gemm_fp8_with_offs`` on operands and offsets already checked (by ``check_operands``
     and ``checks.resolve_group_offs``): for callers that resolved them once for several uses.
     ``wgrad_target``: see ``WgradTarget``."""
-    config = Float8Config() if config is None else config
-    if not isinstance(config, Float8Config):
-        raise TypeError(f"config must be a turbo_moe.Float8Config, got {type(config).__name__}")
-    _check_num_cu(num_cu)
-    if out_dtype is not None and out_dtype not in HIGH_PRECISION_DTYPES:
-        raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    config = resolve_call_options(config, num_cu, out_dtype)
     out_dtype = _autocast_out_dtype(x, out_dtype)
     w_nk = w if trans_b else w.transpose(1, 2)
     if config.fine_grained:  # blockwise / mxfp8: turbo_moe.fine_grained
@@ -398,12 +417,7 @@ def _grouped_wgrad_fp8_resolved(dy, x, group_offs, *, config=None, num_cu=None, 
         if out_dtype not in (None, torch.float32):
             raise ValueError(f"out_dtype={out_dtype} conflicts with main_grad (accumulation is in float32)")
         out_dtype = torch.float32
-    config = Float8Config() if config is None else config
-    if not isinstance(config, Float8Config):
-        raise TypeError(f"config must be a turbo_moe.Float8Config, got {type(config).__name__}")
-    _check_num_cu(num_cu)
-    if out_dtype is not None and out_dtype not in HIGH_PRECISION_DTYPES:
-        raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    config = resolve_call_options(config, num_cu, out_dtype)
     if config.fine_grained:  # blockwise / mxfp8: turbo_moe.fine_grained
         from .fine_grained import grouped_wgrad_fine
         return grouped_wgrad_fine(dy, x, group_offs, config=config, num_cu=num_cu, backend=backend,

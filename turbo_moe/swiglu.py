@@ -28,15 +28,16 @@ from typing import Optional
 
 import torch
 
-from . import autograd as _autograd  # quantize_weight looked up at call time (tests count the calls)
 from ._triton_kernels import triton_kernels
 from .autograd import (
     Float8Weight,
     WgradTarget,
     _autocast_out_dtype,
-    _check_num_cu,
     _run,
     fp8_gemm_backward,
+    fp8_weight_for,
+    resolve_call_options,
+    stash_for_fp8_gemm_backward,
 )
 from .backends import GemmKind
 from .checks import HIGH_PRECISION_DTYPES, check_group_offs
@@ -103,21 +104,16 @@ class GroupedSwiGLUGemmFP8Function(torch.autograd.Function):
                 w_fp8: Optional[Float8Weight] = None, wgrad_target: Optional[WgradTarget] = None):
         need_da = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         need_dw = ctx.needs_input_grad[2]
-        if w_fp8 is None or (need_da and w_fp8.data_t is None):
-            w_fp8 = _autograd.quantize_weight(w_nk, config, transposed=need_da)
-        w_q, w_scale, w_kn, w_kn_scale = w_fp8
+        w_q, w_scale, w_kn, w_kn_scale = fp8_weight_for(w_nk, w_fp8, config, need_da)
         a_fp8, a_km, a_scale = quantize_weighted_swiglu(h, probs, config.forward_dtype, config.margin,
                                                         transposed=need_dw)
         y = _run(GemmKind.M_GROUPED, a_fp8, w_q, a_scale, w_scale, group_offs, out_dtype, num_cu, backend, "fwd",
                  config)
         if not need_da:
             w_kn = w_kn_scale = None
-        ctx.w_kn = w_kn  # dgrad's alone: fp8_gemm_backward drops it before wgrad (see GroupedGemmFP8Function)
+        stash_for_fp8_gemm_backward(ctx, w_kn, config, num_cu, backend, h.dtype, w_nk.dtype, wgrad_target)
         ctx.save_for_backward(h if need_da else None, probs if need_da else None, w_nk if need_da else None,
                               w_kn_scale, a_km, a_scale if need_dw else None, group_offs)
-        ctx.config, ctx.num_cu, ctx.backend = config, num_cu, backend
-        ctx.x_dtype, ctx.w_dtype = h.dtype, w_nk.dtype
-        ctx.wgrad_target = wgrad_target
         return y
 
     @staticmethod
@@ -152,9 +148,7 @@ def grouped_gemm_fp8_swiglu(h: torch.Tensor, probs: torch.Tensor, w: torch.Tenso
         num_cu, backend, out_dtype, w_fp8, wgrad_target: as ``grouped_gemm_fp8`` and
             ``autograd._grouped_gemm_fp8_resolved``.
     """
-    config = Float8Config() if config is None else config
-    if not isinstance(config, Float8Config):
-        raise TypeError(f"config must be a turbo_moe.Float8Config, got {type(config).__name__}")
+    config = resolve_call_options(config, num_cu, out_dtype)
     if not fuses_swiglu(config):
         raise ValueError(f"grouped_gemm_fp8_swiglu supports tensorwise scaling only, got {config.granularity.value}; "
                          "apply the activation, then grouped_gemm_fp8")
@@ -174,9 +168,6 @@ def grouped_gemm_fp8_swiglu(h: torch.Tensor, probs: torch.Tensor, w: torch.Tenso
         raise ValueError(f"probs must be [M] or [M, 1] with M = {h.shape[0]}, got {tuple(probs.shape)}")
     if h.device != w.device or h.device != probs.device:
         raise ValueError(f"h, probs and w must be on one device, got {h.device}, {probs.device}, {w.device}")
-    _check_num_cu(num_cu)
-    if out_dtype is not None and out_dtype not in HIGH_PRECISION_DTYPES:
-        raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
     offs = check_group_offs(group_offs, w.shape[0], h.shape[0], h.device, name="group_offs")
     if h.stride(1) != 1:
         h = h.contiguous()
