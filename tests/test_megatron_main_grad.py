@@ -154,15 +154,22 @@ def test_grouped_wgrad_fp8_main_grad_keyword():
 def _interpreter_child() -> dict:
     from turbo_moe.backends import triton_backend as tb
 
+    from turbo_moe.backends.triton_checks import _tma_store_ok
+
     results = {}
     for tma in (True, False):
         config = tb.KernelConfig(16, 16, 32, group_m=2, num_warps=1, num_stages=1, tma=tma)
-        for rowwise in (False, True):
-            # M = 80 tokens per micro-batch, row strides of 80 bytes: TMA-eligible operands.
-            probe = _wgrad_problem(MICRO_BATCHES[0], 20, 33, rowwise, seed=0)
-            kernel = "tma" if tma and not tb._tma_reason(probe) else "pointer"
-            report = accumulation_report(lambda p: tb.BACKEND.run(p, config=config), rowwise=rowwise)
-            results[f"{kernel}_rowwise={rowwise}"] = report
+        # main_grad [G, 20, k] fp32: rows of 132 bytes take the pointer epilogue, rows of 128 bytes
+        # the read-modify-write through the copy engine (TMA load and store of each tile).
+        for k in (33, 32) if tma else (33,):
+            for rowwise in (False, True):
+                # M = 80 tokens per micro-batch, row strides of 80 bytes: TMA-eligible operands.
+                probe = _wgrad_problem(MICRO_BATCHES[0], 20, k, rowwise, seed=0)
+                kernel = "pointer"
+                if tma and not tb._tma_reason(probe):
+                    kernel = "tma-rmw" if _tma_store_ok(_initial_main_grad(len(MICRO_BATCHES[0]), 20, k)) else "tma"
+                report = accumulation_report(lambda p: tb.BACKEND.run(p, config=config), k=k, rowwise=rowwise)
+                results[f"{kernel}_rowwise={rowwise}"] = report
     # Through the autograd entry point, the backend's own config choice.
     from turbo_moe import Float8Config
     from turbo_moe.autograd import grouped_wgrad_fp8
@@ -202,7 +209,7 @@ def test_triton_kernels_accumulate_in_fp32_under_interpreter(interpreter_results
     entry_points = {"grouped_wgrad_fp8", "wgrad_target_tensorwise", "wgrad_target_rowwise", "wgrad_target_blockwise"}
     assert entry_points <= set(interpreter_results), sorted(interpreter_results)
     kernels = {name.split("_")[0] for name in interpreter_results if name not in entry_points}
-    assert kernels == {"tma", "pointer"}, f"both K-grouped kernels must run: {sorted(interpreter_results)}"
+    assert kernels == {"tma", "tma-rmw", "pointer"}, f"every K-grouped epilogue must run: {sorted(interpreter_results)}"
     for name, report in interpreter_results.items():
         if name in entry_points:
             assert report["bits_equal_fp32_reference"], name

@@ -187,3 +187,66 @@ def test_kernels_compile_for_hopper_with_wgmma(kernel, promote):
     if "tma" in kernel:
         assert "async_tma_copy_global_to_local" in ttgir
         assert "async_tma_copy_local_to_global" in ttgir
+
+
+def _compile_k_grouped_tma_for_hopper(tma_store: bool):
+    """k_grouped_gemm_tma_kernel accumulating into an fp32 main_grad, compiled for sm_90 (128 x
+    128 tiles, 8 warps, 4 stages: the first accumulate candidate); skips where it cannot compile."""
+    import triton
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("compiling needs TRITON_INTERPRET unset")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as exc:
+        pytest.skip(f"triton has no ASTSource/GPUTarget: {exc}")
+    from turbo_moe.kernels.triton import grouped_gemm as gg
+
+    signature = {"a_desc": "tensordesc<fp8e5[128, 128]>", "b_desc": "tensordesc<fp8e4nv[128, 128]>",
+                 "a_tail_desc": "tensordesc<fp8e5[128, 32]>", "b_tail_desc": "tensordesc<fp8e4nv[128, 32]>",
+                 "out_desc": "tensordesc<fp32[1, 128, 128]>", "out_ptr": "*fp32", "a_scale_ptr": "*fp32",
+                 "b_scale_ptr": "*fp32", "group_offs_ptr": "*i64", "N": "i32", "K": "i32", "G": "i32",
+                 "stride_og": "i32", "stride_on": "i32", "stride_ok": "i32"}
+    constexprs = dict(A_ROWWISE=False, B_ROWWISE=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8,
+                      BAND_CYCLIC=False, TMA_STORE=tma_store, TAIL_K=32, ACCUMULATE=True, PROMOTE_ACC=False)
+    signature.update({name: "constexpr" for name in constexprs})
+    try:
+        return triton.compile(ASTSource(fn=gg.k_grouped_gemm_tma_kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=4))
+    except Exception as exc:
+        if "ptxas" in str(exc).lower() or "cuda" in type(exc).__name__.lower():
+            pytest.skip(f"cannot compile for sm_90 here: {exc}")
+        raise
+
+
+def test_wgrad_main_grad_read_modify_write_goes_through_the_copy_engine():
+    """With a descriptor-friendly main_grad the accumulating wgrad reads and writes each fp32 tile
+    through TMA: no per-element global loads or stores, whose 64-bit pointers (128 registers a
+    thread for a 128 x 128 tile with 8 warps) made the pointer epilogue spill and cost 6-10% on the
+    H100 (docs/results/h100_wgrad_main_grad.md). The pointer epilogue, compiled beside it, shows
+    what the counts would be otherwise."""
+    counts = {}
+    for tma_store in (True, False):
+        compiled = _compile_k_grouped_tma_for_hopper(tma_store)
+        ptx = compiled.asm["ptx"]
+        counts[tma_store] = (len(re.findall(r"\bld\.global", ptx)),
+                             len(re.findall(r"\bst\.global", ptx)),
+                             compiled.asm["ttgir"].count("async_tma_copy_local_to_global"))
+    (tma_loads, tma_stores, tma_writes), (ptr_loads, ptr_stores, ptr_writes) = counts[True], counts[False]
+    assert tma_stores == 0 and tma_writes >= 1, counts
+    assert tma_loads <= 8, f"{tma_loads} global loads: the tile is read through pointers ({counts})"
+    assert ptr_stores >= 64 and ptr_loads >= 64 and ptr_writes == 0, counts
+
+
+def test_accumulating_tma_epilogue_is_sized_for_shared_memory():
+    """The accumulate candidates keep the TMA read-modify-write; a 128 x 256 fp32 tile with two
+    stages (262152 bytes when compiled for sm_90, above the 227 KiB a block may have) falls back
+    to the pointer epilogue instead of failing to launch."""
+    from turbo_moe.backends.triton_backend import ACCUMULATE_CANDIDATES, KernelConfig, _fit_shared_memory
+
+    for config in ACCUMULATE_CANDIDATES:
+        assert _fit_shared_memory(config, 4, accumulate=True).tma_store, config
+    wide = KernelConfig(128, 256, 128, 8, 8, 2, band_cyclic=False)
+    assert _fit_shared_memory(wide, 2).tma_store  # bf16 out: its staging tile fits
+    assert not _fit_shared_memory(wide, 4, accumulate=True).tma_store

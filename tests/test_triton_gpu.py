@@ -111,6 +111,42 @@ def test_k_grouped_large_ragged_with_empty_group(data):
     assert torch.equal(out, backend.run(prob)), "not bitwise deterministic"
 
 
+@pytest.mark.parametrize("epilogue", ["tma", "pointers"])
+@pytest.mark.parametrize("candidate", [0, 1, 2])
+def test_k_grouped_accumulates_into_main_grad(candidate, epilogue):
+    """out += the fp32 wgrad (an fp32 main_grad) with each accumulate candidate, through the TMA
+    read-modify-write (fp32 rows of 16-byte multiples) and the pointer epilogue (rows of 4112 + 4
+    bytes): bitwise equal to the same kernel's fp32 result added by torch, ragged groups starting
+    off 16-token boundaries, empty groups untouched (the sign of a -0.0 included)."""
+    import dataclasses
+
+    from turbo_moe.backends.triton_backend import ACCUMULATE_CANDIDATES
+
+    backend = _backend_or_skip()
+    g = torch.Generator(device="cuda").manual_seed(7)
+    lens = [1500, 0, 1, 777, 16, 0, 2049, 41]  # 4384 tokens: token-major rows of 16-byte multiples (TMA loads)
+    M, N = sum(lens), 1024 + 16
+    K = 2048 + 40 if epilogue == "tma" else 1028 + 1
+    G = len(lens)
+    a, b = _fp8((N, M), E5M2, g), _fp8((K, M), E4M3, g)
+    a_scale, b_scale = torch.tensor(0.75, device="cuda"), torch.tensor(1.25, device="cuda")
+    offs = _offs(lens)
+    start = torch.randn(G, N, K, device="cuda", generator=g)
+    start[1, 0, 0] = -0.0
+    config = ACCUMULATE_CANDIDATES[candidate]
+    prob = GroupedGemmProblem(GemmKind.K_GROUPED, a, b, a_scale, b_scale, offs, torch.float32)
+    expected = start + backend.run(prob, config)
+    main_grad = start.clone()
+    accumulating = dataclasses.replace(prob, out=main_grad, accumulate=True)
+    plan = backend._make_plan(accumulating, main_grad, config)
+    assert plan.use_tma and plan.tma_store == (epilogue == "tma"), plan
+    assert backend.run(accumulating, config) is main_grad
+    assert torch.equal(main_grad, expected), f"{int((main_grad != expected).sum())} elements differ"
+    for empty in (1, 5):
+        assert torch.equal(main_grad[empty].view(torch.int32), start[empty].view(torch.int32)), f"group {empty}"
+    assert torch.signbit(main_grad[1, 0, 0])
+
+
 def _config(kind, tma):
     import dataclasses
 

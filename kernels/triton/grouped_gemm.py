@@ -390,8 +390,10 @@ def k_grouped_gemm_tma_kernel(
     (token-major) with BLOCK_K-token boxes; a_tail_desc / b_tail_desc: the same operands with
     TAIL_K-token boxes; out_desc: out [G, N, K] with block [1, BLOCK_M, BLOCK_N] (used if
     TMA_STORE, the copy engine clips rows past N and columns past K of each group). ACCUMULATE
-    (float32 out, pointer store only): out[g] += the fp32 result; empty groups left untouched."""
-    tl.static_assert(not (TMA_STORE and ACCUMULATE), "ACCUMULATE reads out: it uses the pointer store")
+    (float32 out): out[g] += the fp32 result; empty groups left untouched. With TMA_STORE the
+    read-modify-write goes through out_desc both ways: no per-element pointers in registers (a
+    128 x 128 fp32 tile's 64-bit pointers are 128 registers a thread with 8 warps), and the
+    store is asynchronous."""
     pid, num_programs, num_m_blocks, num_n_blocks = _persistent_start(N, K, BLOCK_M, BLOCK_N)
     total_tiles = G * num_m_blocks * num_n_blocks
     arange_m = tl.arange(0, BLOCK_M)
@@ -437,7 +439,14 @@ def k_grouped_gemm_tma_kernel(
         group_row = group.to(tl.int64)
         scale_rows = group_row * N + tl.where(offs_m < N, offs_m, 0)
         scale_cols = group_row * K + tl.where(offs_n < K, offs_n, 0)
-        if TMA_STORE:
+        if TMA_STORE and ACCUMULATE:
+            # An empty group's tile is neither read nor written (adding +0.0 would turn -0.0
+            # into +0.0); the copy engine clips rows past N and columns past K both ways.
+            if hi > lo:
+                acc = _dequantize(acc, a_scale_ptr, scale_rows, b_scale_ptr, scale_cols, A_ROWWISE, B_ROWWISE)
+                previous = out_desc.load([group, row_a, row_b]).reshape(BLOCK_M, BLOCK_N)
+                out_desc.store([group, row_a, row_b], (previous + acc).reshape(1, BLOCK_M, BLOCK_N))
+        elif TMA_STORE:
             acc = _dequantize(acc, a_scale_ptr, scale_rows, b_scale_ptr, scale_cols, A_ROWWISE, B_ROWWISE)
             out_desc.store([group, row_a, row_b], acc.to(out_desc.dtype).reshape(1, BLOCK_M, BLOCK_N))
         else:

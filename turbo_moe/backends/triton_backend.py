@@ -89,6 +89,24 @@ GPU_CANDIDATES: Dict[GemmKind, Tuple[KernelConfig, ...]] = {
         KernelConfig(64, 256, 128, 8, 4, 3, band_cyclic=False),
     ),
 }
+# K-grouped into an fp32 main_grad (accumulate): the epilogue's fp32 read-modify-write is about as
+# many bytes as the operands at training-step group sizes. 128 x 128 tiles (64 fp32 registers a
+# thread for the tile with 8 warps) with the read-modify-write through TMA both ways: 6-10% faster
+# than the pointer epilogue, and 128 x 256 tiles spill there (H100, scripts/bench_wgrad.py,
+# docs/results/h100_wgrad_main_grad.md). Where the output cannot take a descriptor, the same tiles
+# fall back to the pointer epilogue.
+ACCUMULATE_CANDIDATES: Tuple[KernelConfig, ...] = (
+    KernelConfig(128, 128, 128, 8, 8, 4, band_cyclic=False),
+    KernelConfig(128, 128, 128, 8, 4, 3, band_cyclic=False),
+    KernelConfig(64, 256, 128, 8, 4, 2, band_cyclic=False),
+)
+
+
+def candidates_for(problem: GroupedGemmProblem) -> Tuple[KernelConfig, ...]:
+    """The configurations tuning chooses among for ``problem``; the first is the default."""
+    return ACCUMULATE_CANDIDATES if problem.accumulate else GPU_CANDIDATES[problem.kind]
+
+
 # Under the interpreter: small tiles, so that small test shapes still span many tiles.
 INTERPRETER_CONFIG = KernelConfig(16, 16, 32, 2, 1, 1)
 
@@ -229,13 +247,12 @@ class TritonBackend(GroupedGemmBackend):
         limit = self.num_programs_limit(problem)
         use_tma = config.tma and not _tma_reason(problem)
         if use_tma:
-            config = _fit_shared_memory(config, out.element_size())
+            config = _fit_shared_memory(config, out.element_size(), problem.accumulate)
         if problem.kind is GemmKind.M_GROUPED:
             bound = ts.m_grouped_tile_upper_bound(M, G, config.block_m, ts.cdiv(N, config.block_n))
         else:
             bound = ts.k_grouped_total_tiles(G, ts.cdiv(N, config.block_m), ts.cdiv(K, config.block_n))
-        # Accumulating reads out back: the pointer epilogue does the load-add-store.
-        tma_store = use_tma and config.tma_store and _tma_store_ok(out) and not problem.accumulate
+        tma_store = use_tma and config.tma_store and _tma_store_ok(out)
         a_rowwise, b_rowwise = problem.a_scale.dim() > 0, problem.b_scale.dim() > 0
         # Every keyword of the launch, built once per plan (in the order the call sites always used).
         flags = dict(A_ROWWISE=a_rowwise, B_ROWWISE=b_rowwise)
@@ -278,7 +295,7 @@ class TritonBackend(GroupedGemmBackend):
     def _choose_config(self, problem: GroupedGemmProblem, out: torch.Tensor) -> KernelConfig:
         if problem.device.type != "cuda":
             return INTERPRETER_CONFIG
-        candidates = GPU_CANDIDATES[problem.kind]
+        candidates = candidates_for(problem)
         key = self.shape_class(problem)
         cached = self._tuned.get(key)
         if cached is not None:
@@ -429,14 +446,18 @@ def _torch_scratch_allocator(size: int, alignment: int, stream):
 _SHARED_MEMORY_BUDGET = 232448 - 1024
 
 
-def _fit_shared_memory(config: KernelConfig, out_bytes: int) -> KernelConfig:
+def _fit_shared_memory(config: KernelConfig, out_bytes: int, accumulate: bool = False) -> KernelConfig:
     """Drop the TMA store's staging tile when it would not fit beside the operand pipeline
     (num_stages * (BM + BN) * BK bytes of FP8, plus BM * BN * out_bytes): e.g. 128x256 tiles
-    with fp32 output. Every candidate then compiles, whatever the output dtype."""
+    with fp32 output. The accumulating epilogue also reads the tile through the copy engine: the
+    read shares the staging tile, but converting it to the accumulator's layout took another half
+    tile at 128 x 256 (sm_90 compile: 262152 bytes for 2 stages), so half a tile more is counted.
+    Every candidate then compiles, whatever the output dtype."""
     import dataclasses
 
     operands = config.num_stages * (config.block_m + config.block_n) * config.block_k
-    if config.tma_store and operands + config.block_m * config.block_n * out_bytes > _SHARED_MEMORY_BUDGET:
+    staging = config.block_m * config.block_n * out_bytes * (3 if accumulate else 2) // 2
+    if config.tma_store and operands + staging > _SHARED_MEMORY_BUDGET:
         return dataclasses.replace(config, tma_store=False)
     return config
 
