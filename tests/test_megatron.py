@@ -179,6 +179,43 @@ def test_fp8_fc2_fuses_the_swiglu_where_it_can(world, granularity, monkeypatch):
     assert not clamped.experts._fuses_activation()
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_experts_hand_dh_to_fc1_in_fp8(world, bias, monkeypatch):
+    """Tensorwise experts without an fc1 bias: the fused fc2's backward writes dh straight into
+    fc1's FP8 layouts (autograd.QuantizedGradHandoff: handed over once, taken once per backward),
+    and every gradient is bit-identical to the path without the handoff (float32 parameters: dh is
+    float32 either way). With a bias on fc1 its output gradient must reach the bias: no handoff."""
+    from turbo_moe.autograd import QuantizedGradHandoff
+
+    events = []
+    real_give, real_take = QuantizedGradHandoff.give, QuantizedGradHandoff.take
+    monkeypatch.setattr(QuantizedGradHandoff, "give", lambda self, *a, **k: events.append("give") or real_give(self, *a, **k))
+    monkeypatch.setattr(QuantizedGradHandoff, "take",
+                        lambda self, g: (lambda r: events.append("take" if r is not None else "none") or r)(real_take(self, g)))
+    config = make_config(num_moe_experts=4, add_bias_linear=bias)
+    _, turbo_layer = experts_pair(config, fp8="hybrid", granularity="tensorwise")
+    experts = turbo_layer.experts
+    assert experts._fuses_activation() and experts._hands_off_dh() == (not bias)
+    x, tpe, probs = ragged_inputs([7, 0, 12, 5], config.hidden_size, seed=13)
+    grad = torch.randn(24, config.hidden_size, generator=torch.Generator().manual_seed(14))
+    results = []
+    for handoff in (True, False):
+        if not handoff:
+            experts._hands_off_dh = lambda: False
+        events.clear()
+        xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        experts.zero_grad()
+        out, _ = experts(xi, tpe, pi)
+        out.backward(grad)
+        results.append([out.detach(), xi.grad, pi.grad] + [p.grad.clone() for p in experts.parameters()])
+        if handoff and not bias:
+            assert events == ["give", "take"], events
+        else:
+            assert "give" not in events, events
+    for ours, reference in zip(*results):
+        assert torch.equal(ours, reference)
+
+
 def test_experts_with_bias_match_float64(world):
     config = make_config(num_moe_experts=3, add_bias_linear=True)
     tokens_per_expert = [4, 0, 7]

@@ -24,7 +24,7 @@ from turbo_moe.swiglu import fuses_swiglu, grouped_gemm_fp8_swiglu, weighted_swi
 KERNEL_CHECK = textwrap.dedent(
     """
     import torch
-    from turbo_moe.kernels.triton.swiglu_fp8 import swiglu_fp8_tensorwise, swiglu_backward
+    from turbo_moe.kernels.triton.swiglu_fp8 import swiglu_fp8_tensorwise, swiglu_backward, swiglu_backward_fp8_tensorwise
     from turbo_moe.config import fp8_max
     device = DEVICE
     gen = torch.Generator().manual_seed(0)
@@ -85,6 +85,34 @@ KERNEL_CHECK = textwrap.dedent(
         assert torch.allclose(dh.cpu().double(), hd.grad, rtol=eps, atol=1e-6 * (hd.grad.abs().amax().item() if m else 0) + 1e-30), (m, f, dtype)
         scale = (da.cpu().double().abs() * g.detach().abs() * u.detach().abs()).sum(1) + 1e-30
         assert ((dp.cpu().double() - pd.grad).abs() <= 1e-5 * scale).all(), (m, f, dtype)
+        # backward straight to FP8 (the grad handoff): dh's tensorwise layouts from its float32
+        # values, never written in h's dtype; dprobs as above
+        dh64 = hd.grad
+        amax_dh = dh64.abs().max().item() if dh64.numel() else 0.0
+        for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+            mbits, sub = FP8_BITS[fp8]
+            rows, trans, dequant, dp8 = swiglu_backward_fp8_tensorwise(h, p, da, fp8, fp8_max(fp8), 0, torch.float32,
+                                                                       True, True)
+            assert rows.shape == (m, 2 * f) and trans.shape == (2 * f, m) and dp8.shape == (m,)
+            assert ((dp8.cpu().double() - pd.grad).abs() <= 1e-5 * scale).all(), (m, f, dtype, "fp8 dprobs")
+            if not dh64.numel():
+                assert dequant.item() == 1.0
+                continue
+            want = amax_dh / fp8_max(fp8)
+            assert abs(dequant.item() - want) <= 1e-5 * want, (m, f, dtype, fp8, dequant.item(), want)
+            assert torch.equal(trans.cpu().view(torch.uint8), rows.cpu().t().contiguous().view(torch.uint8))
+            deq = rows.cpu().double() * dequant.item()
+            bound = torch.maximum(dh64.abs() * 2.0 ** -(mbits + 1), torch.full_like(dh64, 2.0 ** (sub - 1) * dequant.item()))
+            err = (deq - dh64).abs()
+            ok = err <= bound * 1.0001 + 1e-30
+            if EXACT:  # the interpreter's float->fp8 conversion, as above
+                scaled = (dh64 / dequant.item()).float()
+                up = scaled.clamp(-fp8_max(fp8), fp8_max(fp8)).to(fp8).double()
+                carry = (up.abs() > scaled.abs()) & (torch.frexp(up)[0].abs() == 0.5)
+                ok = ok | carry | (err <= 2.0 ** sub * dequant.item() * 1.0001)
+            assert ok.all(), (m, f, dtype, fp8, "fp8 dh", (err / bound).max().item())
+            only_t = swiglu_backward_fp8_tensorwise(h, p, da, fp8, fp8_max(fp8), 0, torch.float32, False, True)
+            assert only_t[0] is None and torch.equal(only_t[1].cpu().view(torch.uint8), trans.cpu().view(torch.uint8))
     if not EXACT:  # a NaN anywhere makes every element NaN (tensorwise), as turbo_moe.quantize does
         h = torch.randn(300, 64, device=device)
         h[250, 3] = float("nan")
@@ -189,3 +217,149 @@ def test_fused_recipe_and_bad_input_errors():
         grouped_gemm_fp8_swiglu(h.to(torch.int32), p, w, offs)
     with pytest.raises(ValueError, match="group_offs"):
         grouped_gemm_fp8_swiglu(h, p, w, torch.tensor([0, 7, 5]))
+
+
+# ----------------------------------------------------------------------------------------------
+# The grad handoff: fc2's backward writes dh straight into fc1's FP8 layouts
+# ----------------------------------------------------------------------------------------------
+
+
+def _mlp(lens, hidden, f, dtype, handoff, seed=3, observe_h=None, h_also=None, fmt="hybrid", device="cpu",
+         backend="torch"):
+    """fc1 (grouped_gemm_fp8) -> weighted SwiGLU + fc2 (grouped_gemm_fp8_swiglu), with or without
+    a QuantizedGradHandoff; returns (y, (x, w1, w2, p), dy)."""
+    from turbo_moe.autograd import QuantizedGradHandoff, _grouped_gemm_fp8_resolved
+
+    gen = torch.Generator().manual_seed(seed)
+    m = sum(lens)
+    offs = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int64, device=device)
+
+    def leaf(t):
+        return t.to(device).requires_grad_()
+
+    x = leaf(torch.randn(m, hidden, generator=gen).to(dtype))
+    w1 = leaf((torch.randn(len(lens), 2 * f, hidden, generator=gen) / hidden ** 0.5).to(dtype))
+    w2 = leaf((torch.randn(len(lens), hidden, f, generator=gen) / f ** 0.5).to(dtype))
+    p = leaf(torch.rand(m, generator=gen) * 0.9 + 0.1)
+    dy = torch.randn(m, hidden, generator=gen).to(dtype).to(device)
+    cfg = Float8Config(format=fmt)
+    ho = QuantizedGradHandoff() if handoff else None
+    h = _grouped_gemm_fp8_resolved(x, w1, offs, config=cfg, backend=backend, grad_handoff=ho)
+    if observe_h is not None:
+        h.register_hook(observe_h)
+    y = grouped_gemm_fp8_swiglu(h, p, w2, offs, config=cfg, backend=backend, h_grad_handoff=ho)
+    if h_also is not None:
+        y = y + h_also(h)
+    return y, (x, w1, w2, p), dy
+
+
+def _float64_mlp_grads(lens, hidden, f, seed=3):
+    """float64 gradients (x, w1, w2, p) of :func:`_mlp`'s chain on the same bf16 inputs."""
+    y, inputs, dy = _mlp(lens, hidden, f, torch.bfloat16, False, seed=seed)
+    x, w1, w2, p = (t.detach().double().requires_grad_() for t in inputs)
+    dy = dy.cpu()
+    bounds = [0] + torch.tensor(lens).cumsum(0).tolist()
+    out = []
+    for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        g, u = (x[lo:hi] @ w1[e].T).chunk(2, dim=1)
+        out.append((torch.nn.functional.silu(g) * u * p[lo:hi, None]) @ w2[e].T)
+    torch.cat(out).backward(dy.double())
+    return [t.grad for t in (x, w1, w2, p)]
+
+
+def _grads(inputs):
+    return [t.grad.clone() for t in inputs]
+
+
+def test_grad_handoff_gives_the_same_gradients_without_dh_in_h_dtype(monkeypatch):
+    """float32 tensors (dh is float32 either way): with the handoff every gradient is bit-identical
+    to the path without it, fc1's backward quantizes no gradient of its own (its dy arrived in FP8)
+    and the bf16-style dh kernel never runs; bf16 tensors: within FP8 rounding of the same values
+    (without the handoff dh is rounded to bf16 before FP8)."""
+    import turbo_moe.autograd as autograd_module
+    import turbo_moe.swiglu as swiglu_module
+
+    quantized_shapes, bf16_dh = [], []
+    real_q, real_bwd = autograd_module.quantize_tensorwise_layouts, swiglu_module.weighted_swiglu_backward
+    monkeypatch.setattr(autograd_module, "quantize_tensorwise_layouts",
+                        lambda t, *a, **k: quantized_shapes.append(tuple(t.shape)) or real_q(t, *a, **k))
+    monkeypatch.setattr(swiglu_module, "weighted_swiglu_backward",
+                        lambda *a, **k: bf16_dh.append(1) or real_bwd(*a, **k))
+    lens, hidden, f = [9, 0, 14, 5], 24, 20
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for handoff in (False, True):
+            quantized_shapes.clear()
+            bf16_dh.clear()
+            y, inputs, dy = _mlp(lens, hidden, f, dtype, handoff)
+            y.backward(dy)
+            results[dtype, handoff] = _grads(inputs)
+            dh_shape = (sum(lens), 2 * f)
+            assert (dh_shape in quantized_shapes) == (not handoff), quantized_shapes
+            assert len(bf16_dh) == (0 if handoff else 1)
+    for a, b in zip(results[torch.float32, True], results[torch.float32, False]):
+        assert torch.equal(a, b)
+    # bf16 against float64 (hybrid: e5m2 gradients, 2 mantissa bits): both paths within the
+    # FP8 bound the other tests use, and the handoff no worse than rounding dh to bf16 first
+    reference = _float64_mlp_grads([9, 0, 14, 5], 24, 20)
+    for name, a, b, ref in zip("x w1 w2 p".split(), results[torch.bfloat16, True], results[torch.bfloat16, False],
+                               reference):
+        assert _rel(a, ref) < 0.12 and _rel(b, ref) < 0.12, name
+        assert _rel(a, ref) <= 1.25 * _rel(b, ref) + 1e-3, (name, _rel(a, ref), _rel(b, ref))
+    assert not all(torch.equal(a, b) for a, b in zip(results[torch.bfloat16, True], results[torch.bfloat16, False])), \
+        "bf16: dh rounded once (FP8) vs twice (bf16, FP8) should differ somewhere"
+
+
+def test_grad_handoff_leaves_an_observed_gradient_alone():
+    """A hook on fc1's output sees the real dh (equal to the path without the handoff), and the
+    gradients are unchanged: the handoff steps aside instead of handing the hook its placeholder."""
+    seen = {}
+    for handoff in (False, True):
+        y, inputs, dy = _mlp([6, 11], 16, 12, torch.float32, handoff,
+                             observe_h=lambda g, handoff=handoff: seen.__setitem__(handoff, g.clone()))
+        y.backward(dy)
+        seen[handoff, "grads"] = _grads(inputs)
+    assert seen[True].abs().sum() > 0 and torch.equal(seen[True], seen[False])
+    for a, b in zip(seen[True, "grads"], seen[False, "grads"]):
+        assert torch.equal(a, b)
+
+
+def test_grad_handoff_refuses_a_gradient_it_did_not_hand_over():
+    """fc1's output also feeds another op: autograd sums the two gradients, fc1's backward gets the
+    sum instead of the placeholder and raises instead of dropping the other op's contribution."""
+    y, _, dy = _mlp([6, 11], 16, 12, torch.float32, True, h_also=lambda h: h[:, :16] * 2.0)
+    with pytest.raises(RuntimeError, match="QuantizedGradHandoff"):
+        y.backward(dy)
+
+
+def test_grad_handoff_needs_per_tensor_scaling():
+    """A rowwise fc1 does not register: fc2 gives dh in h's dtype, fc1 quantizes it itself."""
+    from turbo_moe.autograd import QuantizedGradHandoff
+
+    ho = QuantizedGradHandoff()
+    ho.expect(Float8Config(granularity=ScalingGranularity.ROWWISE), True, True)
+    assert not ho.expecting
+    ho.expect(Float8Config(), True, False)
+    assert ho.expecting and ho.need_rows and not ho.need_transposed
+    assert ho.take(torch.zeros(2)) is None  # nothing handed over: the producer quantizes dy itself
+
+
+@pytest.mark.gpu
+def test_grad_handoff_on_gpu():
+    """The Triton path (kernels/triton/swiglu_fp8.py's FP8 backward, fc1's GEMMs on the handed-over
+    layouts) at a size spanning many tiles and amax programs: against the path without the
+    handoff (float32: the same dh values, up to the compilers' float32 contractions, so an FP8
+    rounding may flip now and then) and, in bf16, both against float64."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("triton")
+    lens, hidden, f = [700, 0, 1, 2048, 333, 64], 256, 384
+    for dtype in (torch.float32, torch.bfloat16):
+        results = []
+        for handoff in (True, False):
+            y, inputs, dy = _mlp(lens, hidden, f, dtype, handoff, device="cuda", backend="triton")
+            y.backward(dy)
+            results.append([t.grad.cpu() for t in inputs])
+        for name, a, b in zip("x w1 w2 p".split(), *results):
+            assert a.abs().sum() > 0
+            assert _rel(a, b.double()) < (2e-2 if dtype == torch.float32 else 0.15), (dtype, name, _rel(a, b.double()))

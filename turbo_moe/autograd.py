@@ -37,6 +37,7 @@ __all__ = [
     "grouped_wgrad_fp8",
     "Float8Weight",
     "WgradTarget",
+    "QuantizedGradHandoff",
     "DeferredWgrad",
     "quantize_weight",
     "grouped_gemm",
@@ -188,6 +189,68 @@ class WgradTarget(NamedTuple):
     defer: Optional[Callable[[DeferredWgrad], None]] = None
 
 
+class QuantizedGradHandoff:
+    """An FP8 GEMM's output gradient made in FP8 by its consumer's backward, handed straight to the
+    GEMM's backward: fc1 of an expert MLP and the fused SwiGLU + fc2 (``turbo_moe.swiglu``), whose
+    backward computes ``dh`` = d(loss)/d(fc1's output) elementwise from ``h``, ``da`` and the
+    routing weights. Quantizing ``dh`` there (``kernels/triton/swiglu_fp8.py``: an amax pass and a
+    cast pass that recompute it) spares writing ``dh`` in bf16 and fc1's own amax and cast passes
+    reading it back.
+
+    Protocol (per-tensor scaling only; one object per forward of the pair):
+
+    * the producer's forward (:class:`GroupedGemmFP8Function`) calls :meth:`expect` with its
+      config and the layouts its backward needs (rows for dgrad, token-major for wgrad);
+    * the consumer's backward, if :attr:`expecting`, makes those layouts and calls :meth:`give`,
+      which returns what autograd gets as the gradient of the producer's output: zeros of its
+      shape and dtype, broadcast from one element (no memory);
+    * the producer's backward calls :meth:`take` with the gradient autograd hands it: the FP8
+      copies if that gradient *is* the placeholder; anything else (the output fed other ops too,
+      so autograd summed gradients) raises instead of dropping those contributions.
+
+    The caller guarantees that nothing between the two reads that gradient (a bias add, a hook):
+    such an op would see the zeros. ``TurboMoEGroupedMLP`` hands off only with no fc1 bias.
+    """
+
+    __slots__ = ("grad_dtype", "margin", "need_rows", "need_transposed", "_given", "_placeholder")
+
+    def __init__(self) -> None:
+        self.grad_dtype: Optional[torch.dtype] = None
+        self.margin = 0
+        self.need_rows = self.need_transposed = False
+        self._given = self._placeholder = None
+
+    @property
+    def expecting(self) -> bool:
+        """Whether a producer registered (:meth:`expect`) and needs a layout."""
+        return self.grad_dtype is not None and (self.need_rows or self.need_transposed)
+
+    def expect(self, config: Float8Config, need_rows: bool, need_transposed: bool) -> None:
+        if config.fine_grained or config.granularity is not ScalingGranularity.TENSORWISE:
+            return  # per-tensor scaling only: the producer quantizes its own gradient
+        self.grad_dtype, self.margin = config.grad_dtype, config.margin
+        self.need_rows, self.need_transposed = need_rows, need_transposed
+
+    def give(self, rows: Optional[torch.Tensor], transposed: Optional[torch.Tensor], scale: torch.Tensor,
+             like: torch.Tensor) -> torch.Tensor:
+        self._given = (rows, transposed, scale)
+        self._placeholder = torch.zeros((), dtype=like.dtype, device=like.device).expand(like.shape)
+        return self._placeholder
+
+    def take(self, grad: torch.Tensor):
+        """``(rows, transposed, scale)`` handed over for ``grad``, or None if nothing was."""
+        given, placeholder = self._given, self._placeholder
+        self._given = self._placeholder = None
+        if given is None:
+            return None
+        if grad is not placeholder:
+            raise RuntimeError(
+                "turbo_moe: this FP8 GEMM's output gradient was handed over in FP8 by its consumer's backward "
+                "(QuantizedGradHandoff), but autograd passed another gradient: the output also fed other "
+                "differentiable ops. Pass grad_handoff only where its one consumer is the fused SwiGLU + fc2.")
+        return given
+
+
 def fp8_weight_for(w_nk, w_fp8: Optional[Float8Weight], config: Float8Config, need_dx: bool) -> Float8Weight:
     """The forward's FP8 weight: the caller's copy (a cache) unless dgrad needs a W^T it lacks,
     else ``w_nk`` quantized now (with W^T only when dgrad runs)."""
@@ -196,7 +259,8 @@ def fp8_weight_for(w_nk, w_fp8: Optional[Float8Weight], config: Float8Config, ne
     return w_fp8
 
 
-def stash_for_fp8_gemm_backward(ctx, w_kn, config, num_cu, backend, x_dtype, w_dtype, wgrad_target) -> None:
+def stash_for_fp8_gemm_backward(ctx, w_kn, config, num_cu, backend, x_dtype, w_dtype, wgrad_target,
+                                grad_handoff: Optional[QuantizedGradHandoff] = None) -> None:
     """What :func:`fp8_gemm_backward` reads from ``ctx`` besides the saved tensors. W^T in FP8 is
     dgrad's alone: held on ctx (not saved) so backward can drop it before the wgrad output is
     allocated -- unless it belongs to the caller's cache, which keeps it anyway."""
@@ -204,16 +268,18 @@ def stash_for_fp8_gemm_backward(ctx, w_kn, config, num_cu, backend, x_dtype, w_d
     ctx.config, ctx.num_cu, ctx.backend = config, num_cu, backend
     ctx.x_dtype, ctx.w_dtype = x_dtype, w_dtype
     ctx.wgrad_target = wgrad_target
+    ctx.grad_handoff = grad_handoff
 
 
 def fp8_gemm_backward(ctx, dy, w_nk, w_kn_scale, x_km, x_km_scale, group_offs, need_dx: bool, need_dw: bool):
-    """``(dx, dw)`` of an FP8 grouped GEMM ``y = x @ W[g]^T`` from ``dy``: quantizes ``dy`` and runs
-    dgrad (``need_dx``) and wgrad (``need_dw``). What the forward left: ``ctx.w_kn`` (W^T in FP8,
-    taken and dropped here), ``ctx.config``, ``num_cu``, ``backend``, ``x_dtype``, ``w_dtype``,
-    ``wgrad_target`` (:func:`stash_for_fp8_gemm_backward`); saved ``w_nk`` (to re-derive W^T on a
-    second backward), ``w_kn_scale`` and
-    x's token-major FP8 copy ``x_km`` with its scale. Shared by every Function whose forward ends
-    in this GEMM (``GroupedGemmFP8Function``, ``turbo_moe.swiglu``'s)."""
+    """``(dx, dw)`` of an FP8 grouped GEMM ``y = x @ W[g]^T`` from ``dy``: quantizes ``dy`` (or takes
+    its FP8 copies from ``ctx.grad_handoff``) and runs dgrad (``need_dx``) and wgrad (``need_dw``).
+    What the forward left: ``ctx.w_kn`` (W^T in FP8, taken and dropped here), ``ctx.config``,
+    ``num_cu``, ``backend``, ``x_dtype``, ``w_dtype``, ``wgrad_target``, ``grad_handoff``
+    (:func:`stash_for_fp8_gemm_backward`); saved ``w_nk`` (to re-derive W^T on a second backward),
+    ``w_kn_scale`` and x's token-major FP8 copy ``x_km`` with its scale. Shared by every Function
+    whose forward ends in this GEMM (``GroupedGemmFP8Function``, ``turbo_moe.swiglu``'s)."""
+    handed = ctx.grad_handoff.take(dy) if ctx.grad_handoff is not None else None
     w_kn, ctx.w_kn = ctx.w_kn, None
     if w_kn is None and need_dx:  # a second backward (retain_graph): re-derive W^T
         requantized = quantize_weight(w_nk, ctx.config, transposed=True)
@@ -221,13 +287,17 @@ def fp8_gemm_backward(ctx, dy, w_nk, w_kn_scale, x_km, x_km_scale, group_offs, n
     config = ctx.config
     rowwise = config.granularity is ScalingGranularity.ROWWISE
     gdtype, margin = config.grad_dtype, config.margin
-    dy = dy.contiguous()
     dx = dw = None
-    if rowwise:
+    if handed is not None:  # tensorwise, in the layouts this backward asked for (expect)
+        dy_fp8, dy_t, dy_scale = handed
+        dy_t_scale = dy_scale
+    elif rowwise:
+        dy = dy.contiguous()
         dy_fp8 = dy_t = None
         if need_dx:
             dy_fp8, dy_scale = quantize_rowwise(dy, gdtype, margin)
     else:  # one pass writes both layouts (tensorwise shares one amax)
+        dy = dy.contiguous()
         dy_fp8, dy_t, dy_scale = quantize_tensorwise_layouts(dy, gdtype, margin, rows=need_dx, transposed=need_dw)
         dy_t_scale = dy_scale
     if need_dx:
@@ -254,7 +324,8 @@ class GroupedGemmFP8Function(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_nk, group_offs, config: Float8Config, num_cu, backend, out_dtype,
-                w_fp8: Optional[Float8Weight] = None, wgrad_target: Optional[WgradTarget] = None):
+                w_fp8: Optional[Float8Weight] = None, wgrad_target: Optional[WgradTarget] = None,
+                grad_handoff: Optional[QuantizedGradHandoff] = None):
         dtype, margin = config.forward_dtype, config.margin
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # Backward's operands, contiguous along their contraction dims: dgrad reads W as
@@ -277,7 +348,10 @@ class GroupedGemmFP8Function(torch.autograd.Function):
             x_km, x_km_scale = _token_major_operand(x, group_offs, dtype, margin, rowwise=True)
         # w itself is saved (a live parameter: no memory) to re-derive W^T if backward runs again
         # (retain_graph); the saved-tensor version check then also catches an in-place change of w.
-        stash_for_fp8_gemm_backward(ctx, w_kn, config, num_cu, backend, x.dtype, w_nk.dtype, wgrad_target)
+        if grad_handoff is not None:
+            grad_handoff.expect(config, need_dx, need_dw)
+        stash_for_fp8_gemm_backward(ctx, w_kn, config, num_cu, backend, x.dtype, w_nk.dtype, wgrad_target,
+                                    grad_handoff)
         ctx.save_for_backward(w_nk if need_dx else None, w_kn_scale, x_km, x_km_scale, group_offs)
         return y
 
@@ -287,7 +361,7 @@ class GroupedGemmFP8Function(torch.autograd.Function):
         w_nk, w_kn_scale, x_km, x_km_scale, group_offs = ctx.saved_tensors
         dx, dw = fp8_gemm_backward(ctx, dy, w_nk, w_kn_scale, x_km, x_km_scale, group_offs,
                                    ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return dx, dw, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None
 
 
 def _prepare(x, w, group_lens, group_offs, trans_b):
@@ -361,10 +435,12 @@ def grouped_gemm_fp8_with_offs(x, w, offs, *, trans_b=True, config=None, num_cu=
 
 @torch.compiler.disable
 def _grouped_gemm_fp8_resolved(x, w, offs, *, trans_b=True, config=None, num_cu=None, backend="auto", out_dtype=None,
-                               w_fp8: Optional[Float8Weight] = None, wgrad_target: Optional[WgradTarget] = None):
+                               w_fp8: Optional[Float8Weight] = None, wgrad_target: Optional[WgradTarget] = None,
+                               grad_handoff: Optional[QuantizedGradHandoff] = None):
     """``grouped_gemm_fp8_with_offs`` on operands and offsets already checked (by ``check_operands``
     and ``checks.resolve_group_offs``): for callers that resolved them once for several uses.
-    ``wgrad_target``: see ``WgradTarget``."""
+    ``wgrad_target``: see ``WgradTarget``; ``grad_handoff``: see ``QuantizedGradHandoff`` (ignored
+    by the fine-grained recipes, which quantize their own gradient)."""
     config = resolve_call_options(config, num_cu, out_dtype)
     out_dtype = _autocast_out_dtype(x, out_dtype)
     w_nk = w if trans_b else w.transpose(1, 2)
@@ -372,7 +448,8 @@ def _grouped_gemm_fp8_resolved(x, w, offs, *, trans_b=True, config=None, num_cu=
         from .fine_grained import grouped_gemm_fine
         return grouped_gemm_fine(x, w_nk, offs, config=config, num_cu=num_cu, backend=backend, out_dtype=out_dtype,
                                  w_fp8=w_fp8, wgrad_target=wgrad_target)
-    return GroupedGemmFP8Function.apply(x, w_nk, offs, config, num_cu, backend, out_dtype, w_fp8, wgrad_target)
+    return GroupedGemmFP8Function.apply(x, w_nk, offs, config, num_cu, backend, out_dtype, w_fp8, wgrad_target,
+                                        grad_handoff)
 
 
 @torch.compiler.disable

@@ -9,7 +9,10 @@
   and a cast pass over ``h``) and runs fc2's NT kernel on it; ``a`` never exists in bf16, and the
   activation's own kernels (several elementwise launches in Megatron's path) are gone;
 * backward runs fc2's dgrad and wgrad as ``grouped_gemm_fp8`` does (``da``, ``dW``), then one
-  kernel turns ``da`` into ``dh`` and ``dprobs``.
+  kernel turns ``da`` into ``dh`` and ``dprobs``. Given ``h_grad_handoff``
+  (``autograd.QuantizedGradHandoff``) that fc1's forward registered with, it writes ``dh``
+  straight into the FP8 layouts fc1's backward needs (two kernels: ``dprobs`` and ``max|dh|``,
+  then the cast), and autograd carries only a placeholder from here to fc1.
 
 Saved for backward: ``h`` (Megatron's activation saves it too), ``probs``, ``a``'s token-major FP8
 copy (wgrad) and, held on ctx, W^T in FP8 (dgrad) -- never ``a`` in high precision.
@@ -24,6 +27,7 @@ same math (to an ulp of float32 ``exp``) do.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -31,6 +35,7 @@ import torch
 from ._triton_kernels import triton_kernels
 from .autograd import (
     Float8Weight,
+    QuantizedGradHandoff,
     WgradTarget,
     _autocast_out_dtype,
     _run,
@@ -45,7 +50,7 @@ from .config import Float8Config, ScalingGranularity, fp8_max
 from .quantize import quantize_tensorwise_layouts
 
 __all__ = ["fuses_swiglu", "grouped_gemm_fp8_swiglu", "weighted_swiglu", "quantize_weighted_swiglu",
-           "weighted_swiglu_backward"]
+           "weighted_swiglu_backward", "quantize_weighted_swiglu_backward"]
 
 
 def fuses_swiglu(config: Optional[Float8Config]) -> bool:
@@ -86,14 +91,40 @@ def weighted_swiglu_backward(h: torch.Tensor, probs: torch.Tensor, da: torch.Ten
     kernels = _swiglu_kernels(h)
     if kernels is not None:
         return kernels.swiglu_backward(h, probs, da, probs.dtype)
+    dh, dprobs = _weighted_swiglu_grads(h, probs, da)
+    return dh.to(h.dtype), dprobs.to(probs.dtype)
+
+
+def _weighted_swiglu_grads(h: torch.Tensor, probs: torch.Tensor, da: torch.Tensor):
+    """float32 ``(dh [M, 2F], dprobs [M])`` of :func:`weighted_swiglu`: the torch path's math."""
     gate, linear = _halves(h)
     s = torch.sigmoid(gate)
     silu = gate * s
     d = da.float()
     dap = d * probs.float()[:, None]
     dgate = dap * linear * s * (1.0 + gate * (1.0 - s))
-    dh = torch.cat((dgate, dap * silu), dim=1).to(h.dtype)
-    return dh, (d * silu * linear).sum(dim=1).to(probs.dtype)
+    return torch.cat((dgate, dap * silu), dim=1), (d * silu * linear).sum(dim=1)
+
+
+def quantize_weighted_swiglu_backward(h: torch.Tensor, probs: torch.Tensor, da: torch.Tensor, fp8_dtype: torch.dtype,
+                                      margin: int = 0, *, rows: bool = True, transposed: bool = False):
+    """``(rows [M, 2F] or None, transposed [2F, M] or None, dequant scale, dprobs [M])``: ``dh`` of
+    :func:`weighted_swiglu_backward` quantized tensorwise from its float32 values, as
+    ``quantize.quantize_tensorwise_layouts`` returns a materialized tensor's layouts, without ``dh``
+    ever existing in h's dtype; ``dprobs`` in probs' dtype."""
+    kernels = _swiglu_kernels(h)
+    if kernels is not None:
+        return kernels.swiglu_backward_fp8_tensorwise(h, probs, da, fp8_dtype, fp8_max(fp8_dtype), margin, probs.dtype,
+                                                      write_rows=rows, write_transposed=transposed)
+    dh, dprobs = _weighted_swiglu_grads(h, probs, da)
+    q_rows, q_t, scale = quantize_tensorwise_layouts(dh, fp8_dtype, margin, rows=rows, transposed=transposed)
+    return q_rows, q_t, scale, dprobs.to(probs.dtype)
+
+
+def _grad_is_observed(h: Optional[torch.Tensor]) -> bool:
+    """Whether something would read h's gradient on its way to fc1 (a tensor hook, retain_grad):
+    then ``dh`` goes in h's dtype, as without a handoff, never as the handoff's placeholder."""
+    return h is not None and (bool(h._backward_hooks) or h.retains_grad)
 
 
 class GroupedSwiGLUGemmFP8Function(torch.autograd.Function):
@@ -101,7 +132,8 @@ class GroupedSwiGLUGemmFP8Function(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, probs, w_nk, group_offs, config: Float8Config, num_cu, backend, out_dtype,
-                w_fp8: Optional[Float8Weight] = None, wgrad_target: Optional[WgradTarget] = None):
+                w_fp8: Optional[Float8Weight] = None, wgrad_target: Optional[WgradTarget] = None,
+                h_grad_handoff: Optional[QuantizedGradHandoff] = None):
         need_da = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         need_dw = ctx.needs_input_grad[2]
         w_q, w_scale, w_kn, w_kn_scale = fp8_weight_for(w_nk, w_fp8, config, need_da)
@@ -112,6 +144,8 @@ class GroupedSwiGLUGemmFP8Function(torch.autograd.Function):
         if not need_da:
             w_kn = w_kn_scale = None
         stash_for_fp8_gemm_backward(ctx, w_kn, config, num_cu, backend, h.dtype, w_nk.dtype, wgrad_target)
+        ctx.h_grad_handoff = h_grad_handoff
+        ctx.h_ref = weakref.ref(h) if h_grad_handoff is not None else None
         ctx.save_for_backward(h if need_da else None, probs if need_da else None, w_nk if need_da else None,
                               w_kn_scale, a_km, a_scale if need_dw else None, group_offs)
         return y
@@ -124,9 +158,16 @@ class GroupedSwiGLUGemmFP8Function(torch.autograd.Function):
         da, dw = fp8_gemm_backward(ctx, dy, w_nk, w_kn_scale, a_km, a_scale, group_offs, need_da,
                                    ctx.needs_input_grad[2])
         dh = dprobs = None
-        if need_da:
+        handoff = ctx.h_grad_handoff
+        if need_da and handoff is not None and handoff.expecting and ctx.needs_input_grad[0] \
+                and not _grad_is_observed(ctx.h_ref()):
+            rows, transposed, scale, dprobs = quantize_weighted_swiglu_backward(
+                h, probs, da, handoff.grad_dtype, handoff.margin, rows=handoff.need_rows,
+                transposed=handoff.need_transposed)
+            dh = handoff.give(rows, transposed, scale, like=h)
+        elif need_da:
             dh, dprobs = weighted_swiglu_backward(h, probs, da)
-        return dh, dprobs, dw, None, None, None, None, None, None, None
+        return dh, dprobs, dw, None, None, None, None, None, None, None, None
 
 
 @torch.compiler.disable
@@ -134,7 +175,8 @@ def grouped_gemm_fp8_swiglu(h: torch.Tensor, probs: torch.Tensor, w: torch.Tenso
                             config: Optional[Float8Config] = None, num_cu: Optional[int] = None,
                             backend: str = "auto", out_dtype: Optional[torch.dtype] = None,
                             w_fp8: Optional[Float8Weight] = None,
-                            wgrad_target: Optional[WgradTarget] = None) -> torch.Tensor:
+                            wgrad_target: Optional[WgradTarget] = None,
+                            h_grad_handoff: Optional[QuantizedGradHandoff] = None) -> torch.Tensor:
     """Differentiable ``y[rows of g] = weighted_swiglu(h, probs)[rows of g] @ w[g]^T``.
 
     Args:
@@ -147,6 +189,9 @@ def grouped_gemm_fp8_swiglu(h: torch.Tensor, probs: torch.Tensor, w: torch.Tenso
         config: a tensorwise ``Float8Config`` (see :func:`fuses_swiglu`); default ``Float8Config()``.
         num_cu, backend, out_dtype, w_fp8, wgrad_target: as ``grouped_gemm_fp8`` and
             ``autograd._grouped_gemm_fp8_resolved``.
+        h_grad_handoff: the ``QuantizedGradHandoff`` that the FP8 GEMM producing ``h`` (fc1) was
+            given as its ``grad_handoff``: ``dh`` then goes to fc1's backward in FP8 and autograd
+            carries a placeholder; only where ``h`` feeds nothing else (see the class).
     """
     config = resolve_call_options(config, num_cu, out_dtype)
     if not fuses_swiglu(config):
@@ -174,4 +219,5 @@ def grouped_gemm_fp8_swiglu(h: torch.Tensor, probs: torch.Tensor, w: torch.Tenso
     p = probs.reshape(-1)
     p = p if p.is_contiguous() else p.contiguous()
     out_dtype = _autocast_out_dtype(h, out_dtype)
-    return GroupedSwiGLUGemmFP8Function.apply(h, p, w, offs, config, num_cu, backend, out_dtype, w_fp8, wgrad_target)
+    return GroupedSwiGLUGemmFP8Function.apply(h, p, w, offs, config, num_cu, backend, out_dtype, w_fp8, wgrad_target,
+                                              h_grad_handoff)

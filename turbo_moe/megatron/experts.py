@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 
-from ..autograd import add_group_bias, group_rows
+from ..autograd import QuantizedGradHandoff, add_group_bias, group_rows
 from ..checks import resolve_group_offs
 from .linear import TurboColumnParallelGroupedLinear, TurboGroupedLinear, TurboRowParallelGroupedLinear, _as_group_lens
 from .options import TurboMoEOptions
@@ -79,13 +79,17 @@ class TurboMoEGroupedMLP(TEGroupedMLP):
                 raise ValueError("moe_apply_probs_on_input only works with moe_router_topk=1")
             x = (probs * x).to(permuted_local_hidden_states.dtype)
             probs = torch.ones_like(probs)
-        fc1_output, fc1_bias = self.linear_fc1(x, group_offs=offs)
+        fuses_activation = self._fuses_activation()
+        handoff = QuantizedGradHandoff() if fuses_activation and self._hands_off_dh() else None
+        fc1_kwargs = {} if handoff is None else {"grad_handoff": handoff}  # a custom fc1 may not take it
+        fc1_output, fc1_bias = self.linear_fc1(x, group_offs=offs, **fc1_kwargs)
         if fc1_bias is not None:  # a fc1 built with skip_bias_add=True by a custom spec
             fc1_output = add_group_bias(fc1_output, fc1_bias, offs)
-        if self._fuses_activation():
+        if fuses_activation:
             # The FP8 fc2 computes the weighted SwiGLU inside its input quantization: the
-            # activation is never materialized in high precision (turbo_moe.swiglu).
-            output, fc2_bias = self.linear_fc2(fc1_output, group_offs=offs, swiglu_probs=probs)
+            # activation is never materialized in high precision (turbo_moe.swiglu). With the
+            # handoff its backward also writes dh straight into fc1's FP8 layouts.
+            output, fc2_bias = self.linear_fc2(fc1_output, group_offs=offs, swiglu_probs=probs, grad_handoff=handoff)
         elif self.activation_recompute:  # recompute_modules=['moe_act'], set by TEGroupedMLP.__init__
             # Megatron's own mechanism: the activation runs without saving its intermediates, its
             # output storage is freed once fc2 has consumed it, and fc2's output-gradient hook
@@ -118,6 +122,13 @@ class TurboMoEGroupedMLP(TEGroupedMLP):
                 and cfg.moe_mlp_glu_interleave_size is None and cfg.activation_func_clamp_value is None
                 and not getattr(cfg, "glu_linear_offset", 0.0)
                 and not self.activation_recompute and not cfg.activation_func_fp8_input_store)
+
+    def _hands_off_dh(self) -> bool:
+        """Whether the fused fc2's backward can hand ``dh`` to fc1's in FP8
+        (``autograd.QuantizedGradHandoff``): fc1 is FP8 per-tensor and its output reaches fc2
+        directly (no bias, added by fc1 or here)."""
+        fc1 = self.linear_fc1
+        return isinstance(fc1, TurboGroupedLinear) and fc1.hands_off_output_grad() and fc1.bias is None
 
     def _activation(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """TEGroupedMLP's activation (all of its non-TE branches), weighted by the routing probs."""

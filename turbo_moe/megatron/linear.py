@@ -10,7 +10,14 @@ import torch
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from .. import autograd as _autograd  # quantize_weight is looked up at call time (tests count it)
-from ..autograd import DeferredWgrad, WgradTarget, _grouped_gemm_fp8_resolved, add_group_bias, grouped_gemm
+from ..autograd import (
+    DeferredWgrad,
+    QuantizedGradHandoff,
+    WgradTarget,
+    _grouped_gemm_fp8_resolved,
+    add_group_bias,
+    grouped_gemm,
+)
 from ..checks import resolve_group_offs
 from ..swiglu import fuses_swiglu, grouped_gemm_fp8_swiglu
 from .checkpoint import GroupedLinearCheckpointMixin
@@ -217,19 +224,20 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
         return fuses_swiglu(self.fp8_config)
 
     def _gemm(self, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
-              wgrad_target: Optional[WgradTarget] = None, swiglu_probs: Optional[torch.Tensor] = None) -> torch.Tensor:
+              wgrad_target: Optional[WgradTarget] = None, swiglu_probs: Optional[torch.Tensor] = None,
+              grad_handoff: Optional[QuantizedGradHandoff] = None) -> torch.Tensor:
         out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
         if swiglu_probs is not None:  # forward checked fuses_swiglu_input()
             return grouped_gemm_fp8_swiglu(
                 x, swiglu_probs, weight, offs, config=self.fp8_config, num_cu=self.num_cu,
                 backend=self.options.backend, out_dtype=out_dtype, w_fp8=self._cached_fp8_weight(),
-                wgrad_target=wgrad_target)
+                wgrad_target=wgrad_target, h_grad_handoff=grad_handoff)
         if self.fp8_config is None:
             return grouped_gemm(x, weight, group_offs=offs, out_dtype=out_dtype)
         return _grouped_gemm_fp8_resolved(  # offs resolved (checked) once in forward
             x, weight, offs, config=self.fp8_config, num_cu=self.num_cu,
             backend=self.options.backend, out_dtype=out_dtype, w_fp8=self._cached_fp8_weight(),
-            wgrad_target=wgrad_target,
+            wgrad_target=wgrad_target, grad_handoff=grad_handoff,
         )
 
     def _defer_wgrad(self, wgrad) -> None:
@@ -295,8 +303,14 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
             getattr(weight, "main_grad", None) is not None or callable(getattr(weight, "get_main_grad", None))
         )
 
+    def hands_off_output_grad(self) -> bool:
+        """Whether ``forward(..., grad_handoff=)`` can take this layer's output gradient in FP8
+        from its consumer's backward: an FP8 per-tensor recipe and no bias added here (a bias
+        add's backward would read the placeholder autograd carries instead)."""
+        return fuses_swiglu(self.fp8_config) and (self.bias is None or self.skip_bias_add)
+
     def forward(self, x: torch.Tensor, m_splits=None, *, group_offs: Optional[torch.Tensor] = None,
-                swiglu_probs: Optional[torch.Tensor] = None):
+                swiglu_probs: Optional[torch.Tensor] = None, grad_handoff: Optional[QuantizedGradHandoff] = None):
         """``(y, bias)``: ``bias`` is the ``[E, out]`` bias when ``skip_bias_add`` (else added, None).
 
         ``m_splits``: tokens per local expert, a list (Megatron's ``TEGroupedMLP`` passes
@@ -305,11 +319,18 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
         ``swiglu_probs``: ``[tokens]`` or ``[tokens, 1]`` routing weights; then ``x`` is fc1's output
         ``[tokens, 2 * in]`` and the layer computes ``(silu(x[:, :in]) * x[:, in:] * probs) @ W^T``
         with the activation fused into its FP8 quantization (only where ``fuses_swiglu_input()``).
+        ``grad_handoff``: a ``turbo_moe.autograd.QuantizedGradHandoff`` shared by fc1 and the fused
+        fc2 of one expert MLP: given to fc1 (``hands_off_output_grad()``), fc1's output gradient
+        arrives through it in FP8; given to fc2 with ``swiglu_probs``, fc2's backward hands
+        ``dh`` over through it. Only where fc1's output feeds fc2 alone.
         """
         width = self.in_features if swiglu_probs is None else 2 * self.in_features
         if swiglu_probs is not None and not self.fuses_swiglu_input():
             raise ValueError("swiglu_probs needs an FP8 tensorwise recipe (fuses_swiglu_input() is False): "
                              "apply the activation and pass its output instead")
+        if grad_handoff is not None and swiglu_probs is None and not self.hands_off_output_grad():
+            raise ValueError("grad_handoff needs an FP8 tensorwise recipe and no bias added by this layer "
+                             "(hands_off_output_grad() is False)")
         if x.dim() != 2:
             raise ValueError(f"x must be 2-D [tokens, {width}], got shape {tuple(x.shape)}")
         if x.shape[1] != width:
@@ -331,9 +352,9 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
             # forward and dgrad (each quantized once per fwd+bwd): into main_grad at once (fp32: in
             # the wgrad kernel's epilogue), or handed over for backward_dw() (delayed wgrad).
             target = WgradTarget(defer=self._defer_wgrad) if self.delay_wgrad_compute else self._main_grad_target()
-            y = self._gemm(x, weight, offs, wgrad_target=target, swiglu_probs=swiglu_probs)
-        elif swiglu_probs is not None:
-            y = self._gemm(x, weight, offs, swiglu_probs=swiglu_probs)
+            y = self._gemm(x, weight, offs, wgrad_target=target, swiglu_probs=swiglu_probs, grad_handoff=grad_handoff)
+        elif swiglu_probs is not None or grad_handoff is not None:
+            y = self._gemm(x, weight, offs, swiglu_probs=swiglu_probs, grad_handoff=grad_handoff)
         elif wants_wgrad and self.delay_wgrad_compute:
             # High precision: the GEMM's backward computes dgrad only; _StashGradOutputForWgrad's
             # backward queues (x, dy) for backward_dw().
