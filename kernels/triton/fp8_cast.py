@@ -331,7 +331,11 @@ def fp8_colwise_grouped_cast(x, group_offs, fp8_dtype, fp8_max: float, margin: i
     out_t = torch.empty(x.shape[:-2] + (c, r), dtype=fp8_dtype, device=x.device)
     dequant = torch.empty(x.shape[:-2] + (groups, c), dtype=torch.float32, device=x.device)
     if batches * groups * c:
-        block_r, block_c = 64, 64
+        # Each program walks its group's rows twice (amax, then cast) over BLOCK_C columns: tall
+        # tiles keep more bytes in flight per program. 512 x 64 on 8 warps: 0.21 / 0.78 ms against
+        # 0.36 / 1.20 for 64 x 64 on 4 warps (98304 x 1024 / x 4096 bf16, 64 routed groups, H100:
+        # 2.4-2.6 TB/s for two reads and the FP8 write; 16-1024 rows x 16-128 columns swept).
+        block_r, block_c = 512, 64
         offs = x if one_group else group_offs
         stride_r, stride_c = x.stride(-2), x.stride(-1)
         key = (x.dtype, fp8_dtype, fp8_max, margin, one_group, arg_fact(r), c, groups, batches, stride_b, stride_r,
@@ -341,7 +345,7 @@ def fp8_colwise_grouped_cast(x, group_offs, fp8_dtype, fp8_max: float, margin: i
             (_cdiv(c, block_c), groups, batches), key,
             x, offs, out_t, dequant, r, c, groups, stride_b, stride_r, stride_c,
             FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, BLOCK_R=block_r, BLOCK_C=block_c, ONE_GROUP=one_group,
-            num_warps=4,
+            num_warps=8,
         )
     return out_t, dequant
 
