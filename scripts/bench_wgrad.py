@@ -8,9 +8,9 @@ of fp32 tiles); bf16 runs CUTLASS's ``torch._grouped_mm`` into bf16 and then ``m
 Shapes: the training-step bench's expert-dominated layer (64 experts, top-8 of 12288 tokens,
 hidden 1024, expert FFN 2048: fc1 and fc2, multinomial routing) and the kernel bench's DeepSeek-V3
 fc1 at 32 x 512 and 128 x 128 tokens per expert. For each: every K-grouped candidate config given
-explicitly (``--configs all``) or the tuned choice, with and without accumulation, beside
-CUTLASS bf16 (+ add) and CUTLASS FP8 ``torch._scaled_grouped_mm`` (bf16 out, + add) in the same
-process. Times: ``triton.testing.do_bench`` medians; TFLOPS count the GEMM's 2*N*K*tokens only.
+explicitly (``--configs all``) or the tuned choice, then ours without accumulation (bf16 out,
+tuned), beside CUTLASS bf16 (+ add) and CUTLASS FP8 ``torch._scaled_grouped_mm`` (bf16 out, + add;
+and alone, the wgrad peer without accumulation) in the same process. Times: ``triton.testing.do_bench`` medians; TFLOPS count the GEMM's 2*N*K*tokens only.
 Checks each of ours against a float64 reference of the same FP8 operands on one group first.
 """
 
@@ -110,6 +110,12 @@ def main(argv=None):
             label = f"ours += fp32 [{config or 'tuned'}]"
             rows.append((label + ("" if err < 5e-3 else f" WRONG rel err {err:.2e}"), bench(ours(config, True))))
         rows.append(("ours bf16 out, no accumulation [tuned]", bench(ours(None, False))))
+        try:
+            rows.append(("CUTLASS FP8 bf16 out (no add)", bench(lambda: torch._scaled_grouped_mm(
+                dyt8, xt8.t(), torch.ones(G * N, device="cuda"), torch.ones(G * K, device="cuda"), offs=offs32,
+                out_dtype=torch.bfloat16, use_fast_accum=True))))
+        except Exception as exc:  # noqa: BLE001 - the peer is optional; say why it is missing
+            rows.append((f"CUTLASS FP8 bf16 out unavailable: {type(exc).__name__}", float("nan")))
         for what, ms in rows:
             lines.append(f"| {name} (M={M}) | {what} | {ms:.3f} | {flops / ms / 1e9:.0f} | {base / ms:.2f}x |")
         print("\n".join(lines[-len(rows):]), flush=True)

@@ -250,3 +250,26 @@ def test_accumulating_tma_epilogue_is_sized_for_shared_memory():
     wide = KernelConfig(128, 256, 128, 8, 8, 2, band_cyclic=False)
     assert _fit_shared_memory(wide, 2).tma_store  # bf16 out: its staging tile fits
     assert not _fit_shared_memory(wide, 4, accumulate=True).tma_store
+
+
+def test_two_programs_per_sm_only_without_a_cap():
+    """``programs_per_sm=2`` doubles the persistent grid (two programs share an SM) only when no
+    ``num_cu`` cap is set: with a cap the grid stays within it, since the cap counts SMs that
+    other kernels (communication) are meant to have."""
+    import dataclasses
+
+    from turbo_moe.backends.triton_backend import BACKEND, GPU_CANDIDATES
+
+    offs = torch.tensor([0, 40, 40, 300])
+    problem = GroupedGemmProblem(GemmKind.K_GROUPED, torch.zeros(256, 300, dtype=torch.float8_e4m3fn),
+                                 torch.zeros(128, 300, dtype=torch.float8_e4m3fn), torch.tensor(1.0),
+                                 torch.tensor(1.0), offs, torch.bfloat16)
+    two = dataclasses.replace(GPU_CANDIDATES[GemmKind.K_GROUPED][0], block_m=16, block_n=16, programs_per_sm=2)
+    one = dataclasses.replace(two, programs_per_sm=1)
+    out = torch.empty(problem.out_shape, dtype=torch.bfloat16)
+    sms = BACKEND.num_programs_limit(problem)
+    assert BACKEND._make_plan(problem, out, one).grid == (sms,)
+    assert BACKEND._make_plan(problem, out, two).grid == (2 * sms,)
+    capped = dataclasses.replace(problem, num_cu=3)
+    assert BACKEND._make_plan(capped, out, two).grid == (3,)
+    assert any(c.programs_per_sm == 2 for c in GPU_CANDIDATES[GemmKind.K_GROUPED])

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from turbo_moe.backends.base import GemmKind, GroupedGemmProblem
+from turbo_moe.backends.triton_backend import ACCUMULATE_CANDIDATES  # torch only
 
 pytestmark = pytest.mark.gpu
 
@@ -112,15 +113,13 @@ def test_k_grouped_large_ragged_with_empty_group(data):
 
 
 @pytest.mark.parametrize("epilogue", ["tma", "pointers"])
-@pytest.mark.parametrize("candidate", [0, 1, 2])
+@pytest.mark.parametrize("candidate", range(len(ACCUMULATE_CANDIDATES)))
 def test_k_grouped_accumulates_into_main_grad(candidate, epilogue):
     """out += the fp32 wgrad (an fp32 main_grad) with each accumulate candidate, through the TMA
     read-modify-write (fp32 rows of 16-byte multiples) and the pointer epilogue (rows of 4112 + 4
     bytes): bitwise equal to the same kernel's fp32 result added by torch, ragged groups starting
     off 16-token boundaries, empty groups untouched (the sign of a -0.0 included)."""
     import dataclasses
-
-    from turbo_moe.backends.triton_backend import ACCUMULATE_CANDIDATES
 
     backend = _backend_or_skip()
     g = torch.Generator(device="cuda").manual_seed(7)

@@ -52,6 +52,10 @@ class KernelConfig:
     # With tma: also store the output tile through a descriptor (async, coalesced, overlaps the
     # next tile's loads) where the output's strides allow it.
     tma_store: bool = True
+    # Programs per SM of the persistent grid when no num_cu cap is set: 2 lets one program's
+    # epilogue (or pipeline fill) run beside another's MMAs on the same SM, for configs whose
+    # shared memory and registers fit twice. With a cap, one per SM (the cap counts SMs).
+    programs_per_sm: int = 1
 
     def __str__(self) -> str:
         return (
@@ -59,6 +63,7 @@ class KernelConfig:
             + ("" if self.band_cyclic else " group-major")
             + ("" if self.tma else " ptr")
             + ("" if (self.tma_store or not self.tma) else " ptr-store")
+            + ("" if self.programs_per_sm == 1 else f" x{self.programs_per_sm}/SM")
         )
 
 
@@ -87,6 +92,10 @@ GPU_CANDIDATES: Dict[GemmKind, Tuple[KernelConfig, ...]] = {
         # give more tiles in flight per SM and overlap one tile's store with another's loads.
         KernelConfig(128, 128, 128, 8, 4, 3, band_cyclic=False),
         KernelConfig(64, 256, 128, 8, 4, 3, band_cyclic=False),
+        # Two programs per SM (96 KB of shared memory each): one tile's fill/drain and store
+        # beside another's MMAs. DeepSeek-V3 fc1 at 128 x 128: 3.92 -> 3.36 ms, CUTLASS FP8's time
+        # (docs/results/h100_wgrad_main_grad.md); slower where groups are long.
+        KernelConfig(128, 128, 128, 8, 4, 2, band_cyclic=False, programs_per_sm=2),
     ),
 }
 # K-grouped into an fp32 main_grad (accumulate): the epilogue's fp32 read-modify-write is about as
@@ -99,6 +108,10 @@ ACCUMULATE_CANDIDATES: Tuple[KernelConfig, ...] = (
     KernelConfig(128, 128, 128, 8, 8, 4, band_cyclic=False),
     KernelConfig(128, 128, 128, 8, 4, 3, band_cyclic=False),
     KernelConfig(64, 256, 128, 8, 4, 2, band_cyclic=False),
+    # Two programs per SM (106 KB of shared memory, 129 registers each): one's read-modify-write
+    # beside the other's MMAs. 8-9% faster at 32-128 experts of DeepSeek-V3 fc1 (K = 512 / 128
+    # tokens per tile), 20% slower at the train preset's 1536-token groups.
+    KernelConfig(128, 64, 128, 8, 4, 3, band_cyclic=False, programs_per_sm=2),
 )
 
 
@@ -245,6 +258,8 @@ class TritonBackend(GroupedGemmBackend):
         M, N, K = problem.mnk
         G = problem.num_groups
         limit = self.num_programs_limit(problem)
+        if problem.num_cu is None:
+            limit *= config.programs_per_sm
         use_tma = config.tma and not _tma_reason(problem)
         if use_tma:
             config = _fit_shared_memory(config, out.element_size(), problem.accumulate)
