@@ -143,6 +143,15 @@ def test_experts_fp8_within_tolerance_of_float64(world, fmt, granularity):
     assert {"fwd", "dgrad", "wgrad"} <= set(roles)
 
 
+def _experts_fwd_bwd(experts, x, tpe, probs, grad):
+    """One forward + backward of ``experts`` on fresh leaves: [output, dx, dprobs, every dW]."""
+    xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    experts.zero_grad()
+    out, _ = experts(xi, tpe, pi)
+    out.backward(grad)
+    return [out.detach(), xi.grad, pi.grad] + [p.grad.clone() for p in experts.parameters()]
+
+
 @pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
 def test_fp8_fc2_fuses_the_swiglu_where_it_can(world, granularity, monkeypatch):
     """Tensorwise: fc2 takes fc1's output and computes the weighted SwiGLU inside its FP8
@@ -163,12 +172,7 @@ def test_fp8_fc2_fuses_the_swiglu_where_it_can(world, granularity, monkeypatch):
     for fused in (True, False):
         if not fused:
             experts._fuses_activation = lambda: False
-        xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
-        experts.zero_grad()
-        out, _ = experts(xi, tpe, pi)
-        out.backward(grad)
-        results.append([out.detach(), xi.grad, pi.grad, experts.linear_fc1.weight.grad.clone(),
-                        experts.linear_fc2.weight.grad.clone()])
+        results.append(_experts_fwd_bwd(experts, x, tpe, probs, grad))
     assert len(calls) == (1 if granularity == "tensorwise" else 0)
     for ours, unfused in zip(*results):
         # float32 activations here: the two paths quantize the same values, up to the order of
@@ -203,11 +207,7 @@ def test_fp8_experts_hand_dh_to_fc1_in_fp8(world, bias, monkeypatch):
         if not handoff:
             experts._hands_off_dh = lambda: False
         events.clear()
-        xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
-        experts.zero_grad()
-        out, _ = experts(xi, tpe, pi)
-        out.backward(grad)
-        results.append([out.detach(), xi.grad, pi.grad] + [p.grad.clone() for p in experts.parameters()])
+        results.append(_experts_fwd_bwd(experts, x, tpe, probs, grad))
         if handoff and not bias:
             assert events == ["give", "take"], events
         else:

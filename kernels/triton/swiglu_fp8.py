@@ -60,6 +60,39 @@ def _weighted_swiglu_tile(h_ptr, probs_ptr, rows, cols, R, F, stride_h, ROWS_FIR
 
 
 @triton.jit
+def _store_amax_partial(partials_ptr, pid, acc):
+    """partials[pid] = max of the running |x| tile ``acc``, NaN if any element is NaN (tl.max alone
+    would drop it)."""
+    amax = tl.max(tl.max(acc, axis=1), axis=0)
+    has_nan = tl.sum(tl.sum((acc != acc).to(tl.int32), axis=1), axis=0) > 0
+    tl.store(partials_ptr + pid, tl.where(has_nan, float("nan"), amax))
+
+
+@triton.jit
+def _cast_tile_start(partials_ptr, num_partials, dequant_ptr, FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
+    """A tensorwise cast program's start: (quantization scale, its tile's rows, columns), int64;
+    the scale comes from the amax partials on the device, and program (0, 0) stores the
+    dequantization scale (``fp8_cast_kernel``'s contract)."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    amax = _amax_from_partials(partials_ptr, num_partials, BLOCK_P)
+    scale, dequant = _quant_scales(amax, FP8_MAX, MARGIN_FACTOR)
+    if (pid_r == 0) & (pid_c == 0):
+        tl.store(dequant_ptr, dequant)
+    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    return scale, rows, cols
+
+
+@triton.jit
+def _store_fp8(ptrs, x, scale, mask, FP8_MAX: tl.constexpr):
+    """Store ``x * scale`` as FP8 (clamped, NaN kept, round to nearest even)."""
+    q = clamp_keep_nan(x * scale, FP8_MAX).to(ptrs.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(ptrs, q, mask=mask)
+
+
+@triton.jit
 def swiglu_amax_partials_kernel(h_ptr, probs_ptr, partials_ptr, R, F, stride_h, rows_per_program,
                                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program p writes max |a| over rows [p * rows_per_program, (p + 1) * rows_per_program) to
@@ -74,9 +107,7 @@ def swiglu_amax_partials_kernel(h_ptr, probs_ptr, partials_ptr, R, F, stride_h, 
             cols = c0 + tl.arange(0, BLOCK_C)
             a = _weighted_swiglu_tile(h_ptr, probs_ptr, rows, cols, last, F, stride_h, True)
             acc = abs_max_keep_nan(acc, a)
-    amax = tl.max(tl.max(acc, axis=1), axis=0)
-    has_nan = tl.sum(tl.sum((acc != acc).to(tl.int32), axis=1), axis=0) > 0
-    tl.store(partials_ptr + pid, tl.where(has_nan, float("nan"), amax))
+    _store_amax_partial(partials_ptr, pid, acc)
 
 
 @triton.jit
@@ -88,22 +119,16 @@ def swiglu_fp8_cast_kernel(
 ):
     """Tensorwise FP8 of ``a``: ``out [R, F]`` and/or ``out_t [F, R]``; program (0, 0) stores the
     dequantization scale (``fp8_cast_kernel``'s contract, with ``a`` computed from ``h``)."""
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    amax = _amax_from_partials(partials_ptr, num_partials, BLOCK_P)
-    scale, dequant = _quant_scales(amax, FP8_MAX, MARGIN_FACTOR)
-    if (pid_r == 0) & (pid_c == 0):
-        tl.store(dequant_ptr, dequant)
-    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = pid_c.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    scale, rows, cols = _cast_tile_start(partials_ptr, num_partials, dequant_ptr, FP8_MAX, MARGIN_FACTOR,
+                                         BLOCK_R, BLOCK_C, BLOCK_P)
     if WRITE_ROWS:
         a = _weighted_swiglu_tile(h_ptr, probs_ptr, rows, cols, R, F, stride_h, True)
-        q = clamp_keep_nan(a * scale, FP8_MAX).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-        tl.store(out_ptr + rows[:, None] * F + cols[None, :], q, mask=(rows[:, None] < R) & (cols[None, :] < F))
+        _store_fp8(out_ptr + rows[:, None] * F + cols[None, :], a, scale, (rows[:, None] < R) & (cols[None, :] < F),
+                   FP8_MAX)
     if WRITE_T:
         a_t = _weighted_swiglu_tile(h_ptr, probs_ptr, rows, cols, R, F, stride_h, False)
-        q_t = clamp_keep_nan(a_t * scale, FP8_MAX).to(out_t_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-        tl.store(out_t_ptr + cols[:, None] * R + rows[None, :], q_t, mask=(cols[:, None] < F) & (rows[None, :] < R))
+        _store_fp8(out_t_ptr + cols[:, None] * R + rows[None, :], a_t, scale,
+                   (cols[:, None] < F) & (rows[None, :] < R), FP8_MAX)
 
 
 @triton.jit
@@ -180,15 +205,7 @@ def swiglu_backward_amax_kernel(h_ptr, probs_ptr, da_ptr, dprobs_ptr, partials_p
             acc = abs_max_keep_nan(abs_max_keep_nan(acc, dgate), dlinear)
             dp += tl.sum(dprob, axis=1)
         tl.store(dprobs_ptr + rows, dp.to(dprobs_ptr.dtype.element_ty), mask=rows < last)
-    amax = tl.max(tl.max(acc, axis=1), axis=0)
-    has_nan = tl.sum(tl.sum((acc != acc).to(tl.int32), axis=1), axis=0) > 0
-    tl.store(partials_ptr + pid, tl.where(has_nan, float("nan"), amax))
-
-
-@triton.jit
-def _store_fp8(ptrs, x, scale, mask, FP8_MAX: tl.constexpr):
-    q = clamp_keep_nan(x * scale, FP8_MAX).to(ptrs.dtype.element_ty, fp_downcast_rounding="rtne")
-    tl.store(ptrs, q, mask=mask)
+    _store_amax_partial(partials_ptr, pid, acc)
 
 
 @triton.jit
@@ -200,14 +217,8 @@ def swiglu_backward_fp8_cast_kernel(
 ):
     """Tensorwise FP8 of ``dh``: ``out [R, 2F]`` and/or ``out_t [2F, R]`` (columns [0, F) the gate
     half, [F, 2F) the linear half); program (0, 0) stores the dequantization scale."""
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    amax = _amax_from_partials(partials_ptr, num_partials, BLOCK_P)
-    scale, dequant = _quant_scales(amax, FP8_MAX, MARGIN_FACTOR)
-    if (pid_r == 0) & (pid_c == 0):
-        tl.store(dequant_ptr, dequant)
-    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = pid_c.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    scale, rows, cols = _cast_tile_start(partials_ptr, num_partials, dequant_ptr, FP8_MAX, MARGIN_FACTOR,
+                                         BLOCK_R, BLOCK_C, BLOCK_P)
     if WRITE_ROWS:
         dgate, dlinear, _ = _swiglu_grad_tile(h_ptr, probs_ptr, da_ptr, rows, cols, R, F, stride_h, stride_da, True)
         mask = (rows[:, None] < R) & (cols[None, :] < F)
