@@ -34,7 +34,7 @@ KERNEL_CHECK = textwrap.dedent(
         g, u = h.double().chunk(2, dim=1)
         return torch.nn.functional.silu(g) * u * p.double()[:, None]
 
-    # (rows, F): ragged sizes off every tile (64-square cast tiles, 16 x 128 amax tiles, 8 x 128
+    # (rows, F): ragged sizes off every tile (32 x 128 cast tiles, 16 x 128 amax tiles, 8 x 128
     # backward tiles), one element, no rows, and enough rows for several amax programs.
     cases = [((37, 70), torch.float32), ((130, 80), torch.bfloat16), ((1, 1), torch.float16), ((0, 5), torch.bfloat16),
              ((300, 96), torch.bfloat16), ((65, 129), torch.float32), ((2100, 24), torch.bfloat16)]
