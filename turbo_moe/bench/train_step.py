@@ -198,6 +198,7 @@ def train_variant(cfg: TrainConfig, variant: str, corpus: TextCorpus, args, devi
                peak_mb=None, base_mb=None, train_loss=None, val_loss=None, loss_curve=[], val_curve=[])
     on_gpu = device.type == "cuda"
     model = opt = sampler = None
+    tuned_before = _tuned_gemm_configs()
     try:
         torch.manual_seed(args.seed)
         main_grad = bool(getattr(args, "train_main_grad", False))
@@ -265,6 +266,8 @@ def train_variant(cfg: TrainConfig, variant: str, corpus: TextCorpus, args, devi
             progress(f"    {variant} host profile ({args.host_profile} steps), by own time:\n{rec['host_profile']}")
         if done < args.warmup_steps + 1:
             rec["reason"] = (rec["reason"] + "; " if rec["reason"] else "") + "no step after the warm-up: times include it"
+        rec["gemm_configs"] = [f"{key} -> {config}" for key, config in _tuned_gemm_configs().items()
+                               if key not in tuned_before]
         progress(_summary(rec))
     except Exception as exc:
         rec.update(status="error", reason=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
@@ -325,6 +328,23 @@ def _host_profile(model, opt, sampler, step: int, inputs: _Inputs, steps: int, t
     return "\n".join(lines)
 
 
+def _tuned_gemm_configs() -> Dict[str, str]:
+    """The Triton GEMM configurations tuned so far in this process (none if that backend was never
+    imported), by shape class: which kernel each expert GEMM ran, since tuning picks per class and
+    a noisy pick moves the expert time."""
+    import sys
+
+    module = sys.modules.get("turbo_moe.backends.triton_backend")
+    if module is None:
+        return {}
+    out = {}
+    for key, config in module.BACKEND.tuned_configs().items():
+        kind, n, k = key[0], key[1], key[2]
+        accumulate = key[-2]
+        out[f"{kind.name.lower()} N={n} K={k} M~2^{key[3]}{' +=' if accumulate else ''}"] = str(config)
+    return out
+
+
 def _summary(rec: dict) -> str:
     parts = [f"    {rec['impl']:15s} {rec['experts'] or '':22s} {rec['steps']:4d} steps"]
     if rec["step_ms"] is not None:
@@ -336,6 +356,8 @@ def _summary(rec: dict) -> str:
     if rec.get("expert_kernels"):
         parts.append("expert kernels: " + "; ".join(f"{name[:60]} {ms:.2f} ms x{n}"
                                                       for name, ms, n in rec["expert_kernels"]))
+    if rec.get("gemm_configs"):
+        parts.append("tuned: " + "; ".join(rec["gemm_configs"]))
     if rec["train_loss"] is not None:
         parts.append(f"loss {rec['train_loss']:.4f}")
     if rec["val_loss"] is not None:
