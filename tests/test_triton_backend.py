@@ -273,3 +273,25 @@ def test_two_programs_per_sm_only_without_a_cap():
     capped = dataclasses.replace(problem, num_cu=3)
     assert BACKEND._make_plan(capped, out, two).grid == (3,)
     assert any(c.programs_per_sm == 2 for c in GPU_CANDIDATES[GemmKind.K_GROUPED])
+
+
+def test_describe_tuned_reads_the_shape_class_it_was_given():
+    """``describe_tuned`` labels each tuned entry from ``shape_class``'s key layout (kind, N, K, M and
+    rows-per-group classes, accumulation): built here from real problems, so a change of that
+    layout shows up as a wrong label."""
+    import dataclasses
+
+    from turbo_moe.backends.triton_backend import KernelConfig, TritonBackend
+
+    backend = TritonBackend()
+    offs = torch.tensor([0, 40, 40, 300])
+    problem = GroupedGemmProblem(GemmKind.K_GROUPED, torch.zeros(256, 300, dtype=torch.float8_e4m3fn),
+                                 torch.zeros(128, 300, dtype=torch.float8_e4m3fn), torch.tensor(1.0),
+                                 torch.tensor(1.0), offs, torch.float32, out=torch.zeros(3, 256, 128))
+    plain = dataclasses.replace(problem, out=None)
+    accumulating = dataclasses.replace(problem, accumulate=True)
+    backend._tuned[backend.shape_class(plain)] = KernelConfig(128, 256, 128)
+    backend._tuned[backend.shape_class(accumulating)] = KernelConfig(128, 128, 128)
+    lines = sorted(backend.describe_tuned().values())
+    assert lines == ["k_grouped N=256 K=128 M~2^9 rows/group~2^7 += -> 128x128x128 gm8 w8 s4",
+                     "k_grouped N=256 K=128 M~2^9 rows/group~2^7 -> 128x256x128 gm8 w8 s4"], lines

@@ -347,6 +347,17 @@ class TritonBackend(GroupedGemmBackend):
         """The cached choice per shape class (for logs and notes)."""
         return dict(self._tuned)
 
+    def describe_tuned(self) -> Dict[tuple, str]:
+        """``tuned_configs`` as readable lines, by the same keys: the GEMM kind, N, K, the pow2
+        classes of M and of rows per group, accumulation, and the chosen config."""
+        lines = {}
+        for key, config in self._tuned.items():
+            kind, n, k, m_class, rows_class = key[:5]
+            accumulate = key[-2]  # shape_class's layout: (..., num_cu, accumulate, promote)
+            lines[key] = (f"{kind.name.lower()} N={n} K={k} M~2^{m_class} rows/group~2^{rows_class}"
+                          f"{' +=' if accumulate else ''} -> {config}")
+        return lines
+
 
 @dataclass(frozen=True)
 class _LaunchPlan:

@@ -198,7 +198,7 @@ def train_variant(cfg: TrainConfig, variant: str, corpus: TextCorpus, args, devi
                peak_mb=None, base_mb=None, train_loss=None, val_loss=None, loss_curve=[], val_curve=[])
     on_gpu = device.type == "cuda"
     model = opt = sampler = None
-    tuned_before = _tuned_gemm_configs()
+    tuned_before = set(_triton_backend().tuned_configs()) if _triton_backend() is not None else set()
     try:
         torch.manual_seed(args.seed)
         main_grad = bool(getattr(args, "train_main_grad", False))
@@ -266,8 +266,11 @@ def train_variant(cfg: TrainConfig, variant: str, corpus: TextCorpus, args, devi
             progress(f"    {variant} host profile ({args.host_profile} steps), by own time:\n{rec['host_profile']}")
         if done < args.warmup_steps + 1:
             rec["reason"] = (rec["reason"] + "; " if rec["reason"] else "") + "no step after the warm-up: times include it"
-        rec["gemm_configs"] = [f"{key} -> {config}" for key, config in _tuned_gemm_configs().items()
-                               if key not in tuned_before]
+        # Tuning picks a config per shape class at the first eager call, and a noisy pick moves the
+        # expert time: say which kernels this variant's GEMMs ran.
+        backend = _triton_backend()
+        rec["gemm_configs"] = [] if backend is None else [
+            line for key, line in backend.describe_tuned().items() if key not in tuned_before]
         progress(_summary(rec))
     except Exception as exc:
         rec.update(status="error", reason=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
@@ -328,21 +331,12 @@ def _host_profile(model, opt, sampler, step: int, inputs: _Inputs, steps: int, t
     return "\n".join(lines)
 
 
-def _tuned_gemm_configs() -> Dict[str, str]:
-    """The Triton GEMM configurations tuned so far in this process (none if that backend was never
-    imported), by shape class: which kernel each expert GEMM ran, since tuning picks per class and
-    a noisy pick moves the expert time."""
+def _triton_backend():
+    """The Triton backend if something imported it (then its tuning table may hold entries)."""
     import sys
 
     module = sys.modules.get("turbo_moe.backends.triton_backend")
-    if module is None:
-        return {}
-    out = {}
-    for key, config in module.BACKEND.tuned_configs().items():
-        kind, n, k = key[0], key[1], key[2]
-        accumulate = key[-2]
-        out[f"{kind.name.lower()} N={n} K={k} M~2^{key[3]}{' +=' if accumulate else ''}"] = str(config)
-    return out
+    return None if module is None else module.BACKEND
 
 
 def _summary(rec: dict) -> str:
