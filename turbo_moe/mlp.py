@@ -1,0 +1,81 @@
+"""``GroupedSwiGLUMLPFP8``: an MoE layer's SwiGLU experts (fc1, the routing-weighted SwiGLU, fc2).
+
+A thin module over the pieces the Megatron adapter uses, for training loops without Megatron: two
+:class:`~turbo_moe.GroupedLinearFP8` children hold the weights (and their FP8 weight caches), and
+with a per-tensor recipe the forward is fc1's FP8 GEMM followed by
+:func:`~turbo_moe.swiglu.grouped_gemm_fp8_swiglu` (the activation inside fc2's FP8 quantization,
+never materialized in high precision), with fc1's output gradient handed over in FP8
+(:class:`~turbo_moe.autograd.QuantizedGradHandoff`). Other recipes run fc1, the activation in
+float32 (rounded to fc1's output dtype), then fc2.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .autograd import QuantizedGradHandoff, _grouped_gemm_fp8_resolved
+from .checks import check_operands, resolve_group_offs
+from .config import Float8Config
+from .module import GroupedLinearFP8
+from .swiglu import fuses_swiglu, grouped_gemm_fp8_swiglu, weighted_swiglu
+
+__all__ = ["GroupedSwiGLUMLPFP8"]
+
+
+class GroupedSwiGLUMLPFP8(nn.Module):
+    """``y[rows of g] = (silu(h[:, :F]) * h[:, F:] * probs) @ fc2.weight[g]^T`` with
+    ``h = x[rows of g] @ fc1.weight[g]^T``, every GEMM in FP8.
+
+    Args:
+        num_groups: number of experts G.
+        hidden: the tokens' width (fc1's input, fc2's output).
+        ffn: each expert's FFN width F (fc1 makes ``2 * F``: the gate half, then the linear half).
+        config, num_cu, backend, device, dtype, cache_fp8_weight: as :class:`GroupedLinearFP8`,
+            for both linears.
+
+    ``forward(x, group_lens, probs=None)``: ``x [M, hidden]`` tokens sorted by expert, int64
+    ``group_lens [G]`` on x's device (or ``group_offs=`` ``[G+1]``), ``probs`` ``[M]`` or
+    ``[M, 1]`` routing weights applied inside the activation (Megatron's ``moe_apply_probs_on_input=False``
+    placement; None: unweighted). The gradient of ``probs`` is computed when it requires one.
+    """
+
+    def __init__(self, num_groups: int, hidden: int, ffn: int, config: Optional[Float8Config] = None,
+                 num_cu: Optional[int] = None, backend: str = "auto", device=None, dtype=None,
+                 cache_fp8_weight: bool = True) -> None:
+        super().__init__()
+        common = dict(config=config, num_cu=num_cu, backend=backend, device=device, dtype=dtype,
+                      cache_fp8_weight=cache_fp8_weight)
+        self.fc1 = GroupedLinearFP8(num_groups, hidden, 2 * ffn, **common)
+        self.fc2 = GroupedLinearFP8(num_groups, ffn, hidden, **common)
+
+    @property
+    def config(self) -> Float8Config:
+        return self.fc1.config
+
+    def forward(self, x: torch.Tensor, group_lens: Optional[torch.Tensor] = None, *,
+                group_offs: Optional[torch.Tensor] = None, probs: Optional[torch.Tensor] = None) -> torch.Tensor:
+        fc1, fc2 = self.fc1, self.fc2
+        check_operands(x, fc1.weight, trans_b=True)  # first: every error names the argument
+        offs = resolve_group_offs(group_lens, group_offs, fc1.num_groups, x.shape[0], x.device)
+        if probs is None:
+            probs = torch.ones(x.shape[0], dtype=torch.float32, device=x.device)
+        if not fuses_swiglu(self.config):
+            h = fc1(x, group_offs=offs)
+            weights = probs.reshape(-1) if probs.dim() == 2 and probs.shape[1] == 1 else probs
+            if weights.dim() != 1 or weights.shape[0] != x.shape[0]:
+                raise ValueError(f"probs must be [M] or [M, 1] with M = {x.shape[0]}, got {tuple(probs.shape)}")
+            return fc2(weighted_swiglu(h, weights).to(h.dtype), group_offs=offs)
+        # fc1's output feeds the fused fc2 alone: its gradient can come back in FP8.
+        handoff = QuantizedGradHandoff()
+        h = _grouped_gemm_fp8_resolved(
+            x, fc1.weight, offs, config=self.config, num_cu=fc1.num_cu, backend=fc1.backend,
+            w_fp8=fc1._cached_fp8_weight() if fc1.cache_fp8_weight else None, grad_handoff=handoff)
+        return grouped_gemm_fp8_swiglu(
+            h, probs, fc2.weight, offs, config=self.config, num_cu=fc2.num_cu, backend=fc2.backend,
+            w_fp8=fc2._cached_fp8_weight() if fc2.cache_fp8_weight else None, h_grad_handoff=handoff)
+
+    def extra_repr(self) -> str:
+        return f"fused_swiglu={fuses_swiglu(self.config)}"
