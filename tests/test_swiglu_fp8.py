@@ -34,6 +34,27 @@ KERNEL_CHECK = textwrap.dedent(
         g, u = h.double().chunk(2, dim=1)
         return torch.nn.functional.silu(g) * u * p.double()[:, None]
 
+    def check_fp8_layouts(rows, trans, dequant, ref, amax, fp8, label):
+        # Tensorwise FP8 of the float64 ref: the scale from its amax, the transposed copy
+        # bit-identical to the rows copy, every element rounded to nearest.
+        mbits, sub = FP8_BITS[fp8]
+        want = amax / fp8_max(fp8)
+        assert abs(dequant.item() - want) <= 1e-5 * want, (label, dequant.item(), want)
+        assert torch.equal(trans.cpu().view(torch.uint8), rows.cpu().t().contiguous().view(torch.uint8)), label
+        deq = rows.cpu().double() * dequant.item()
+        # round to nearest: half an FP8 ulp of |ref|, or half the smallest subnormal step
+        bound = torch.maximum(ref.abs() * 2.0 ** -(mbits + 1), torch.full_like(ref, 2.0 ** (sub - 1) * dequant.item()))
+        err = (deq - ref).abs()
+        ok = err <= bound * 1.0001 + 1e-30
+        if EXACT:  # the interpreter's float->fp8 conversion (module docstring of test_fp8_cast): values
+            # that round up onto a power of two come out one binade low, and subnormals are
+            # truncated (off by up to one step); torch's conversion is right
+            scaled = (ref / dequant.item()).float()
+            up = scaled.clamp(-fp8_max(fp8), fp8_max(fp8)).to(fp8).double()
+            carry = (up.abs() > scaled.abs()) & (torch.frexp(up)[0].abs() == 0.5)
+            ok = ok | carry | (err <= 2.0 ** sub * dequant.item() * 1.0001)
+        assert ok.all(), (label, (err / bound).max().item())
+
     # (rows, F): ragged sizes off every tile (32 x 128 cast tiles, 16 x 128 amax tiles, 8 x 128
     # backward tiles), one element, no rows, and enough rows for several amax programs.
     cases = [((37, 70), torch.float32), ((130, 80), torch.bfloat16), ((1, 1), torch.float16), ((0, 5), torch.bfloat16),
@@ -47,28 +68,12 @@ KERNEL_CHECK = textwrap.dedent(
         a = reference(h.cpu(), p.cpu())
         amax = a.abs().max().item() if a.numel() else 0.0
         for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
-            mbits, sub = FP8_BITS[fp8]
             rows, trans, dequant = swiglu_fp8_tensorwise(h, p, fp8, fp8_max(fp8), 0, True, True)
             assert rows.shape == (m, f) and trans.shape == (f, m) and rows.is_contiguous() and trans.is_contiguous()
             if not a.numel():
                 assert dequant.item() == 1.0
                 continue
-            want = amax / fp8_max(fp8)
-            assert abs(dequant.item() - want) <= 1e-5 * want, (m, f, dtype, fp8, dequant.item(), want)
-            assert torch.equal(trans.cpu().view(torch.uint8), rows.cpu().t().contiguous().view(torch.uint8))
-            deq = rows.cpu().double() * dequant.item()
-            # round to nearest: half an FP8 ulp of |a|, or half the smallest subnormal step
-            bound = torch.maximum(a.abs() * 2.0 ** -(mbits + 1), torch.full_like(a, 2.0 ** (sub - 1) * dequant.item()))
-            err = (deq - a).abs()
-            ok = err <= bound * 1.0001 + 1e-30
-            if EXACT:  # the interpreter's float->fp8 conversion (module docstring of test_fp8_cast): values
-                # that round up onto a power of two come out one binade low, and subnormals are
-                # truncated (off by up to one step); torch's conversion is right
-                scaled = (a / dequant.item()).float()
-                up = scaled.clamp(-fp8_max(fp8), fp8_max(fp8)).to(fp8).double()
-                carry = (up.abs() > scaled.abs()) & (torch.frexp(up)[0].abs() == 0.5)
-                ok = ok | carry | (err <= 2.0 ** sub * dequant.item() * 1.0001)
-            assert ok.all(), (m, f, dtype, fp8, (err / bound).max().item())
+            check_fp8_layouts(rows, trans, dequant, a, amax, fp8, (m, f, dtype, fp8, "a"))
             only_t = swiglu_fp8_tensorwise(h, p, fp8, fp8_max(fp8), 0, False, True)
             assert only_t[0] is None and torch.equal(only_t[1].cpu().view(torch.uint8), trans.cpu().view(torch.uint8))
         # backward: dh in h's dtype, dprobs in float32 summed per row
@@ -90,7 +95,6 @@ KERNEL_CHECK = textwrap.dedent(
         dh64 = hd.grad
         amax_dh = dh64.abs().max().item() if dh64.numel() else 0.0
         for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
-            mbits, sub = FP8_BITS[fp8]
             rows, trans, dequant, dp8 = swiglu_backward_fp8_tensorwise(h, p, da, fp8, fp8_max(fp8), 0, torch.float32,
                                                                        True, True)
             assert rows.shape == (m, 2 * f) and trans.shape == (2 * f, m) and dp8.shape == (m,)
@@ -98,19 +102,7 @@ KERNEL_CHECK = textwrap.dedent(
             if not dh64.numel():
                 assert dequant.item() == 1.0
                 continue
-            want = amax_dh / fp8_max(fp8)
-            assert abs(dequant.item() - want) <= 1e-5 * want, (m, f, dtype, fp8, dequant.item(), want)
-            assert torch.equal(trans.cpu().view(torch.uint8), rows.cpu().t().contiguous().view(torch.uint8))
-            deq = rows.cpu().double() * dequant.item()
-            bound = torch.maximum(dh64.abs() * 2.0 ** -(mbits + 1), torch.full_like(dh64, 2.0 ** (sub - 1) * dequant.item()))
-            err = (deq - dh64).abs()
-            ok = err <= bound * 1.0001 + 1e-30
-            if EXACT:  # the interpreter's float->fp8 conversion, as above
-                scaled = (dh64 / dequant.item()).float()
-                up = scaled.clamp(-fp8_max(fp8), fp8_max(fp8)).to(fp8).double()
-                carry = (up.abs() > scaled.abs()) & (torch.frexp(up)[0].abs() == 0.5)
-                ok = ok | carry | (err <= 2.0 ** sub * dequant.item() * 1.0001)
-            assert ok.all(), (m, f, dtype, fp8, "fp8 dh", (err / bound).max().item())
+            check_fp8_layouts(rows, trans, dequant, dh64, amax_dh, fp8, (m, f, dtype, fp8, "dh"))
             only_t = swiglu_backward_fp8_tensorwise(h, p, da, fp8, fp8_max(fp8), 0, torch.float32, False, True)
             assert only_t[0] is None and torch.equal(only_t[1].cpu().view(torch.uint8), trans.cpu().view(torch.uint8))
     if not EXACT:  # a NaN anywhere makes every element NaN (tensorwise), as turbo_moe.quantize does
