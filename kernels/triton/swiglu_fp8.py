@@ -256,6 +256,22 @@ def _amax_partition(rows: int):
     return _cdiv(rows, per), per
 
 
+def _partials_buffer(rows: int, device):
+    """(programs, rows per program, buffer, dequant) of an amax pass over ``rows`` rows: one float32
+    slot per program's partial, then the scale the cast pass stores (``dequant``, a 0-dim view)."""
+    import torch
+
+    num_partials, per = _amax_partition(rows)
+    stats = torch.empty((num_partials + 1,), dtype=torch.float32, device=device)
+    return num_partials, per, stats, stats[-1]
+
+
+def _cast_key(fp8_dtype, fp8_max, margin, write_rows, write_transposed, num_partials, out, trans, dequant) -> tuple:
+    """The cast launches' key facts beyond their inputs': recipe, layouts, partial count, alignments."""
+    return (fp8_dtype, fp8_max, margin, write_rows, write_transposed, arg_fact(num_partials), out.data_ptr() % 16 == 0,
+            trans is None or trans.data_ptr() % 16 == 0, dequant.data_ptr() % 16 == 0)
+
+
 def swiglu_fp8_tensorwise(h, probs, fp8_dtype, fp8_max: float, margin: int = 0, write_rows: bool = True,
                           write_transposed: bool = False):
     """Tensorwise FP8 of ``a = silu(h[:, :F]) * h[:, F:] * probs`` without materializing ``a``.
@@ -273,9 +289,7 @@ def swiglu_fp8_tensorwise(h, probs, fp8_dtype, fp8_max: float, margin: int = 0, 
     trans = torch.empty((f, r), dtype=fp8_dtype, device=device) if write_transposed else None
     if r * f == 0:
         return rows, trans, torch.ones((), dtype=torch.float32, device=device)
-    num_partials, per = _amax_partition(r)
-    stats = torch.empty((num_partials + 1,), dtype=torch.float32, device=device)  # partials, then the scale
-    dequant = stats[-1]
+    num_partials, per, stats, dequant = _partials_buffer(r, device)
     out = rows if rows is not None else trans
     stride_h = h.stride(0)
     aligned = (h.data_ptr() % 16 == 0, probs.data_ptr() % 16 == 0, stats.data_ptr() % 16 == 0)
@@ -284,9 +298,8 @@ def swiglu_fp8_tensorwise(h, probs, fp8_dtype, fp8_max: float, margin: int = 0, 
                        BLOCK_R=_AMAX_BLOCK_R, BLOCK_C=_AMAX_BLOCK_C, num_warps=4)
     _cast.launch_keyed(
         (_cdiv(r, _CAST_BLOCK_R), _cdiv(f, _CAST_BLOCK_C)),
-        facts + aligned + (fp8_dtype, fp8_max, margin, write_rows, write_transposed, arg_fact(num_partials),
-                           out.data_ptr() % 16 == 0, trans is None or trans.data_ptr() % 16 == 0,
-                           dequant.data_ptr() % 16 == 0),
+        facts + aligned + _cast_key(fp8_dtype, fp8_max, margin, write_rows, write_transposed, num_partials, out, trans,
+                                    dequant),
         h, probs, stats, num_partials, out, trans if trans is not None else out, dequant, r, f, stride_h,
         FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, WRITE_ROWS=write_rows, WRITE_T=write_transposed,
         BLOCK_R=_CAST_BLOCK_R, BLOCK_C=_CAST_BLOCK_C, BLOCK_P=MAX_PARTIALS, num_warps=4,
@@ -332,9 +345,7 @@ def swiglu_backward_fp8_tensorwise(h, probs, da, fp8_dtype, fp8_max: float, marg
     dprobs = torch.empty((r,), dtype=dprobs_dtype, device=device)
     if r * f == 0:
         return rows, trans, torch.ones((), dtype=torch.float32, device=device), dprobs.zero_()
-    num_partials, per = _amax_partition(r)
-    stats = torch.empty((num_partials + 1,), dtype=torch.float32, device=device)  # partials, then the scale
-    dequant = stats[-1]
+    num_partials, per, stats, dequant = _partials_buffer(r, device)
     stride_h, stride_da = h.stride(0), da.stride(0)
     aligned = (h.data_ptr() % 16 == 0, probs.data_ptr() % 16 == 0, da.data_ptr() % 16 == 0,
                stats.data_ptr() % 16 == 0)
@@ -348,9 +359,8 @@ def swiglu_backward_fp8_tensorwise(h, probs, da, fp8_dtype, fp8_max: float, marg
         return rows, trans, torch.ones((), dtype=torch.float32, device=device), dprobs
     _backward_cast.launch_keyed(
         (_cdiv(r, _CAST_BLOCK_R), _cdiv(f, _CAST_BLOCK_C)),
-        facts + aligned + (fp8_dtype, fp8_max, margin, write_rows, write_transposed, arg_fact(num_partials),
-                           out.data_ptr() % 16 == 0, trans is None or trans.data_ptr() % 16 == 0,
-                           dequant.data_ptr() % 16 == 0),
+        facts + aligned + _cast_key(fp8_dtype, fp8_max, margin, write_rows, write_transposed, num_partials, out, trans,
+                                    dequant),
         h, probs, da, stats, num_partials, out, trans if trans is not None else out, dequant, r, f, stride_h,
         stride_da, FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, WRITE_ROWS=write_rows, WRITE_T=write_transposed,
         BLOCK_R=_CAST_BLOCK_R, BLOCK_C=_CAST_BLOCK_C, BLOCK_P=MAX_PARTIALS, num_warps=4,
