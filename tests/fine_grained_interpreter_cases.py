@@ -93,7 +93,9 @@ def _problem(kind, recipe, lens, n, k, a_fp8, gen, accumulate=False):
                               accumulate=accumulate)
 
 
-def case_gemm(kind, recipe_name, lens, n, k, a_fp8=E4M3, accumulate=False, dot_scaled=False):
+def case_gemm(kind, recipe_name, lens, n, k, a_fp8=E4M3, accumulate=False, dot_scaled=False, tma=None):
+    """``tma``: None takes the default config's path; True / False require the TMA / pointer
+    M-grouped kernel to be the one that runs (``triton_gemm.tma_declined``)."""
     import dataclasses
 
     from turbo_moe.fine_grained import quantize as Q
@@ -104,7 +106,10 @@ def case_gemm(kind, recipe_name, lens, n, k, a_fp8=E4M3, accumulate=False, dot_s
     problem = _problem(kind, recipe, lens, n, k, a_fp8, gen, accumulate)
     assert not problem.reason(), problem.reason()
     before = problem.out.clone() if accumulate else None
-    config = triton_gemm.BlockKernelConfig(16, 16, 64 if dot_scaled else recipe.block, group_m=2)
+    config = triton_gemm.BlockKernelConfig(16, 16, 64 if dot_scaled else recipe.block, group_m=2, tma=tma is not False)
+    declined = triton_gemm.tma_declined(problem, config)
+    if tma is not None:
+        assert (not declined) == tma, f"TMA kernel wanted={tma}, declined: {declined!r}"
     if accumulate:
         out = triton_gemm.run(problem, config)
     else:
@@ -129,9 +134,10 @@ def case_gemm(kind, recipe_name, lens, n, k, a_fp8=E4M3, accumulate=False, dot_s
         for g in range(len(lens)):
             if offs[g] == offs[g + 1]:
                 assert torch.equal(out[g], torch.zeros_like(out[g])), f"empty group {g} not zero"
+    path = "tma" if not declined else "pointers"
     if not err.numel():
-        return "empty output"
-    return f"max err {float(err.max()):.3g} (max tol {float(tol.max()):.3g})"
+        return f"{path}: empty output"
+    return f"{path}: max err {float(err.max()):.3g} (max tol {float(tol.max()):.3g})"
 
 
 CASES = {
@@ -140,6 +146,11 @@ CASES = {
     "m_blockwise_pow2_one_group": lambda: case_gemm("m", "pow2", [50], 130, 256),
     "m_blockwise_e5m2_a": lambda: case_gemm("m", "blockwise", [9, 23, 0, 31], 40, 150, a_fp8=E5M2),
     "m_blockwise_all_empty": lambda: case_gemm("m", "blockwise", [0, 0, 0], 16, 128),
+    # The TMA kernel: K a multiple of 16 bytes but not of the block (the copy engine zero-fills
+    # the last block), N not a multiple of the tile (the next group's weight rows, never stored).
+    "m_blockwise_tma_ragged_empty": lambda: case_gemm("m", "blockwise", [5, 0, 37, 16, 0, 1], 45, 208, tma=True),
+    "m_blockwise_pointers_forced": lambda: case_gemm("m", "pow2", [9, 0, 23], 45, 256, tma=False),
+    "m_mxfp8_tma_column_scales": lambda: case_gemm("m", "mxfp8", [5, 0, 37, 16], 45, 112, tma=True),
     "m_mxfp8_ragged_promotion": lambda: case_gemm("m", "mxfp8", [5, 0, 37, 16], 45, 100),
     "m_mxfp8_dot_scaled": lambda: case_gemm("m", "mxfp8", [5, 0, 37, 16], 45, 100, dot_scaled=True),
     "k_blockwise_ragged_empty": lambda: case_gemm("k", "blockwise", [5, 0, 150, 33, 0, 129], 40, 45),

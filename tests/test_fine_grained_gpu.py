@@ -79,6 +79,29 @@ def test_gemms_match_block_scaled_reference(name, dot_scaled, lens, monkeypatch)
             kind, float(err.max()), "worst relative to the summed magnitudes", float((err / mag.clamp_min(1e-30)).max()))
 
 
+@pytest.mark.parametrize("name", ["blockwise", "mxfp8"])
+@pytest.mark.parametrize("lens", [[0, 300, 1, 0, 129, 512], [1000]])
+def test_tma_kernel_bitwise_equal_pointer_kernel(name, lens, monkeypatch):
+    """The M-grouped TMA kernel against the pointer kernel on the same problem and tiles: the same
+    wgmma sums and promotions, so the same bits (K = 1040: a multiple of 16 bytes, not of 128,
+    so the copy engine zero-fills the last block; N = 700: the next group's rows fill the last
+    column tile)."""
+    monkeypatch.setenv("TURBO_MOE_MX_DOT_SCALED", "0")
+    from fine_grained_interpreter_cases import _problem
+
+    problem = _problem("m", RECIPES[name], lens, 700, 1040, E4M3, torch.Generator().manual_seed(3))
+    on_gpu = dataclasses.replace(problem, **{f: getattr(problem, f).cuda() for f in
+                                              ("a", "b", "a_scale", "b_scale", "group_offs")})
+    cfg = dataclasses.replace(triton_gemm.default_config(on_gpu), tma=True)  # MXFP8's default: pointers
+    assert not triton_gemm.tma_declined(on_gpu, cfg)
+    outs = []
+    for tma in (True, False):
+        out = torch.full(problem.out_shape, float("nan"), device="cuda")
+        outs.append(triton_gemm.run(dataclasses.replace(on_gpu, out=out), dataclasses.replace(cfg, tma=tma)))
+    assert not torch.isnan(outs[0]).any()
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("granularity", ["blockwise", "mxfp8"])
 def test_autograd_triton_matches_torch_backend_and_captures(granularity):
     cfg = Float8Config(granularity=granularity)

@@ -15,6 +15,12 @@ The scales vary along the contraction, so they cannot wait for the epilogue. Two
   upcasting both operands to bf16, multiplying in the scales and running a bf16 wgmma (half the
   FP8 rate), so the backend uses the promotion loop there instead.
 
+Loads: ``m_grouped_block_scaled_tma_kernel`` takes the M-grouped promotion loop's operands through
+TMA descriptors (Hopper+; ``turbo_moe.fine_grained.triton_gemm.tma_declined`` says when not), the
+other kernels through pointers. The promotion's synchronous wgmma leaves no slack for the loads:
+through pointers the loop ran at 0.27-0.46x the tensorwise kernels, through TMA at 0.72-0.76x
+(H100, docs/results/h100_fine_grained.md).
+
 Tile walk: the shared scheduler (``tile_scheduler`` via ``.scheduler``) and the M-grouped cursor
 of ``grouped_gemm`` -- one scheduler for every kernel. Offsets are read on the device only
 (capturable), no atomics, no split-K: deterministic. K-grouped: group g's token blocks start at
@@ -122,6 +128,68 @@ def m_grouped_block_scaled_kernel(
                                        E8M0, USE_DOT_SCALED, A_FORMAT, B_FORMAT)
                 a_ptrs += BLOCK_K * stride_ak
                 b_ptrs += BLOCK_K * stride_bk
+            out_ptrs = out_ptr + (lo + offs_m)[:, None] * stride_om + offs_n[None, :].to(tl.int64) * stride_on
+            out_mask = (offs_m < rows)[:, None] & (offs_n < N)[None, :]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tile += num_programs
+
+
+@triton.jit
+def m_grouped_block_scaled_tma_kernel(
+    a_desc, b_desc, out_ptr, a_scale_ptr, b_scale_ptr, group_offs_ptr,
+    N, K, G,
+    stride_om, stride_on,
+    stride_sam, stride_sak, stride_sbg, stride_sbn, stride_sbk,
+    B_ROW_BLOCK: tl.constexpr, E8M0: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """m_grouped_block_scaled_kernel's problem, tile walk and promotion loop (``BLOCK_K ==
+    SCALE_BLOCK``) with the operands loaded through TMA descriptors, Hopper and later: a_desc a
+    [M, K] with [BLOCK_M, BLOCK_K] boxes, b_desc b as one [G*N, K] matrix with [BLOCK_N, BLOCK_K]
+    boxes (grouped_gemm's m_grouped_gemm_tma_kernel layout: rows past a group's end, and columns
+    past N, load the next group's rows and are never stored). The copy engine zero-fills past K,
+    so a partial last K block needs no mask.
+
+    Why a second kernel: the promotion makes every K step's wgmma synchronous (its result is
+    scaled at once), so the loads must cost the step nothing. With pointer loads (cp.async, the
+    addresses in registers) this loop ran at 0.27x the tensorwise kernel's TFLOPS on the H100;
+    with TMA, at 0.72x on the same problem (docs/results/h100_fine_grained.md).
+    When one weight scale block spans the tile's columns (``B_ROW_BLOCK % BLOCK_N == 0``,
+    blockwise), each K step loads one scalar weight scale instead of a column vector."""
+    pid, num_programs, num_n_blocks, num_k_blocks = _persistent_start(N, K, BLOCK_N, BLOCK_K)
+    group, group_first_tile, lo, hi, group_tiles = _m_grouped_cursor_start(group_offs_ptr, G, BLOCK_M, num_n_blocks)
+    tile = pid.to(tl.int64)
+    arange_m = tl.arange(0, BLOCK_M)
+    arange_n = tl.arange(0, BLOCK_N)
+    ONE_B_SCALE: tl.constexpr = B_ROW_BLOCK % BLOCK_N == 0
+    while group < G:
+        group, group_first_tile, lo, hi, group_tiles = _m_grouped_cursor_advance(
+            tile, group, group_first_tile, lo, hi, group_tiles, group_offs_ptr, G, BLOCK_M, num_n_blocks
+        )
+        if group < G:
+            rows, m_block, n_block = _m_grouped_tile_blocks(tile, group_first_tile, lo, hi, BLOCK_M, num_n_blocks, GROUP_M)
+            row0 = (lo + m_block * BLOCK_M).to(tl.int32)
+            col0 = (group * N + n_block * BLOCK_N).to(tl.int32)
+            offs_m = m_block * BLOCK_M + arange_m
+            offs_n = n_block.to(tl.int32) * BLOCK_N + arange_n
+            load_rows = lo + tl.where(offs_m < rows, offs_m, 0)
+            group64 = group.to(tl.int64)
+            sa_ptrs = a_scale_ptr + load_rows * stride_sam
+            if ONE_B_SCALE:
+                sb_ptrs = b_scale_ptr + group64 * stride_sbg + (n_block * BLOCK_N // B_ROW_BLOCK) * stride_sbn
+            else:
+                load_cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+                sb_ptrs = b_scale_ptr + group64 * stride_sbg + (load_cols // B_ROW_BLOCK) * stride_sbn
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k_block in range(num_k_blocks):
+                a = a_desc.load([row0, k_block * BLOCK_K])
+                b = b_desc.load([col0, k_block * BLOCK_K])
+                sa = _decode_scale(tl.load(sa_ptrs + k_block * stride_sak), E8M0)
+                sb = _decode_scale(tl.load(sb_ptrs + k_block * stride_sbk), E8M0)
+                if ONE_B_SCALE:
+                    acc += tl.dot(a, tl.trans(b)) * (sa * sb)[:, None]
+                else:
+                    acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
             out_ptrs = out_ptr + (lo + offs_m)[:, None] * stride_om + offs_n[None, :].to(tl.int64) * stride_on
             out_mask = (offs_m < rows)[:, None] & (offs_n < N)[None, :]
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)

@@ -10,8 +10,9 @@ from typing import Optional
 import torch
 
 from ..backends.base import GemmKind
+from ..backends.triton_checks import _tma_reason
 
-__all__ = ["BlockKernelConfig", "run", "kernels", "use_dot_scaled"]
+__all__ = ["BlockKernelConfig", "run", "kernels", "tma_declined", "use_dot_scaled"]
 
 
 @dataclass(frozen=True)
@@ -23,13 +24,19 @@ class BlockKernelConfig:
     num_warps: int = 8
     num_stages: int = 4
     band_cyclic: bool = False  # K-grouped order (group-major measured faster for the tensorwise kernels)
+    # M-grouped promotion loop: load the operands through TMA descriptors where they allow it
+    # (Hopper+, K-major, 16-byte aligned: the tensorwise kernels' conditions), else pointers.
+    tma: bool = True
 
 
-# H100 defaults (two warpgroups, 128x128 tiles: DeepGEMM's shape for blockwise); MXFP8's promotion
-# loop steps 32 of K, so it pipelines deeper. Untuned: the speed table is still to be measured.
+# H100 defaults (two warpgroups, 128x128 tiles: DeepGEMM's shape for blockwise), from
+# scripts/bench_fine_grained.py --sweep (docs/results/h100_fine_grained.md): blockwise M-grouped
+# through TMA with 4 stages (0.72-0.76x tensorwise, against 0.27-0.46x through pointers; 3 or 5
+# stages within 3%). MXFP8's promotion loop steps 32 of K, so it pipelines deeper, and through
+# pointers: 32-byte TMA boxes ran it slower (108-122 against 131-148 TFLOPS).
 _GPU_DEFAULTS = {
     (128, False): BlockKernelConfig(128, 128, 128, num_stages=4),
-    (32, False): BlockKernelConfig(128, 128, 32, num_stages=6),
+    (32, False): BlockKernelConfig(128, 128, 32, num_stages=6, tma=False),
     (32, True): BlockKernelConfig(128, 128, 128, num_stages=3),
 }
 
@@ -42,6 +49,7 @@ class _Kernels:
         self.module = blockwise_gemm
         self.interpreting = type(blockwise_gemm.m_grouped_block_scaled_kernel).__name__ == "InterpretedFunction"
         self.m_grouped = lean(blockwise_gemm.m_grouped_block_scaled_kernel)
+        self.m_grouped_tma = lean(blockwise_gemm.m_grouped_block_scaled_tma_kernel)
         self.k_grouped = lean(blockwise_gemm.k_grouped_block_scaled_kernel)
 
 
@@ -88,6 +96,21 @@ def _num_programs_limit(problem) -> int:
 _FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
+def tma_declined(problem, config: Optional[BlockKernelConfig] = None) -> str:
+    """Why ``run`` takes the pointer kernel for an M-grouped ``problem`` under ``config``; empty when
+    it takes the TMA kernel (``m_grouped_block_scaled_tma_kernel``). K-grouped problems always take
+    the pointer kernel (their scale blocks start at each group's first token, which TMA's 16-byte
+    aligned boxes cannot follow)."""
+    cfg = config or default_config(problem)
+    if problem.kind is not GemmKind.M_GROUPED:
+        return "K-grouped: token blocks start at each group's first token"
+    if not cfg.tma:
+        return "config.tma is off"
+    if problem.recipe.e8m0 and cfg.block_k != problem.recipe.block:
+        return "tl.dot_scaled takes the pointer kernel"
+    return _tma_reason(problem)
+
+
 def run(problem, config: Optional[BlockKernelConfig] = None) -> torch.Tensor:
     """Launch the block-scaled kernel for ``problem`` (checked by ``BlockScaledProblem.reason``)."""
     from turbo_moe.kernels import tile_scheduler as ts
@@ -113,6 +136,18 @@ def run(problem, config: Optional[BlockKernelConfig] = None) -> torch.Tensor:
     if problem.kind is GemmKind.M_GROUPED:
         bound = ts.m_grouped_tile_upper_bound(M, G, cfg.block_m, ts.cdiv(N, cfg.block_n))
         grid = (ts.persistent_grid_size(bound, limit),)
+        if not tma_declined(problem, cfg):
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [cfg.block_m, cfg.block_k])
+            b_desc = TensorDescriptor(b, [G * N, K], [b.stride(1), 1], [cfg.block_n, cfg.block_k])
+            k.m_grouped_tma[grid](
+                a_desc, b_desc, out, sa, sb, offs, N, K, G, out.stride(0), out.stride(1),
+                sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), sb.stride(2),
+                B_ROW_BLOCK=r.weight_block, E8M0=r.e8m0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, **extra,
+            )
+            return out
         k.m_grouped[grid](
             a, b, out, sa, sb, offs, N, K, G,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
