@@ -33,12 +33,13 @@ SHAPES = {
 def _sweep_configs():
     from turbo_moe.fine_grained.triton_gemm import BlockKernelConfig as C
 
-    # The default first (M-grouped through TMA); the same tiles through pointer loads; other
-    # pipeline depths; one warpgroup (two CTAs per SM, so one CTA's promotion can overlap the
-    # other's wgmma); wider N tiles (a column vector of weight scales per K step).
-    return [C(128, 128, 128, num_warps=8, num_stages=4), C(128, 128, 128, num_warps=8, num_stages=4, tma=False),
+    # The default first (through TMA); wgrad's tile stored through pointers; the same tiles through
+    # pointer loads; other pipeline depths; one warpgroup (two CTAs per SM, so one CTA's promotion
+    # can overlap the other's wgmma).
+    return [C(128, 128, 128, num_warps=8, num_stages=4), C(128, 128, 128, num_warps=8, num_stages=4, tma_store=False),
+            C(128, 128, 128, num_warps=8, num_stages=4, tma=False),
             C(128, 128, 128, num_warps=8, num_stages=3), C(128, 128, 128, num_warps=8, num_stages=5),
-            C(64, 128, 128, num_warps=4, num_stages=4), C(128, 256, 128, num_warps=8, num_stages=3)]
+            C(64, 128, 128, num_warps=4, num_stages=4), C(128, 64, 128, num_warps=4, num_stages=4)]
 
 
 def sweep_shape(G, T, K, N):
@@ -59,7 +60,7 @@ def sweep_shape(G, T, K, N):
                 cells.append(f"{_tflops(*flops[op], ms):.0f} ({tensorwise_ms[op] / ms:.2f}x)")
             except Exception as exc:  # e.g. out of shared memory for this tile shape
                 cells.append(f"fails: {type(exc).__name__}")
-        name = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}" + ("" if cfg.tma else " ptr")
+        name = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}" + ("" if cfg.tma else " ptr") + ("" if cfg.tma_store else " ptr-store")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
     return "\n".join(lines)

@@ -153,7 +153,15 @@ CASES = {
     "m_mxfp8_tma_column_scales": lambda: case_gemm("m", "mxfp8", [5, 0, 37, 16], 45, 112, tma=True),
     "m_mxfp8_ragged_promotion": lambda: case_gemm("m", "mxfp8", [5, 0, 37, 16], 45, 100),
     "m_mxfp8_dot_scaled": lambda: case_gemm("m", "mxfp8", [5, 0, 37, 16], 45, 100, dot_scaled=True),
-    "k_blockwise_ragged_empty": lambda: case_gemm("k", "blockwise", [5, 0, 150, 33, 0, 129], 40, 45),
+    "k_blockwise_ragged_empty": lambda: case_gemm("k", "blockwise", [5, 0, 150, 33, 0, 129], 40, 45, tma=False),
+    # The TMA kernel (M = 528, a multiple of 16): groups starting on and off 16-token boundaries
+    # (offsets 0, 16, 16, 176, 309, 309, 437), full and short last blocks, an empty group; fp32
+    # outputs whose rows are 16-byte multiples leave through the store descriptor (accumulate:
+    # read back through it).
+    "k_blockwise_tma_mixed_alignment": lambda: case_gemm("k", "blockwise", [16, 0, 160, 133, 0, 128, 91], 40, 48,
+                                                          tma=True),
+    "k_blockwise_tma_accumulate": lambda: case_gemm("k", "blockwise", [48, 0, 300, 100], 24, 20, accumulate=True,
+                                                     tma=True),
     "k_blockwise_accumulate": lambda: case_gemm("k", "blockwise", [5, 0, 150, 33], 24, 20, accumulate=True),
     "k_mxfp8_ragged_e5m2": lambda: case_gemm("k", "mxfp8", [5, 0, 70, 33], 40, 45, a_fp8=E5M2),
     "k_mxfp8_dot_scaled": lambda: case_gemm("k", "mxfp8", [5, 0, 70, 33], 40, 45, dot_scaled=True),

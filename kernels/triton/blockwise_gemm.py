@@ -197,6 +197,48 @@ def m_grouped_block_scaled_tma_kernel(
 
 
 @triton.jit
+def _k_grouped_pointer_walk(acc, a_row_ptrs, b_row_ptrs, sa_rows, sb_rows, lo, hi, first_slot, stride_am, stride_bm,
+                            stride_sas, stride_sbs, SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr,
+                            USE_DOT_SCALED: tl.constexpr, A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+    """acc += group [lo, hi)'s token blocks through pointer loads, masked to the group's tokens
+    (k_grouped_block_scaled_kernel's contraction; any alignment of lo)."""
+    KS: tl.constexpr = BLOCK_K // SCALE_BLOCK
+    arange_k = tl.arange(0, BLOCK_K)
+    last_slot = first_slot + S.cdiv(hi - lo, SCALE_BLOCK)  # one past the group's last
+    for t0 in range(lo, hi, BLOCK_K):
+        tokens = t0 + arange_k
+        valid = (tokens < hi)[None, :]
+        a = tl.load(a_row_ptrs + tokens[None, :] * stride_am, mask=valid, other=0.0)
+        b = tl.load(b_row_ptrs + tokens[None, :] * stride_bm, mask=valid, other=0.0)
+        slot = first_slot + (t0 - lo) // SCALE_BLOCK
+        if USE_DOT_SCALED:
+            slots = slot + tl.arange(0, KS)
+            ok = (slots < last_slot)[None, :]
+            acc = _scaled_step(acc, a, tl.trans(b), sa_rows[:, None] + slots[None, :] * stride_sas,
+                               sb_rows[:, None] + slots[None, :] * stride_sbs, ok, ok,
+                               E8M0, USE_DOT_SCALED, A_FORMAT, B_FORMAT)
+        else:
+            acc = _scaled_step(acc, a, tl.trans(b), sa_rows + slot * stride_sas, sb_rows + slot * stride_sbs,
+                               None, None, E8M0, USE_DOT_SCALED, A_FORMAT, B_FORMAT)
+    return acc
+
+
+@triton.jit
+def _k_grouped_store(acc, out_ptr, group, offs_m, offs_n, lo, hi, N, K, stride_og, stride_on, stride_ok,
+                     ACCUMULATE: tl.constexpr):
+    """out[g] tile = acc (ACCUMULATE: out[g] tile += acc, an empty group's tile left as it was)."""
+    out_ptrs = (out_ptr + group.to(tl.int64) * stride_og + offs_m[:, None].to(tl.int64) * stride_on
+                + offs_n[None, :].to(tl.int64) * stride_ok)
+    out_mask = (offs_m < N)[:, None] & (offs_n < K)[None, :]
+    if ACCUMULATE:
+        previous = tl.load(out_ptrs, mask=out_mask, other=0.0)
+        tl.store(out_ptrs, tl.where(hi > lo, previous + acc, previous), mask=out_mask)
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
 def k_grouped_block_scaled_kernel(
     a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, group_offs_ptr,
     N, K, G,
@@ -218,8 +260,6 @@ def k_grouped_block_scaled_kernel(
     total_tiles = G * num_m_blocks * num_n_blocks
     arange_m = tl.arange(0, BLOCK_M)
     arange_n = tl.arange(0, BLOCK_N)
-    arange_k = tl.arange(0, BLOCK_K)
-    arange_s = tl.arange(0, KS)
     for tile in range(pid, total_tiles, num_programs):
         if BAND_CYCLIC:
             group, m_block, n_block = S.k_grouped_band_cyclic(tile, G, num_m_blocks, num_n_blocks, GROUP_M)
@@ -231,33 +271,113 @@ def k_grouped_block_scaled_kernel(
         offs_n = n_block * BLOCK_N + arange_n
         load_rows_a = tl.where(offs_m < N, offs_m, 0).to(tl.int64)
         load_rows_b = tl.where(offs_n < K, offs_n, 0).to(tl.int64)
-        a_row_ptrs = a_ptr + load_rows_a[:, None] * stride_an
-        b_row_ptrs = b_ptr + load_rows_b[:, None] * stride_bk
-        sa_rows = a_scale_ptr + load_rows_a * stride_san
-        sb_rows = b_scale_ptr + load_rows_b * stride_sbk
-        first_slot = lo // SCALE_BLOCK + group
-        last_slot = first_slot + S.cdiv(hi - lo, SCALE_BLOCK)  # one past the group's last
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for t0 in range(lo, hi, BLOCK_K):
-            tokens = t0 + arange_k
-            valid = (tokens < hi)[None, :]
-            a = tl.load(a_row_ptrs + tokens[None, :] * stride_am, mask=valid, other=0.0)
-            b = tl.load(b_row_ptrs + tokens[None, :] * stride_bm, mask=valid, other=0.0)
-            slot = first_slot + (t0 - lo) // SCALE_BLOCK
-            if USE_DOT_SCALED:
-                slots = slot + arange_s
-                ok = (slots < last_slot)[None, :]
-                acc = _scaled_step(acc, a, tl.trans(b), sa_rows[:, None] + slots[None, :] * stride_sas,
-                                   sb_rows[:, None] + slots[None, :] * stride_sbs, ok, ok,
-                                   E8M0, USE_DOT_SCALED, A_FORMAT, B_FORMAT)
-            else:
-                acc = _scaled_step(acc, a, tl.trans(b), sa_rows + slot * stride_sas, sb_rows + slot * stride_sbs,
-                                   None, None, E8M0, USE_DOT_SCALED, A_FORMAT, B_FORMAT)
-        out_ptrs = (out_ptr + group.to(tl.int64) * stride_og + offs_m[:, None].to(tl.int64) * stride_on
-                    + offs_n[None, :].to(tl.int64) * stride_ok)
-        out_mask = (offs_m < N)[:, None] & (offs_n < K)[None, :]
-        if ACCUMULATE:
-            previous = tl.load(out_ptrs, mask=out_mask, other=0.0)
-            tl.store(out_ptrs, tl.where(hi > lo, previous + acc, previous), mask=out_mask)
+        acc = _k_grouped_pointer_walk(
+            tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_ptr + load_rows_a[:, None] * stride_an,
+            b_ptr + load_rows_b[:, None] * stride_bk, a_scale_ptr + load_rows_a * stride_san,
+            b_scale_ptr + load_rows_b * stride_sbk, lo, hi, lo // SCALE_BLOCK + group, stride_am, stride_bm,
+            stride_sas, stride_sbs, SCALE_BLOCK, E8M0, USE_DOT_SCALED, A_FORMAT, B_FORMAT, BLOCK_K)
+        _k_grouped_store(acc, out_ptr, group, offs_m, offs_n, lo, hi, N, K, stride_og, stride_on, stride_ok,
+                         ACCUMULATE)
+
+
+@triton.jit
+def k_grouped_block_scaled_tma_kernel(
+    a_desc, b_desc, a_narrow_desc, b_narrow_desc, out_desc, out_ptr, a_scale_ptr, b_scale_ptr, group_offs_ptr,
+    N, K, G,
+    stride_og, stride_on, stride_ok,
+    stride_san, stride_sas, stride_sbk, stride_sbs,
+    SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr, NARROW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    BAND_CYCLIC: tl.constexpr, ACCUMULATE: tl.constexpr, TMA_STORE: tl.constexpr,
+):
+    """k_grouped_block_scaled_kernel's problem, tile order and promotion loop, with a group's token
+    blocks loaded through TMA descriptors (a_desc: a [N, M] with [BLOCK_M, SCALE_BLOCK] boxes,
+    b_desc: b [K, M] with [BLOCK_N, SCALE_BLOCK] boxes; unit stride along M, 16-byte aligned
+    rows). A group that starts on a 16-token boundary (a box's offset must be 16-byte aligned, and
+    the scale blocks start at the group's first token) takes full blocks straight from the copy
+    engine, and its short last block with the next group's tokens zeroed in registers. A group
+    that starts off it takes each block as NARROW-token boxes (a_narrow_desc / b_narrow_desc: the
+    same operands with [BLOCK_M, NARROW] / [BLOCK_N, NARROW] boxes), masked in registers: 1/4
+    more MMA work. Routers that pad each expert's tokens to a multiple of 16 for FP8 (Megatron's
+    ``moe_router_padding_for_fp8``) give only aligned groups.
+
+    TMA_STORE: the tile leaves through out_desc (out [G, N, K] with [1, BLOCK_M, BLOCK_N] boxes;
+    the copy engine clips rows past N and columns past K), and ACCUMULATE's read-modify-write
+    comes back through it too (grouped_gemm's k_grouped_gemm_tma_kernel: a 128 x 128 fp32 tile's
+    64-bit pointers alone are 128 registers a thread)."""
+    pid, num_programs, num_m_blocks, num_n_blocks = _persistent_start(N, K, BLOCK_M, BLOCK_N)
+    total_tiles = G * num_m_blocks * num_n_blocks
+    arange_m = tl.arange(0, BLOCK_M)
+    arange_n = tl.arange(0, BLOCK_N)
+    arange_k = tl.arange(0, SCALE_BLOCK)
+    for tile in range(pid, total_tiles, num_programs):
+        if BAND_CYCLIC:
+            group, m_block, n_block = S.k_grouped_band_cyclic(tile, G, num_m_blocks, num_n_blocks, GROUP_M)
         else:
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+            group, m_block, n_block = S.k_grouped_group_major(tile, G, num_m_blocks, num_n_blocks, GROUP_M)
+        lo = tl.load(group_offs_ptr + group)
+        hi = tl.load(group_offs_ptr + group + 1)
+        offs_m = m_block * BLOCK_M + arange_m
+        offs_n = n_block * BLOCK_N + arange_n
+        sa_rows = a_scale_ptr + tl.where(offs_m < N, offs_m, 0).to(tl.int64) * stride_san
+        sb_rows = b_scale_ptr + tl.where(offs_n < K, offs_n, 0).to(tl.int64) * stride_sbk
+        first_slot = lo // SCALE_BLOCK + group
+        row_a = (m_block * BLOCK_M).to(tl.int32)
+        row_b = (n_block * BLOCK_N).to(tl.int32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if lo % 16 == 0:
+            num_full = (hi - lo) // SCALE_BLOCK
+            for j in range(num_full):
+                t0 = (lo + j * SCALE_BLOCK).to(tl.int32)
+                a = a_desc.load([row_a, t0])
+                b = b_desc.load([row_b, t0])
+                slot = first_slot + j
+                sa = _decode_scale(tl.load(sa_rows + slot * stride_sas), E8M0)
+                sb = _decode_scale(tl.load(sb_rows + slot * stride_sbs), E8M0)
+                acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+            t0 = lo + num_full * SCALE_BLOCK
+            if t0 < hi:
+                valid = (t0 + arange_k < hi)[None, :]
+                a = a_desc.load([row_a, t0.to(tl.int32)])
+                b = b_desc.load([row_b, t0.to(tl.int32)])
+                a = tl.where(valid, a, tl.zeros_like(a))
+                b = tl.where(valid, b, tl.zeros_like(b))
+                slot = first_slot + num_full
+                sa = _decode_scale(tl.load(sa_rows + slot * stride_sas), E8M0)
+                sb = _decode_scale(tl.load(sb_rows + slot * stride_sbs), E8M0)
+                acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        else:
+            # Off a 16-token boundary, no box can start at a block's first token: block [t0, t1)
+            # is covered by NARROW-token boxes from t0 rounded down to 16 (SCALE_BLOCK + 16 tokens
+            # reach past t0 + SCALE_BLOCK), each masked to the block in registers and summed into
+            # the block's own accumulator before its promotion. One narrow box more than the
+            # block needs (1/4 more MMA work for 128-token blocks), and no pointers: a pointer walk
+            # here cost the aligned path 44% (its 64-bit pointer tiles spill registers).
+            for j in range(S.cdiv(hi - lo, SCALE_BLOCK)):
+                t0 = lo + j * SCALE_BLOCK
+                t1 = tl.minimum(t0 + SCALE_BLOCK, hi)
+                start = (t0 // 16 * 16).to(tl.int32)
+                block = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for c in tl.static_range(0, SCALE_BLOCK + 16, NARROW):
+                    tokens = start + c + tl.arange(0, NARROW)
+                    valid = ((tokens >= t0) & (tokens < t1))[None, :]
+                    a = a_narrow_desc.load([row_a, start + c])
+                    b = b_narrow_desc.load([row_b, start + c])
+                    a = tl.where(valid, a, tl.zeros_like(a))
+                    b = tl.where(valid, b, tl.zeros_like(b))
+                    block = tl.dot(a, tl.trans(b), block)
+                slot = first_slot + j
+                sa = _decode_scale(tl.load(sa_rows + slot * stride_sas), E8M0)
+                sb = _decode_scale(tl.load(sb_rows + slot * stride_sbs), E8M0)
+                acc += block * (sa[:, None] * sb[None, :])
+        if TMA_STORE:
+            group32 = group.to(tl.int32)
+            if ACCUMULATE:
+                if hi > lo:  # an empty group's tile is neither read nor written
+                    previous = out_desc.load([group32, row_a, row_b]).reshape(BLOCK_M, BLOCK_N)
+                    out_desc.store([group32, row_a, row_b], (previous + acc).reshape(1, BLOCK_M, BLOCK_N))
+            else:
+                out_desc.store([group32, row_a, row_b], acc.to(out_desc.dtype).reshape(1, BLOCK_M, BLOCK_N))
+        else:
+            _k_grouped_store(acc, out_ptr, group, offs_m, offs_n, lo, hi, N, K, stride_og, stride_on, stride_ok,
+                             ACCUMULATE)

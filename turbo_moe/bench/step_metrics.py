@@ -125,7 +125,7 @@ QUANT_KERNELS = (
 )
 # GEMM kernels: turbo_moe's Triton grouped GEMMs (kernels/triton/grouped_gemm.py, blockwise_gemm.py)
 # and the library GEMMs of the peers and of torch (CUTLASS, cuBLAS/cuBLASLt incl. Hopper's nvjet).
-_GEMM_MARKERS = ("gemm", "grouped_mm", "block_scaled_kernel", "cutlass", "cublas", "nvjet", "xmma", "wgmma")
+_GEMM_MARKERS = ("gemm", "grouped_mm", "block_scaled_kernel", "block_scaled_tma_kernel", "cutlass", "cublas", "nvjet", "xmma", "wgmma")
 _QUANT_NAME = re.compile(r"(?<![A-Za-z0-9_])(" + "|".join(QUANT_KERNELS) + r")(?![A-Za-z0-9_])")
 
 # What classify_gpu_activity returns; "kernel" is any kernel that is neither quantization nor a GEMM.

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from ..backends.base import GemmKind
-from ..backends.triton_checks import _tma_reason
+from ..backends.triton_checks import _tma_reason, _tma_store_ok
 
 __all__ = ["BlockKernelConfig", "run", "kernels", "tma_declined", "use_dot_scaled"]
 
@@ -24,9 +24,11 @@ class BlockKernelConfig:
     num_warps: int = 8
     num_stages: int = 4
     band_cyclic: bool = False  # K-grouped order (group-major measured faster for the tensorwise kernels)
-    # M-grouped promotion loop: load the operands through TMA descriptors where they allow it
-    # (Hopper+, K-major, 16-byte aligned: the tensorwise kernels' conditions), else pointers.
+    # Promotion loop: load the operands through TMA descriptors where they allow it (Hopper+, unit
+    # stride along the contraction, 16-byte aligned: the tensorwise kernels' conditions), else pointers.
     tma: bool = True
+    # With tma, K-grouped: the output tile leaves through a descriptor where ``out`` allows it.
+    tma_store: bool = True
 
 
 # H100 defaults (two warpgroups, 128x128 tiles: DeepGEMM's shape for blockwise), from
@@ -51,6 +53,7 @@ class _Kernels:
         self.m_grouped = lean(blockwise_gemm.m_grouped_block_scaled_kernel)
         self.m_grouped_tma = lean(blockwise_gemm.m_grouped_block_scaled_tma_kernel)
         self.k_grouped = lean(blockwise_gemm.k_grouped_block_scaled_kernel)
+        self.k_grouped_tma = lean(blockwise_gemm.k_grouped_block_scaled_tma_kernel)
 
 
 _KERNELS: Optional[_Kernels] = None
@@ -93,17 +96,18 @@ def _num_programs_limit(problem) -> int:
     return torch.cuda.get_device_properties(problem.device).multi_processor_count
 
 
+# The K-grouped TMA kernel's boxes for groups that start off a 16-token boundary: the narrowest
+# an FP8 wgmma takes (k = 32).
+_NARROW_TOKENS = 32
+
 _FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
 def tma_declined(problem, config: Optional[BlockKernelConfig] = None) -> str:
-    """Why ``run`` takes the pointer kernel for an M-grouped ``problem`` under ``config``; empty when
-    it takes the TMA kernel (``m_grouped_block_scaled_tma_kernel``). K-grouped problems always take
-    the pointer kernel (their scale blocks start at each group's first token, which TMA's 16-byte
-    aligned boxes cannot follow)."""
+    """Why ``run`` takes the pointer kernel for ``problem`` under ``config``; empty when it takes
+    the TMA kernel (``m_grouped_block_scaled_tma_kernel``, ``k_grouped_block_scaled_tma_kernel``;
+    the latter still walks a group that starts off a 16-token boundary through pointers)."""
     cfg = config or default_config(problem)
-    if problem.kind is not GemmKind.M_GROUPED:
-        return "K-grouped: token blocks start at each group's first token"
     if not cfg.tma:
         return "config.tma is off"
     if problem.recipe.e8m0 and cfg.block_k != problem.recipe.block:
@@ -157,6 +161,23 @@ def run(problem, config: Optional[BlockKernelConfig] = None) -> torch.Tensor:
     else:
         bound = ts.k_grouped_total_tiles(G, ts.cdiv(N, cfg.block_m), ts.cdiv(K, cfg.block_n))
         grid = (ts.persistent_grid_size(bound, limit),)
+        if not tma_declined(problem, cfg):
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            a_desc = TensorDescriptor(a, [N, M], [a.stride(0), 1], [cfg.block_m, r.block])
+            b_desc = TensorDescriptor(b, [K, M], [b.stride(0), 1], [cfg.block_n, r.block])
+            a_narrow = TensorDescriptor(a, [N, M], [a.stride(0), 1], [cfg.block_m, _NARROW_TOKENS])
+            b_narrow = TensorDescriptor(b, [K, M], [b.stride(0), 1], [cfg.block_n, _NARROW_TOKENS])
+            tma_store = cfg.tma_store and _tma_store_ok(out)
+            out_desc = (TensorDescriptor(out, list(out.shape), list(out.stride()), [1, cfg.block_m, cfg.block_n])
+                        if tma_store else None)
+            k.k_grouped_tma[grid](
+                a_desc, b_desc, a_narrow, b_narrow, out_desc, out, sa, sb, offs, N, K, G,
+                out.stride(0), out.stride(1), out.stride(2), sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
+                SCALE_BLOCK=r.block, E8M0=r.e8m0, NARROW=_NARROW_TOKENS, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
+                BAND_CYCLIC=cfg.band_cyclic, ACCUMULATE=problem.accumulate, TMA_STORE=tma_store, **extra,
+            )
+            return out
         k.k_grouped[grid](
             a, b, out, sa, sb, offs, N, K, G,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
