@@ -1,0 +1,253 @@
+"""Probe behind docs/results/h100_fine_grained.md: how fast can a blockwise (1x128 activation,
+128x128 weight scales) FP8 promotion loop run on Hopper, in Triton and in Gluon?
+
+    python scripts/probe_blockwise_promotion.py        (needs an sm_90 GPU; Triton 3.6's Gluon API)
+
+One dense 32768 x 4096 x 7168 GEMM (plain tile grid, TMA loads, 128 x 128 x 128 tiles, 8 warps):
+
+* Triton: tensorwise with fast accumulation (the ceiling), Triton's own promotion
+  (``max_num_imprecise_acc=128``, no scales), and the blockwise loop the library runs
+  (``acc += dot(a, b^T) * scales``: Triton makes that dot synchronous);
+* Gluon: the same loop with explicit wgmmas -- synchronous (``OVERLAP=0``) and with two
+  accumulators in turn, so block k's wgmma runs while block k-1's result is promoted
+  (``warpgroup_mma_wait(num_outstanding=1)``). One accumulator carried across iterations
+  (``prev = cur``) made ptxas serialize the wgmmas (warning C7514: an in-flight accumulator
+  copied); the pair-unrolled loop never copies one.
+
+Not a library path (yet): the Gluon kernel is dense, not grouped, and Gluon is experimental API
+whose spelling changes between Triton releases. Prints TFLOPS and the relative error against a
+float32 evaluation of the same block-scaled sum.
+"""
+import sys
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor as TritonDescriptor
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError as exc:  # a Triton without Gluon's Hopper API
+    gluon = None
+    _GLUON_ERROR = exc
+
+
+@triton.jit
+def triton_probe_kernel(a_desc, b_desc, out_ptr, sa_ptr, sb_ptr, M, N, K, stride_om,
+                 MODE: tl.constexpr, WS: tl.constexpr, STAGES: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """MODE 0: tensorwise (fast accumulation); 1: Triton's own promotion (max_num_imprecise_acc);
+    2: the blockwise promotion loop of kernels/triton/blockwise_gemm.py (one weight scale block
+    spans the tile's columns)."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_pid_n
+    group_id = pid // width
+    first_m = group_id * GROUP_M
+    gsz = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % gsz
+    pid_n = (pid % width) // gsz
+    row0 = pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_M)
+    kb = tl.cdiv(K, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k in tl.range(0, kb, num_stages=STAGES, warp_specialize=WS):
+        a = a_desc.load([row0, k * BLOCK_K])
+        b = b_desc.load([col0, k * BLOCK_K])
+        if MODE == 0:
+            acc = tl.dot(a, b.T, acc)
+        elif MODE == 1:
+            acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            sa = tl.load(sa_ptr + k * M + rows)
+            sb = tl.load(sb_ptr + (col0 // 128) * kb + k)
+            acc += tl.dot(a, b.T) * (sa * sb)[:, None]
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], acc.to(tl.bfloat16))
+
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _issue_load(a_desc, b_desc, a_bufs, b_bufs, bars, blk, kb, off_m, off_n, STAGES: gl.constexpr, BLOCK_K: gl.constexpr,
+                    nbytes: gl.constexpr):
+        if blk < kb:
+            st = blk % STAGES
+            mbarrier.expect(bars.index(st), nbytes)
+            tma.async_copy_global_to_shared(a_desc, [off_m, blk * BLOCK_K], bars.index(st), a_bufs.index(st))
+            tma.async_copy_global_to_shared(b_desc, [off_n, blk * BLOCK_K], bars.index(st), b_bufs.index(st))
+
+
+    @gluon.jit
+    def _issue_block(a_bufs, b_bufs, bars, k, zero, sa_ptr, sb_row, rows, M, STAGES: gl.constexpr):
+        st = k % STAGES
+        mbarrier.wait(bars.index(st), (k // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(st), b_bufs.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
+        scale = gl.load(sa_ptr + k * M + rows) * gl.load(sb_row + k)
+        return acc, scale
+
+
+
+    @gluon.jit
+    def gl_blockwise_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, M, N, K,
+                            STAGES: gl.constexpr, OVERLAP: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        pid = gl.program_id(0)
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        width = GROUP_M * num_pid_n
+        group_id = pid // width
+        first_m = group_id * GROUP_M
+        gsz = gl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % gsz
+        pid_n = (pid % width) // gsz
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, BLOCK_N, 32])
+        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        kb = gl.cdiv(K, BLOCK_K)
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+        for i in gl.static_range(STAGES - 1):
+            if i < kb:
+                mbarrier.expect(bars.index(i), nbytes)
+                tma.async_copy_global_to_shared(a_desc, [off_m, i * BLOCK_K], bars.index(i), a_bufs.index(i))
+                tma.async_copy_global_to_shared(b_desc, [off_n, i * BLOCK_K], bars.index(i), b_bufs.index(i))
+        rows = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
+        acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma_layout)
+        zero = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma_layout)
+        sb_row = sb_ptr + (off_n // 128) * kb
+        if OVERLAP:
+            # Two accumulators in turn, x and y, so that no in-flight accumulator is ever copied: block
+            # k's wgmma runs while block k-1's result is promoted.
+            mbarrier.wait(bars.index(0), 0)
+            x = warpgroup_mma(a_bufs.index(0), b_bufs.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+            x_scale = gl.load(sa_ptr + rows) * gl.load(sb_row)
+            _issue_load(a_desc, b_desc, a_bufs, b_bufs, bars, STAGES - 1, kb, off_m, off_n, STAGES, BLOCK_K, nbytes)
+            for k in range(1, kb - 1, 2):
+                y, y_scale = _issue_block(a_bufs, b_bufs, bars, k, zero, sa_ptr, sb_row, rows, M, STAGES)
+                done = warpgroup_mma_wait(num_outstanding=1, deps=(x,))
+                acc += done * gl.expand_dims(x_scale, 1)
+                _issue_load(a_desc, b_desc, a_bufs, b_bufs, bars, k + STAGES - 1, kb, off_m, off_n, STAGES, BLOCK_K, nbytes)
+                x, x_scale = _issue_block(a_bufs, b_bufs, bars, k + 1, zero, sa_ptr, sb_row, rows, M, STAGES)
+                done = warpgroup_mma_wait(num_outstanding=1, deps=(y,))
+                acc += done * gl.expand_dims(y_scale, 1)
+                _issue_load(a_desc, b_desc, a_bufs, b_bufs, bars, k + STAGES, kb, off_m, off_n, STAGES, BLOCK_K, nbytes)
+            if kb % 2 == 0:  # one block left after the pairs
+                y, y_scale = _issue_block(a_bufs, b_bufs, bars, kb - 1, zero, sa_ptr, sb_row, rows, M, STAGES)
+                done = warpgroup_mma_wait(num_outstanding=1, deps=(x,))
+                acc += done * gl.expand_dims(x_scale, 1)
+                done = warpgroup_mma_wait(num_outstanding=0, deps=(y,))
+                acc += done * gl.expand_dims(y_scale, 1)
+            else:
+                done = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
+                acc += done * gl.expand_dims(x_scale, 1)
+        else:
+            for k in range(kb):
+                st = k % STAGES
+                mbarrier.wait(bars.index(st), (k // STAGES) & 1)
+                cur = warpgroup_mma(a_bufs.index(st), b_bufs.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
+                scale = gl.load(sa_ptr + k * M + rows) * gl.load(sb_row + k)
+                done = warpgroup_mma_wait(num_outstanding=0, deps=(cur,))
+                acc += done * gl.expand_dims(scale, 1)
+                nxt = k + STAGES - 1
+                if nxt < kb:
+                    ns = nxt % STAGES
+                    mbarrier.expect(bars.index(ns), nbytes)
+                    tma.async_copy_global_to_shared(a_desc, [off_m, nxt * BLOCK_K], bars.index(ns), a_bufs.index(ns))
+                    tma.async_copy_global_to_shared(b_desc, [off_n, nxt * BLOCK_K], bars.index(ns), b_bufs.index(ns))
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+        c_smem.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+        tma.store_wait(pendings=0)
+
+
+
+def run_triton(M, N, K, mode, ws, stages, bm=128, bn=128, bk=128, warps=8):
+    torch.manual_seed(0)
+    a = torch.randn(M, K, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(N, K, device="cuda").to(torch.float8_e4m3fn)
+    sa = torch.rand(K // bk, M, device="cuda") + 0.5
+    sb = torch.rand(N // 128, K // bk, device="cuda") + 0.5
+    out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    ad = TritonDescriptor.from_tensor(a, [bm, bk])
+    bd = TritonDescriptor.from_tensor(b, [bn, bk])
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    f = lambda: triton_probe_kernel[grid](ad, bd, out, sa, sb, M, N, K, out.stride(0), MODE=mode, WS=ws, STAGES=stages,
+                                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps)
+    f()
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench(f, warmup=50, rep=200)
+    err = ""
+    if mode >= 2:
+        af = a.float().view(M, K // bk, bk) * sa.T[:, :, None]
+        bf = b.float().view(N // 128, 128, K // bk, bk) * sb[:, None, :, None]
+        ref = af.reshape(M, K)[:2048] @ bf.reshape(N, K).T
+        err = f" relerr {((out[:2048].float() - ref).norm() / ref.norm()).item():.2e}"
+    print(f"triton M={M} N={N} K={K} mode={mode} ws={ws} stages={stages} bm={bm} w={warps}: {ms:.3f} ms "
+          f"{2 * M * N * K / ms / 1e9:.0f} TFLOPS{err}", flush=True)
+
+
+
+def run_gluon(M, N, K, stages, overlap, warps=8, bm=128, bn=128, bk=128):
+    torch.manual_seed(0)
+    a = torch.randn(M, K, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(N, K, device="cuda").to(torch.float8_e4m3fn)
+    sa = torch.rand(K // bk, M, device="cuda") + 0.5
+    sb = torch.rand(N // 128, K // bk, device="cuda") + 0.5
+    out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    al = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv)
+    bl = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv)
+    cl = gl.NVMMASharedLayout.get_default_for([bm, bn], gl.bfloat16)
+    ad = TensorDescriptor(a, list(a.shape), list(a.stride()), [bm, bk], al)
+    bd = TensorDescriptor(b, list(b.shape), list(b.stride()), [bn, bk], bl)
+    cd = TensorDescriptor(out, list(out.shape), list(out.stride()), [bm, bn], cl)
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    f = lambda: gl_blockwise_kernel[grid](ad, bd, cd, sa, sb, M, N, K, STAGES=stages, OVERLAP=overlap, GROUP_M=8,
+                                          num_warps=warps)
+    f()
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench(f, warmup=50, rep=200)
+    af = a.float().view(M, K // bk, bk) * sa.T[:, :, None]
+    bf = b.float().view(N // 128, 128, K // bk, bk) * sb[:, None, :, None]
+    ref = af.reshape(M, K)[:1024] @ bf.reshape(N, K).T
+    err = ((out[:1024].float() - ref).norm() / ref.norm()).item()
+    print(f"gluon M={M} N={N} K={K} stages={stages} overlap={overlap} w={warps}: {ms:.3f} ms "
+          f"{2 * M * N * K / ms / 1e9:.0f} TFLOPS relerr {err:.2e}", flush=True)
+
+
+
+def main() -> int:
+    M, N, K = 32768, 4096, 7168
+    for mode, stages in ((0, 4), (1, 4), (2, 4), (2, 3)):
+        run_triton(M, N, K, mode, False, stages)
+    if gluon is None:
+        print(f"no Gluon: {_GLUON_ERROR}")
+        return 0
+    for stages, overlap in ((4, False), (3, True), (4, True), (5, True)):
+        try:
+            run_gluon(M, N, K, stages, overlap)
+        except Exception as exc:  # Gluon's API moves between Triton releases
+            print(f"gluon stages={stages} overlap={overlap}: fails {type(exc).__name__}: {str(exc)[:300]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
