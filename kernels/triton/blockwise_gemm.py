@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from . import scheduler as S
-from .grouped_gemm import _m_grouped_cursor_advance, _m_grouped_cursor_start, _m_grouped_tile_blocks, _persistent_start
+from .grouped_gemm import (_k_grouped_tile_blocks, _m_grouped_cursor_advance, _m_grouped_cursor_start,
+                           _m_grouped_tile_blocks, _persistent_start)
 
 
 @triton.jit
@@ -197,6 +198,18 @@ def m_grouped_block_scaled_tma_kernel(
 
 
 @triton.jit
+def _k_grouped_tile_start(tile, group_offs_ptr, G, num_m_blocks, num_n_blocks, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, BAND_CYCLIC: tl.constexpr):
+    """(group, m_block, n_block, lo, hi, output rows, output columns) of a K-grouped ``tile``: the
+    shared scheduler's order, the group's token range [lo, hi) read on the device."""
+    group, m_block, n_block = _k_grouped_tile_blocks(tile, G, num_m_blocks, num_n_blocks, GROUP_M, BAND_CYCLIC)
+    lo = tl.load(group_offs_ptr + group)
+    hi = tl.load(group_offs_ptr + group + 1)
+    return (group, m_block, n_block, lo, hi, m_block * BLOCK_M + tl.arange(0, BLOCK_M),
+            n_block * BLOCK_N + tl.arange(0, BLOCK_N))
+
+
+@triton.jit
 def _k_grouped_pointer_walk(acc, a_row_ptrs, b_row_ptrs, sa_rows, sb_rows, lo, hi, first_slot, stride_am, stride_bm,
                             stride_sas, stride_sbs, SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr,
                             USE_DOT_SCALED: tl.constexpr, A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
@@ -258,17 +271,9 @@ def k_grouped_block_scaled_kernel(
     tl.static_assert(USE_DOT_SCALED or KS == 1, "the promotion loop takes one scale block per K step")
     pid, num_programs, num_m_blocks, num_n_blocks = _persistent_start(N, K, BLOCK_M, BLOCK_N)
     total_tiles = G * num_m_blocks * num_n_blocks
-    arange_m = tl.arange(0, BLOCK_M)
-    arange_n = tl.arange(0, BLOCK_N)
     for tile in range(pid, total_tiles, num_programs):
-        if BAND_CYCLIC:
-            group, m_block, n_block = S.k_grouped_band_cyclic(tile, G, num_m_blocks, num_n_blocks, GROUP_M)
-        else:
-            group, m_block, n_block = S.k_grouped_group_major(tile, G, num_m_blocks, num_n_blocks, GROUP_M)
-        lo = tl.load(group_offs_ptr + group)
-        hi = tl.load(group_offs_ptr + group + 1)
-        offs_m = m_block * BLOCK_M + arange_m
-        offs_n = n_block * BLOCK_N + arange_n
+        group, m_block, n_block, lo, hi, offs_m, offs_n = _k_grouped_tile_start(
+            tile, group_offs_ptr, G, num_m_blocks, num_n_blocks, BLOCK_M, BLOCK_N, GROUP_M, BAND_CYCLIC)
         load_rows_a = tl.where(offs_m < N, offs_m, 0).to(tl.int64)
         load_rows_b = tl.where(offs_n < K, offs_n, 0).to(tl.int64)
         acc = _k_grouped_pointer_walk(
@@ -307,18 +312,10 @@ def k_grouped_block_scaled_tma_kernel(
     64-bit pointers alone are 128 registers a thread)."""
     pid, num_programs, num_m_blocks, num_n_blocks = _persistent_start(N, K, BLOCK_M, BLOCK_N)
     total_tiles = G * num_m_blocks * num_n_blocks
-    arange_m = tl.arange(0, BLOCK_M)
-    arange_n = tl.arange(0, BLOCK_N)
     arange_k = tl.arange(0, SCALE_BLOCK)
     for tile in range(pid, total_tiles, num_programs):
-        if BAND_CYCLIC:
-            group, m_block, n_block = S.k_grouped_band_cyclic(tile, G, num_m_blocks, num_n_blocks, GROUP_M)
-        else:
-            group, m_block, n_block = S.k_grouped_group_major(tile, G, num_m_blocks, num_n_blocks, GROUP_M)
-        lo = tl.load(group_offs_ptr + group)
-        hi = tl.load(group_offs_ptr + group + 1)
-        offs_m = m_block * BLOCK_M + arange_m
-        offs_n = n_block * BLOCK_N + arange_n
+        group, m_block, n_block, lo, hi, offs_m, offs_n = _k_grouped_tile_start(
+            tile, group_offs_ptr, G, num_m_blocks, num_n_blocks, BLOCK_M, BLOCK_N, GROUP_M, BAND_CYCLIC)
         sa_rows = a_scale_ptr + tl.where(offs_m < N, offs_m, 0).to(tl.int64) * stride_san
         sb_rows = b_scale_ptr + tl.where(offs_n < K, offs_n, 0).to(tl.int64) * stride_sbk
         first_slot = lo // SCALE_BLOCK + group
