@@ -198,15 +198,16 @@ def m_grouped_block_scaled_tma_kernel(
 
 
 @triton.jit
-def _k_grouped_tile_start(tile, group_offs_ptr, G, num_m_blocks, num_n_blocks, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, BAND_CYCLIC: tl.constexpr):
+def _k_grouped_tile_start(tile, group_offs_ptr, G, num_m_blocks, num_n_blocks, arange_m, arange_n,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                          BAND_CYCLIC: tl.constexpr):
     """(group, m_block, n_block, lo, hi, output rows, output columns) of a K-grouped ``tile``: the
-    shared scheduler's order, the group's token range [lo, hi) read on the device."""
+    shared scheduler's order, the group's token range [lo, hi) read on the device (``arange_m``,
+    ``arange_n``: the tile's row / column ranges, made once outside the tile loop)."""
     group, m_block, n_block = _k_grouped_tile_blocks(tile, G, num_m_blocks, num_n_blocks, GROUP_M, BAND_CYCLIC)
     lo = tl.load(group_offs_ptr + group)
     hi = tl.load(group_offs_ptr + group + 1)
-    return (group, m_block, n_block, lo, hi, m_block * BLOCK_M + tl.arange(0, BLOCK_M),
-            n_block * BLOCK_N + tl.arange(0, BLOCK_N))
+    return group, m_block, n_block, lo, hi, m_block * BLOCK_M + arange_m, n_block * BLOCK_N + arange_n
 
 
 @triton.jit
@@ -271,9 +272,12 @@ def k_grouped_block_scaled_kernel(
     tl.static_assert(USE_DOT_SCALED or KS == 1, "the promotion loop takes one scale block per K step")
     pid, num_programs, num_m_blocks, num_n_blocks = _persistent_start(N, K, BLOCK_M, BLOCK_N)
     total_tiles = G * num_m_blocks * num_n_blocks
+    arange_m = tl.arange(0, BLOCK_M)
+    arange_n = tl.arange(0, BLOCK_N)
     for tile in range(pid, total_tiles, num_programs):
         group, m_block, n_block, lo, hi, offs_m, offs_n = _k_grouped_tile_start(
-            tile, group_offs_ptr, G, num_m_blocks, num_n_blocks, BLOCK_M, BLOCK_N, GROUP_M, BAND_CYCLIC)
+            tile, group_offs_ptr, G, num_m_blocks, num_n_blocks, arange_m, arange_n, BLOCK_M, BLOCK_N, GROUP_M,
+            BAND_CYCLIC)
         load_rows_a = tl.where(offs_m < N, offs_m, 0).to(tl.int64)
         load_rows_b = tl.where(offs_n < K, offs_n, 0).to(tl.int64)
         acc = _k_grouped_pointer_walk(
@@ -312,10 +316,13 @@ def k_grouped_block_scaled_tma_kernel(
     64-bit pointers alone are 128 registers a thread)."""
     pid, num_programs, num_m_blocks, num_n_blocks = _persistent_start(N, K, BLOCK_M, BLOCK_N)
     total_tiles = G * num_m_blocks * num_n_blocks
+    arange_m = tl.arange(0, BLOCK_M)
+    arange_n = tl.arange(0, BLOCK_N)
     arange_k = tl.arange(0, SCALE_BLOCK)
     for tile in range(pid, total_tiles, num_programs):
         group, m_block, n_block, lo, hi, offs_m, offs_n = _k_grouped_tile_start(
-            tile, group_offs_ptr, G, num_m_blocks, num_n_blocks, BLOCK_M, BLOCK_N, GROUP_M, BAND_CYCLIC)
+            tile, group_offs_ptr, G, num_m_blocks, num_n_blocks, arange_m, arange_n, BLOCK_M, BLOCK_N, GROUP_M,
+            BAND_CYCLIC)
         sa_rows = a_scale_ptr + tl.where(offs_m < N, offs_m, 0).to(tl.int64) * stride_san
         sb_rows = b_scale_ptr + tl.where(offs_n < K, offs_n, 0).to(tl.int64) * stride_sbk
         first_slot = lo // SCALE_BLOCK + group
