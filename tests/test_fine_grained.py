@@ -361,3 +361,24 @@ def test_meta_device_infers_shapes():
     offs = torch.tensor([0, 10, 30], device="meta")
     y = grouped_gemm_fp8(x, w, group_offs=offs, config=CONFIGS["blockwise"])
     assert y.shape == (30, 48) and y.device.type == "meta"
+
+
+def test_k_grouped_tma_kernel_declines_scale_offsets_past_int32():
+    """The K-grouped TMA kernel keeps the scales' row offsets in int32: scale tensors whose rows
+    reach 2**31 elements take the pointer kernel, and say so (metadata only: nothing is read)."""
+    pytest.importorskip("triton")
+    from turbo_moe.fine_grained import triton_gemm
+
+    r = Q.BLOCKWISE
+    offs = torch.tensor([0, 64, 128])
+    a = torch.zeros(32, 128, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(48, 128, dtype=torch.float8_e4m3fn)
+    slots = Q.num_token_slots(128, 2, r.block)
+    sa, sb = torch.ones(32, slots), torch.ones(48, slots)
+    cfg = triton_gemm.BlockKernelConfig(16, 16, r.block)
+    problem = BlockScaledProblem(GemmKind.K_GROUPED, a, b, sa, sb, offs, torch.float32, r)
+    assert not triton_gemm.tma_declined(problem, cfg)
+    far = torch.empty_strided((32, slots), (2**26, 1), device="meta")  # row 31 starts past 2**31 elements
+    declined = triton_gemm.tma_declined(BlockScaledProblem(GemmKind.K_GROUPED, a, b, far, sb, offs, torch.float32, r),
+                                        cfg)
+    assert "2**31" in declined

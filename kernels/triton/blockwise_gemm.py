@@ -323,8 +323,12 @@ def k_grouped_block_scaled_tma_kernel(
         group, m_block, n_block, lo, hi, offs_m, offs_n = _k_grouped_tile_start(
             tile, group_offs_ptr, G, num_m_blocks, num_n_blocks, arange_m, arange_n, BLOCK_M, BLOCK_N, GROUP_M,
             BAND_CYCLIC)
-        sa_rows = a_scale_ptr + tl.where(offs_m < N, offs_m, 0).to(tl.int64) * stride_san
-        sb_rows = b_scale_ptr + tl.where(offs_n < K, offs_n, 0).to(tl.int64) * stride_sbk
+        # The scales' row offsets as int32 vectors beside scalar int64 slot offsets (the host keeps
+        # N * stride_san and K * stride_sbk below 2**31): as 64-bit pointer vectors the column
+        # scales' alone took 64 registers a thread in the wgmma layout, and the loop spilled 472
+        # bytes (60 this way; Triton 3.6's ptxas for sm_90a, 128 x 128 tiles, 8 warps).
+        sa_offs = tl.where(offs_m < N, offs_m, 0) * stride_san
+        sb_offs = tl.where(offs_n < K, offs_n, 0) * stride_sbk
         first_slot = lo // SCALE_BLOCK + group
         row_a = (m_block * BLOCK_M).to(tl.int32)
         row_b = (n_block * BLOCK_N).to(tl.int32)
@@ -335,9 +339,9 @@ def k_grouped_block_scaled_tma_kernel(
                 t0 = (lo + j * SCALE_BLOCK).to(tl.int32)
                 a = a_desc.load([row_a, t0])
                 b = b_desc.load([row_b, t0])
-                slot = first_slot + j
-                sa = _decode_scale(tl.load(sa_rows + slot * stride_sas), E8M0)
-                sb = _decode_scale(tl.load(sb_rows + slot * stride_sbs), E8M0)
+                slot = (first_slot + j).to(tl.int64)
+                sa = _decode_scale(tl.load(a_scale_ptr + slot * stride_sas + sa_offs), E8M0)
+                sb = _decode_scale(tl.load(b_scale_ptr + slot * stride_sbs + sb_offs), E8M0)
                 acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
             t0 = lo + num_full * SCALE_BLOCK
             if t0 < hi:
@@ -346,9 +350,9 @@ def k_grouped_block_scaled_tma_kernel(
                 b = b_desc.load([row_b, t0.to(tl.int32)])
                 a = tl.where(valid, a, tl.zeros_like(a))
                 b = tl.where(valid, b, tl.zeros_like(b))
-                slot = first_slot + num_full
-                sa = _decode_scale(tl.load(sa_rows + slot * stride_sas), E8M0)
-                sb = _decode_scale(tl.load(sb_rows + slot * stride_sbs), E8M0)
+                slot = (first_slot + num_full).to(tl.int64)
+                sa = _decode_scale(tl.load(a_scale_ptr + slot * stride_sas + sa_offs), E8M0)
+                sb = _decode_scale(tl.load(b_scale_ptr + slot * stride_sbs + sb_offs), E8M0)
                 acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
         else:
             # Off a 16-token boundary, no box can start at a block's first token: block [t0, t1)
@@ -370,9 +374,9 @@ def k_grouped_block_scaled_tma_kernel(
                     a = tl.where(valid, a, tl.zeros_like(a))
                     b = tl.where(valid, b, tl.zeros_like(b))
                     block = tl.dot(a, tl.trans(b), block)
-                slot = first_slot + j
-                sa = _decode_scale(tl.load(sa_rows + slot * stride_sas), E8M0)
-                sb = _decode_scale(tl.load(sb_rows + slot * stride_sbs), E8M0)
+                slot = (first_slot + j).to(tl.int64)
+                sa = _decode_scale(tl.load(a_scale_ptr + slot * stride_sas + sa_offs), E8M0)
+                sb = _decode_scale(tl.load(b_scale_ptr + slot * stride_sbs + sb_offs), E8M0)
                 acc += block * (sa[:, None] * sb[None, :])
         if TMA_STORE:
             group32 = group.to(tl.int32)

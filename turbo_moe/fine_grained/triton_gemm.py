@@ -112,6 +112,11 @@ def tma_declined(problem, config: Optional[BlockKernelConfig] = None) -> str:
         return "config.tma is off"
     if problem.recipe.e8m0 and cfg.block_k != problem.recipe.block:
         return "tl.dot_scaled takes the pointer kernel"
+    if problem.kind is GemmKind.K_GROUPED:
+        # The K-grouped TMA kernel keeps the scales' row offsets in int32.
+        rows_a, rows_b = problem.a_scale.shape[0], problem.b_scale.shape[0]
+        if max(rows_a * abs(problem.a_scale.stride(0)), rows_b * abs(problem.b_scale.stride(0))) >= 2**31:
+            return "scale row offsets past 2**31 elements"
     return _tma_reason(problem)
 
 
