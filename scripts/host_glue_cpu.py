@@ -16,8 +16,9 @@ What it leaves out, so read its numbers as turbo_moe's Python alone:
 
 Nothing is computed: outputs are uninitialized memory, only time is read.
 
-Usage: ``python scripts/host_glue_cpu.py [--shape tiny|dsv3] [--granularity tensorwise|rowwise]
-[--cache] [--profile N]``
+Usage: ``python scripts/host_glue_cpu.py [--shape tiny|dsv3] [--granularity tensorwise|rowwise|blockwise|mxfp8]
+[--cache] [--profile N]`` (the fine-grained recipes: their Triton casts and GEMMs, MXFP8 through its
+promotion loop as on Hopper)
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ def gpu_path_on_cpu():
     """Route CPU tensors through the GPU code path with every launch a no-op (see the module doc)."""
     from turbo_moe import checks, quantize
     from turbo_moe.backends import clear_dispatch_cache, triton_backend
-    from turbo_moe.kernels.triton import fp8_cast, group_offsets, launch
+    from turbo_moe.fine_grained import quantize as fine_quantize
+    from turbo_moe.fine_grained import triton_gemm
+    from turbo_moe.kernels.triton import blockwise_cast, fp8_cast, group_offsets, launch
 
     patches = [
         (launch, "_cuda_get_device", lambda: 0),
@@ -61,6 +64,10 @@ def gpu_path_on_cpu():
         (triton_backend.TritonBackend, "_device_reason", lambda self, device: ""),
         (triton_backend.TritonBackend, "_choose_config",
          lambda self, problem, out: triton_backend.GPU_CANDIDATES[problem.kind][0]),
+        # The fine-grained recipes: the device casts and the GPU tile configs for CPU tensors.
+        (fine_quantize, "_kernels", lambda t: blockwise_cast),
+        (triton_gemm, "default_config", lambda problem: triton_gemm._GPU_DEFAULTS[(problem.recipe.block, False)]),
+        (triton_gemm, "_num_programs_limit", lambda problem: 132),
     ]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, value in patches:
@@ -104,7 +111,7 @@ def main(argv=None):
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="tiny", choices=["tiny", "dsv3"])
-    p.add_argument("--granularity", default="tensorwise", choices=["tensorwise", "rowwise"])
+    p.add_argument("--granularity", default="tensorwise", choices=["tensorwise", "rowwise", "blockwise", "mxfp8"])
     p.add_argument("--cache", action="store_true", help="the FP8 weight cache on (quantized once, not per call)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--reps", type=int, default=7)

@@ -93,20 +93,24 @@ def _problem(kind, recipe, lens, n, k, a_fp8, gen, accumulate=False):
                               accumulate=accumulate)
 
 
-def case_gemm(kind, recipe_name, lens, n, k, a_fp8=E4M3, accumulate=False, dot_scaled=False, tma=None):
+def case_gemm(kind, recipe_name, lens, n, k, a_fp8=E4M3, accumulate=False, dot_scaled=False, tma=None, seed=None,
+              planned=False):
     """``tma``: None takes the default config's path; True / False require the TMA / pointer
-    M-grouped kernel to be the one that runs (``triton_gemm.tma_declined``)."""
+    kernel to be the one that runs (``triton_gemm.tma_declined``). ``planned``: no config given,
+    so ``run`` takes (and caches) the launch plan of the problem's signature; ``seed`` varies the
+    data of one shape."""
     import dataclasses
 
     from turbo_moe.fine_grained import quantize as Q
     from turbo_moe.fine_grained import reference_block_scaled_gemm, triton_gemm
 
     recipe = {"blockwise": Q.BLOCKWISE, "pow2": Q.BLOCKWISE._replace(pow2=True), "mxfp8": Q.MXFP8}[recipe_name]
-    gen = torch.Generator().manual_seed(len(lens) * 7 + n)
+    gen = torch.Generator().manual_seed(len(lens) * 7 + n if seed is None else seed)
     problem = _problem(kind, recipe, lens, n, k, a_fp8, gen, accumulate)
     assert not problem.reason(), problem.reason()
     before = problem.out.clone() if accumulate else None
-    config = triton_gemm.BlockKernelConfig(16, 16, 64 if dot_scaled else recipe.block, group_m=2, tma=tma is not False)
+    config = (None if planned else
+              triton_gemm.BlockKernelConfig(16, 16, 64 if dot_scaled else recipe.block, group_m=2, tma=tma is not False))
     declined = triton_gemm.tma_declined(problem, config)
     if tma is not None:
         assert (not declined) == tma, f"TMA kernel wanted={tma}, declined: {declined!r}"
@@ -163,6 +167,13 @@ CASES = {
     "k_blockwise_tma_accumulate": lambda: case_gemm("k", "blockwise", [48, 0, 300, 100], 24, 20, accumulate=True,
                                                      tma=True),
     "k_blockwise_accumulate": lambda: case_gemm("k", "blockwise", [5, 0, 150, 33], 24, 20, accumulate=True),
+    # Cached launch plans (no config: run plans once per signature): the same shapes with new data,
+    # operands and outputs at new addresses, each against its own reference.
+    "planned_launches_reused": lambda: "; ".join(
+        case_gemm(kind, "blockwise", lens, 40, k, tma=True, seed=seed, planned=True, accumulate=acc)
+        for kind, lens, k, acc in (("m", [5, 0, 37, 16], 208, False), ("k", [16, 0, 160, 133, 11], 48, False),
+                                   ("k", [48, 0, 300, 100], 20, True))
+        for seed in (1, 2)),
     "k_mxfp8_ragged_e5m2": lambda: case_gemm("k", "mxfp8", [5, 0, 70, 33], 40, 45, a_fp8=E5M2),
     "k_mxfp8_dot_scaled": lambda: case_gemm("k", "mxfp8", [5, 0, 70, 33], 40, 45, dot_scaled=True),
     "k_all_empty_zero": lambda: case_gemm("k", "mxfp8", [0, 0], 20, 20),

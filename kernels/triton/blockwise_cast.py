@@ -165,8 +165,12 @@ def block_cast_rows(x, recipe, fp8_dtype, fp8_max: float, emax: int, margin: int
     scale = storage.transpose(1, 2)  # [B, R, nb] view of block-major storage
     if batches * r * nb:
         block_r = 32 if recipe.block == 128 else 128
-        _lean["block_cast_rows_kernel"][(_cdiv(r, block_r), nb, batches)](
-            x3, out, scale, r, c, x3.stride(0), x3.stride(1), x3.stride(2), scale.stride(0), scale.stride(1),
+        strides = x3.stride()
+        key = (x.dtype, batches, r, c, strides, fp8_dtype, recipe, margin, x.data_ptr() % 16 == 0,
+               out.data_ptr() % 16 == 0, scale.data_ptr() % 16 == 0)
+        _lean["block_cast_rows_kernel"].launch_keyed(
+            (_cdiv(r, block_r), nb, batches), key,
+            x3, out, scale, r, c, strides[0], strides[1], strides[2], scale.stride(0), scale.stride(1),
             scale.stride(2), FP8_MAX=fp8_max, EMAX=emax, MARGIN=margin, MARGIN_FACTOR=2.0 ** -margin, E8M0=recipe.e8m0, POW2=recipe.pow2,
             BLOCK=recipe.block, BLOCK_R=block_r, num_warps=4,
         )
@@ -183,8 +187,12 @@ def block_cast_weight(w, recipe, fp8_dtype, fp8_max: float, margin: int = 0, tra
     out_t = torch.empty((g, k, n), dtype=fp8_dtype, device=w.device) if transposed else None
     scale = torch.empty((g, _cdiv(n, b), _cdiv(k, b)), dtype=torch.float32, device=w.device)
     if scale.numel():
-        _lean["block_cast_weight_kernel"][(scale.shape[1], scale.shape[2], g)](
-            w, out, out_t if transposed else out, scale, n, k, w.stride(0), w.stride(1), w.stride(2),
+        strides = w.stride()
+        key = (w.dtype, g, n, k, strides, fp8_dtype, recipe, margin, transposed, w.data_ptr() % 16 == 0,
+               out.data_ptr() % 16 == 0, out_t is None or out_t.data_ptr() % 16 == 0, scale.data_ptr() % 16 == 0)
+        _lean["block_cast_weight_kernel"].launch_keyed(
+            (scale.shape[1], scale.shape[2], g), key,
+            w, out, out_t if transposed else out, scale, n, k, strides[0], strides[1], strides[2],
             scale.stride(0), scale.stride(1), scale.stride(2), FP8_MAX=fp8_max, MARGIN=margin, MARGIN_FACTOR=2.0 ** -margin, POW2=recipe.pow2,
             WRITE_T=transposed, BLOCK=b, num_warps=8,
         )
@@ -203,8 +211,12 @@ def block_cast_tokens(x, group_offs, recipe, fp8_dtype, fp8_max: float, emax: in
     storage = torch.empty((slots, c), dtype=recipe.scale_dtype, device=x.device)
     if groups * c and m:
         block_c = 64
-        _lean["block_cast_tokens_kernel"][(_cdiv(c, block_c), groups)](
-            x, group_offs, out_t, storage, m, c, x.stride(0), x.stride(1), storage.stride(0), storage.stride(1),
+        strides = x.stride()
+        key = (x.dtype, m, c, strides, group_offs.dtype, groups, fp8_dtype, recipe, margin, x.data_ptr() % 16 == 0,
+               group_offs.data_ptr() % 16 == 0, out_t.data_ptr() % 16 == 0, storage.data_ptr() % 16 == 0)
+        _lean["block_cast_tokens_kernel"].launch_keyed(
+            (_cdiv(c, block_c), groups), key,
+            x, group_offs, out_t, storage, m, c, strides[0], strides[1], storage.stride(0), storage.stride(1),
             FP8_MAX=fp8_max, EMAX=emax, MARGIN=margin, MARGIN_FACTOR=2.0 ** -margin, E8M0=recipe.e8m0, POW2=recipe.pow2,
             BLOCK=recipe.block, BLOCK_C=block_c, num_warps=4,
         )

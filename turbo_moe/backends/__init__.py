@@ -152,8 +152,13 @@ def select_backend(problem: GroupedGemmProblem, backend: str = "auto") -> Groupe
 
 
 def clear_dispatch_cache() -> None:
-    """Forget cached dispatch decisions (after changing TURBO_MOE_DISABLE_FLYDSL, say)."""
+    """Forget cached dispatch decisions (after changing TURBO_MOE_DISABLE_FLYDSL, say), the
+    fine-grained recipes' backend choices and their Triton launch plans included."""
+    from ..fine_grained import gemm, triton_gemm
+
     _decisions.clear()
+    gemm._CHOSEN.clear()
+    triton_gemm._PLANS.clear()
 
 
 def _select_uncached(problem: GroupedGemmProblem, backend: str) -> GroupedGemmBackend:

@@ -19,6 +19,7 @@ A group with no tokens gives exact zeros (K_GROUPED: out[g] = 0, or left as is w
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -64,6 +65,18 @@ class BlockScaledProblem:
         if self.kind is GemmKind.M_GROUPED:
             return self.a.shape[0], self.b.shape[1], self.a.shape[1]
         return self.a.shape[1], self.a.shape[0], self.b.shape[0]
+
+    def signature(self) -> tuple:
+        """Everything ``reason``, the backend choice and a launch plan read from the problem: dtypes,
+        shapes, strides, devices, the 16-byte alignment of the operands (and of ``out`` when given),
+        the recipe, ``num_cu``, ``accumulate``, and the MXFP8 ``tl.dot_scaled`` override. Problems
+        of one signature are checked and planned once (``run_block_scaled``)."""
+        a, b, sa, sb, offs, out = self.a, self.b, self.a_scale, self.b_scale, self.group_offs, self.out
+        tensors = (a, b, sa, sb, offs) if out is None else (a, b, sa, sb, offs, out)
+        return (self.kind, self.recipe, self.out_dtype, self.accumulate, self.num_cu,
+                os.environ.get("TURBO_MOE_MX_DOT_SCALED"), a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0,
+                out is None or out.data_ptr() % 16 == 0,
+                *((t.dtype, t.shape, t.stride(), t.device) for t in tensors))
 
     def describe(self) -> str:
         m, n, k = self.mnk
@@ -210,13 +223,20 @@ def _triton_reason(problem: BlockScaledProblem) -> str:
 
 def run_block_scaled(problem: BlockScaledProblem, backend: str = "auto") -> torch.Tensor:
     """Compute ``problem`` (returns ``problem.out`` when given)."""
-    why = problem.reason()
-    if why:
-        raise ValueError(f"cannot run {problem.describe()}: {why}")
-    if problem.device.type == "meta":
-        return problem.out if problem.out is not None else torch.empty(problem.out_shape, dtype=problem.out_dtype,
-                                                                       device="meta")
-    chosen = select_block_scaled_backend(problem, backend)
+    signature = problem.signature() if problem.device.type != "meta" else None
+    chosen = _CHOSEN.get((signature, backend)) if signature is not None else None
+    if chosen is None:
+        why = problem.reason()
+        if why:
+            raise ValueError(f"cannot run {problem.describe()}: {why}")
+        if problem.device.type == "meta":
+            return problem.out if problem.out is not None else torch.empty(problem.out_shape,
+                                                                           dtype=problem.out_dtype, device="meta")
+        chosen = select_block_scaled_backend(problem, backend)
+        if signature is not None and chosen != "torch":  # torch's answer depends on graph capture
+            if len(_CHOSEN) >= 4096:
+                _CHOSEN.clear()
+            _CHOSEN[(signature, backend)] = chosen
     if chosen == "torch":
         return _run_torch(problem)
     if chosen == "flydsl":
@@ -225,7 +245,14 @@ def run_block_scaled(problem: BlockScaledProblem, backend: str = "auto") -> torc
         return flydsl_mx.run(problem)
     from . import triton_gemm
 
-    return triton_gemm.run(problem)
+    return triton_gemm.run(problem, signature=signature)
+
+
+# (BlockScaledProblem.signature(), backend) -> the backend run_block_scaled chose for a problem that
+# passed its checks: a problem of a known signature skips reason() and the selection (both
+# read only what the signature holds). The torch fallback is not kept: it is refused under graph
+# capture, a state the signature does not hold.
+_CHOSEN: dict = {}
 
 
 def with_fields(problem: BlockScaledProblem, **changes) -> BlockScaledProblem:

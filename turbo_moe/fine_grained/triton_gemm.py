@@ -12,7 +12,7 @@ import torch
 from ..backends.base import GemmKind
 from ..backends.triton_checks import _tma_reason, _tma_store_ok
 
-__all__ = ["BlockKernelConfig", "run", "kernels", "tma_declined", "use_dot_scaled"]
+__all__ = ["BlockKernelConfig", "plan", "run", "kernels", "tma_declined", "use_dot_scaled"]
 
 
 @dataclass(frozen=True)
@@ -120,8 +120,52 @@ def tma_declined(problem, config: Optional[BlockKernelConfig] = None) -> str:
     return _tma_reason(problem)
 
 
-def run(problem, config: Optional[BlockKernelConfig] = None) -> torch.Tensor:
-    """Launch the block-scaled kernel for ``problem`` (checked by ``BlockScaledProblem.reason``)."""
+@dataclass(frozen=True)
+class _BlockPlan:
+    """One launch of a block-scaled kernel, decided once per problem signature
+    (``BlockScaledProblem.signature``): kernel, grid, descriptor geometry, integer arguments and
+    keywords. ``launch`` then costs a keyed lean launch (``kernels/triton/launch.py``): no
+    ``arg_fact`` per argument, and each host TMA descriptor expanded once per address."""
+
+    key: int
+    kernel_name: str  # an attribute of kernels()
+    grid: tuple
+    tma: bool
+    tma_store: bool
+    geometry: tuple  # (shape, strides, block shape) per descriptor slot: a, b[, a narrow, b narrow, out]
+    int_args: tuple  # the kernel's integer arguments after its tensors
+    constexprs: dict
+
+    def launch(self, problem, out: torch.Tensor) -> None:
+        from turbo_moe.kernels.triton.launch import HostDesc
+
+        launcher = getattr(kernels(), self.kernel_name)
+        a, b, sa, sb, offs = problem.a, problem.b, problem.a_scale, problem.b_scale, problem.group_offs
+        key = (self.key, sa.data_ptr() % 16 == 0, sb.data_ptr() % 16 == 0, offs.data_ptr() % 16 == 0,
+               out.data_ptr() % 16 == 0)
+        if not self.tma:
+            launcher.launch_keyed(self.grid, key, a, b, out, sa, sb, offs, *self.int_args, **self.constexprs)
+            return
+        geometry, plan, a_ptr, b_ptr = self.geometry, self.key, a.data_ptr(), b.data_ptr()
+        a_desc = HostDesc(a, *geometry[0], (plan, 0, a_ptr))
+        b_desc = HostDesc(b, *geometry[1], (plan, 1, b_ptr))
+        if problem.kind is GemmKind.M_GROUPED:
+            launcher.launch_keyed(self.grid, key, a_desc, b_desc, out, sa, sb, offs, *self.int_args, **self.constexprs)
+            return
+        out_desc = HostDesc(out, *geometry[4], (plan, 4, out.data_ptr())) if self.tma_store else None
+        launcher.launch_keyed(self.grid, key, a_desc, b_desc, HostDesc(a, *geometry[2], (plan, 2, a_ptr)),
+                              HostDesc(b, *geometry[3], (plan, 3, b_ptr)), out_desc, out, sa, sb, offs,
+                              *self.int_args, **self.constexprs)
+
+
+_PLANS: dict = {}  # BlockScaledProblem.signature() -> _BlockPlan (default configs only)
+_PLAN_IDS = iter(range(1 << 62))
+_MAX_PLANS = 4096  # shapes seen by one process (tuning sweeps, ragged benchmarks): cleared past this
+
+
+def plan(problem, config: Optional[BlockKernelConfig] = None, out: Optional[torch.Tensor] = None) -> _BlockPlan:
+    """The launch ``run`` makes for ``problem`` (``out``: its output, allocated as ``run`` would when
+    not given). Deterministic in the problem's signature and ``config``."""
     from turbo_moe.kernels import tile_scheduler as ts
 
     k = kernels()
@@ -130,63 +174,79 @@ def run(problem, config: Optional[BlockKernelConfig] = None) -> torch.Tensor:
     dot_scaled = r.e8m0 and cfg.block_k != r.block
     if not dot_scaled and cfg.block_k != r.block:
         raise ValueError(f"block_k={cfg.block_k} must equal the recipe's scale block {r.block}")
-    out = problem.out if problem.out is not None else torch.empty(problem.out_shape, dtype=problem.out_dtype,
-                                                                   device=problem.device)
-    if out.numel() == 0:
-        return out
-    a, b, sa, sb, offs = problem.a, problem.b, problem.a_scale, problem.b_scale, problem.group_offs
+    if out is None:
+        out = problem.out if problem.out is not None else torch.empty(problem.out_shape, dtype=problem.out_dtype,
+                                                                       device="meta")
+    a, b, sa, sb = problem.a, problem.b, problem.a_scale, problem.b_scale
     M, N, K = problem.mnk
     G = problem.num_groups
     limit = _num_programs_limit(problem)
     extra = {} if k.interpreting else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    common = dict(SCALE_BLOCK=r.block, E8M0=r.e8m0, USE_DOT_SCALED=dot_scaled, A_FORMAT=_FORMATS[a.dtype],
-                  B_FORMAT=_FORMATS[b.dtype], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  GROUP_M=cfg.group_m, **extra)
+    tma = not tma_declined(problem, cfg)
+    tma_store = False
     if problem.kind is GemmKind.M_GROUPED:
         bound = ts.m_grouped_tile_upper_bound(M, G, cfg.block_m, ts.cdiv(N, cfg.block_n))
-        grid = (ts.persistent_grid_size(bound, limit),)
-        if not tma_declined(problem, cfg):
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
-            a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [cfg.block_m, cfg.block_k])
-            b_desc = TensorDescriptor(b, [G * N, K], [b.stride(1), 1], [cfg.block_n, cfg.block_k])
-            k.m_grouped_tma[grid](
-                a_desc, b_desc, out, sa, sb, offs, N, K, G, out.stride(0), out.stride(1),
-                sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), sb.stride(2),
-                B_ROW_BLOCK=r.weight_block, E8M0=r.e8m0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, **extra,
-            )
-            return out
-        k.m_grouped[grid](
-            a, b, out, sa, sb, offs, N, K, G,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
-            sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), sb.stride(2),
-            B_ROW_BLOCK=r.weight_block, EVEN_K=K % cfg.block_k == 0, **common,
-        )
+        scale_strides = (sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), sb.stride(2))
+        if tma:
+            name, geometry = "m_grouped_tma", (([M, K], [a.stride(0), 1], [cfg.block_m, cfg.block_k]),
+                                               ([G * N, K], [b.stride(1), 1], [cfg.block_n, cfg.block_k]))
+            int_args = (N, K, G, out.stride(0), out.stride(1), *scale_strides)
+            constexprs = dict(B_ROW_BLOCK=r.weight_block, E8M0=r.e8m0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                              BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, **extra)
+        else:
+            name, geometry = "m_grouped", ()
+            int_args = (N, K, G, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
+                        out.stride(1), *scale_strides)
+            constexprs = dict(B_ROW_BLOCK=r.weight_block, EVEN_K=K % cfg.block_k == 0,
+                              **_pointer_constexprs(r, a, b, cfg, dot_scaled, extra))
     else:
         bound = ts.k_grouped_total_tiles(G, ts.cdiv(N, cfg.block_m), ts.cdiv(K, cfg.block_n))
-        grid = (ts.persistent_grid_size(bound, limit),)
-        if not tma_declined(problem, cfg):
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
-            a_desc = TensorDescriptor(a, [N, M], [a.stride(0), 1], [cfg.block_m, r.block])
-            b_desc = TensorDescriptor(b, [K, M], [b.stride(0), 1], [cfg.block_n, r.block])
-            a_narrow = TensorDescriptor(a, [N, M], [a.stride(0), 1], [cfg.block_m, _NARROW_TOKENS])
-            b_narrow = TensorDescriptor(b, [K, M], [b.stride(0), 1], [cfg.block_n, _NARROW_TOKENS])
+        scale_strides = (sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1))
+        out_strides = (out.stride(0), out.stride(1), out.stride(2))
+        if tma:
             tma_store = cfg.tma_store and _tma_store_ok(out)
-            out_desc = (TensorDescriptor(out, list(out.shape), list(out.stride()), [1, cfg.block_m, cfg.block_n])
-                        if tma_store else None)
-            k.k_grouped_tma[grid](
-                a_desc, b_desc, a_narrow, b_narrow, out_desc, out, sa, sb, offs, N, K, G,
-                out.stride(0), out.stride(1), out.stride(2), sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
-                SCALE_BLOCK=r.block, E8M0=r.e8m0, NARROW=_NARROW_TOKENS, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
-                BAND_CYCLIC=cfg.band_cyclic, ACCUMULATE=problem.accumulate, TMA_STORE=tma_store, **extra,
-            )
-            return out
-        k.k_grouped[grid](
-            a, b, out, sa, sb, offs, N, K, G,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
-            sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
-            BAND_CYCLIC=cfg.band_cyclic, ACCUMULATE=problem.accumulate, **common,
-        )
+            name = "k_grouped_tma"
+            geometry = (([N, M], [a.stride(0), 1], [cfg.block_m, r.block]),
+                        ([K, M], [b.stride(0), 1], [cfg.block_n, r.block]),
+                        ([N, M], [a.stride(0), 1], [cfg.block_m, _NARROW_TOKENS]),
+                        ([K, M], [b.stride(0), 1], [cfg.block_n, _NARROW_TOKENS]),
+                        (list(out.shape), list(out.stride()), [1, cfg.block_m, cfg.block_n]))
+            int_args = (N, K, G, *out_strides, *scale_strides)
+            constexprs = dict(SCALE_BLOCK=r.block, E8M0=r.e8m0, NARROW=_NARROW_TOKENS, BLOCK_M=cfg.block_m,
+                              BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, BAND_CYCLIC=cfg.band_cyclic,
+                              ACCUMULATE=problem.accumulate, TMA_STORE=tma_store, **extra)
+        else:
+            name, geometry = "k_grouped", ()
+            int_args = (N, K, G, a.stride(0), a.stride(1), b.stride(0), b.stride(1), *out_strides, *scale_strides)
+            constexprs = dict(BAND_CYCLIC=cfg.band_cyclic, ACCUMULATE=problem.accumulate,
+                              **_pointer_constexprs(r, a, b, cfg, dot_scaled, extra))
+    return _BlockPlan(next(_PLAN_IDS), name, (ts.persistent_grid_size(bound, limit),), tma, tma_store, geometry,
+                      int_args, constexprs)
+
+
+def _pointer_constexprs(r, a, b, cfg, dot_scaled, extra) -> dict:
+    return dict(SCALE_BLOCK=r.block, E8M0=r.e8m0, USE_DOT_SCALED=dot_scaled, A_FORMAT=_FORMATS[a.dtype],
+                B_FORMAT=_FORMATS[b.dtype], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                GROUP_M=cfg.group_m, **extra)
+
+
+def run(problem, config: Optional[BlockKernelConfig] = None, signature: Optional[tuple] = None) -> torch.Tensor:
+    """Launch the block-scaled kernel for ``problem`` (checked by ``BlockScaledProblem.reason``).
+    With the default config the launch plan is cached by ``signature`` (``problem.signature()``
+    when not given)."""
+    out = problem.out if problem.out is not None else torch.empty(problem.out_shape, dtype=problem.out_dtype,
+                                                                   device=problem.device)
+    if out.numel() == 0:
+        return out
+    if config is not None:
+        plan(problem, config, out).launch(problem, out)
+        return out
+    if signature is None:
+        signature = problem.signature()
+    cached = _PLANS.get(signature)
+    if cached is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        cached = _PLANS[signature] = plan(problem, None, out)
+    cached.launch(problem, out)
     return out
