@@ -9,8 +9,9 @@ Triton backend's tuned kernels), blockwise (1x128 / 128x128) and mxfp8 (promotio
 to tensorwise; issue 12 asks blockwise fwd/dgrad >= 0.9x tensorwise and wgrad >= 0.9x.
 
 ``--sweep``: instead, time the blockwise kernels (fwd, dgrad, wgrad) under each candidate tile
-configuration of ``SWEEP_CONFIGS`` at the first shape, beside tensorwise: which tiles, warps and
-stages the defaults (``turbo_moe/fine_grained/triton_gemm.py``) should be.
+configuration of ``_sweep_configs`` (TMA and pointer loads, store paths, tiles, warps, stages) at
+the shapes ``--sweep-shapes`` names (default the first), beside tensorwise: which configuration
+the defaults (``turbo_moe/fine_grained/triton_gemm.py``) should be.
 
 Peer: DeepGEMM's m-grouped contiguous blockwise GEMM, if ``deep_gemm`` imports; the adapter is
 not written yet (its per-group 128-row alignment and TMA-aligned scale layout differ from ours),

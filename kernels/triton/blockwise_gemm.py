@@ -15,18 +15,20 @@ The scales vary along the contraction, so they cannot wait for the epilogue. Two
   upcasting both operands to bf16, multiplying in the scales and running a bf16 wgmma (half the
   FP8 rate), so the backend uses the promotion loop there instead.
 
-Loads: ``m_grouped_block_scaled_tma_kernel`` takes the M-grouped promotion loop's operands through
-TMA descriptors (Hopper+; ``turbo_moe.fine_grained.triton_gemm.tma_declined`` says when not), the
-other kernels through pointers. The promotion's synchronous wgmma leaves no slack for the loads:
-through pointers the loop ran at 0.27-0.46x the tensorwise kernels, through TMA at 0.72-0.76x
-(H100, docs/results/h100_fine_grained.md).
+Loads: ``m_grouped_block_scaled_tma_kernel`` and ``k_grouped_block_scaled_tma_kernel`` take the
+promotion loop's operands through TMA descriptors (Hopper+; ``turbo_moe.fine_grained.triton_gemm
+.tma_declined`` says when not), the other kernels through pointers. The promotion's synchronous
+wgmma leaves no slack for the loads: through pointers fwd/dgrad ran at 0.27-0.47x the tensorwise
+kernels and wgrad at 0.14-0.23x, through TMA at 0.67-0.79x and 0.40-0.50x (H100,
+docs/results/h100_fine_grained.md).
 
 Tile walk: the shared scheduler (``tile_scheduler`` via ``.scheduler``) and the M-grouped cursor
 of ``grouped_gemm`` -- one scheduler for every kernel. Offsets are read on the device only
 (capturable), no atomics, no split-K: deterministic. K-grouped: group g's token blocks start at
 its first token (``offs[g] + j * SCALE_BLOCK``) and block j's scales sit in slot
 ``offs[g] // SCALE_BLOCK + g + j``; loads are masked to the group's tokens, so ragged groups and
-groups whose token count is not a multiple of the block need no padding.
+groups whose token count is not a multiple of the block need no padding (the TMA kernel: see its
+docstring for groups that start off a 16-token boundary).
 """
 
 from __future__ import annotations

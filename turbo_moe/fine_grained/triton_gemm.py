@@ -1,5 +1,7 @@
 """Host side of the block-scaled Triton GEMMs (``kernels/triton/blockwise_gemm.py``): tile
-configuration, persistent grid (the shared scheduler's bounds) and the lean launch."""
+configuration, the choice between the TMA and pointer kernels (``tma_declined``), the persistent
+grid (the shared scheduler's bounds), and launch plans cached per problem signature and launched
+keyed (``plan``, ``run``; the tensorwise backend's scheme, ``backends/triton_backend.py``)."""
 
 from __future__ import annotations
 
