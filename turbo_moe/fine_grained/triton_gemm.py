@@ -108,7 +108,7 @@ _FORMATS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 def tma_declined(problem, config: Optional[BlockKernelConfig] = None) -> str:
     """Why ``run`` takes the pointer kernel for ``problem`` under ``config``; empty when it takes
     the TMA kernel (``m_grouped_block_scaled_tma_kernel``, ``k_grouped_block_scaled_tma_kernel``;
-    the latter still walks a group that starts off a 16-token boundary through pointers)."""
+    the latter takes a group that starts off a 16-token boundary through narrow masked boxes)."""
     cfg = config or default_config(problem)
     if not cfg.tma:
         return "config.tma is off"
