@@ -14,13 +14,14 @@ from turbo_moe.backends import flydsl_backend, flydsl_mx
 from turbo_moe.backends.base import BackendUnavailable, GemmKind
 from turbo_moe.fine_grained import quantize as Q
 from turbo_moe.fine_grained.autograd import grouped_gemm_fine, quantize_weight_fine
-from turbo_moe.fine_grained.gemm import (BlockScaledProblem, _triton_reason, run_block_scaled,
-                                         select_block_scaled_backend)
+from turbo_moe.fine_grained.gemm import (BlockScaledProblem, _triton_reason, pow2_blockwise_as_mxfp8,
+                                         reference_block_scaled_gemm, run_block_scaled, select_block_scaled_backend)
 from turbo_moe.kernels.flydsl import host, mx_host
 
 from test_flydsl_dispatch import _fake_rocm
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+POW2 = Q.BLOCKWISE._replace(pow2=True)  # UE8M0 blockwise: runs on the MX variant
 M, N, K, G = 40, 48, 96, 2  # K: 3 scale groups of 32
 OFFS = [0, 15, 40]
 
@@ -78,8 +79,9 @@ def test_flydsl_refusal_on_this_machine_is_the_backends_own_reason():
 
 
 @pytest.mark.parametrize("make, reason", [
-    (lambda: _problem(recipe=Q.BLOCKWISE, n=256), "blockwise runs on triton or torch"),
-    (lambda: _problem(GemmKind.K_GROUPED, recipe=Q.BLOCKWISE), "blockwise runs on triton or torch"),
+    (lambda: _problem(recipe=Q.BLOCKWISE, n=256), "blockwise with float32 scales runs on triton or torch"),
+    (lambda: _problem(GemmKind.K_GROUPED, recipe=Q.BLOCKWISE), "blockwise with float32 scales runs on triton or"),
+    (lambda: _problem(recipe=POW2, n=256, a_dtype=E5M2), "a is torch.float8_e5m2; the FlyDSL MXFP8 variants are"),
     (lambda: _problem(a_dtype=E5M2), "a is torch.float8_e5m2; the FlyDSL MXFP8 variants are e4m3 x e4m3"),
     (lambda: _problem(GemmKind.K_GROUPED, a_dtype=E5M2), "a is torch.float8_e5m2; the FlyDSL MXFP8 variants are"),
     (lambda: _problem(out=torch.zeros(M, N, dtype=torch.bfloat16)), "no out / accumulate"),
@@ -205,3 +207,63 @@ def test_disable_switch_keeps_auto_off_flydsl(monkeypatch):
     assert select_block_scaled_backend(problem, "auto") == ("torch" if _triton_reason(problem) else "triton")
     with pytest.raises(BackendUnavailable, match="disabled by TURBO_MOE_DISABLE_FLYDSL"):
         select_block_scaled_backend(problem, "flydsl")
+
+
+@pytest.mark.parametrize("kind", [GemmKind.M_GROUPED, GemmKind.K_GROUPED])
+def test_pow2_blockwise_as_mxfp8_is_the_same_gemm_in_the_mx_layouts(kind):
+    """Power-of-two blockwise scales become e8m0 bytes per 32 elements, in the layouts the MX variant
+    reads; the float64 reference of both problems is the same, bit for bit (exact FP8 products,
+    power-of-two scales). Ragged groups, an empty one, K and token counts not multiples of 128."""
+    gen = torch.Generator().manual_seed(5)
+    lens = [5, 0, 150, 33, 0, 129]
+    offs = torch.tensor([0] + lens).cumsum(0)
+    m = sum(lens)
+    spread = 10 ** (4 * torch.rand(m, 1, generator=gen) - 2)
+    if kind is GemmKind.M_GROUPED:
+        a, sa = Q.quantize_rows(torch.randn(m, 300, generator=gen) * spread, POW2, E4M3)
+        b, _, sb = Q.quantize_weight_blocks(torch.randn(6, 200, 300, generator=gen), POW2, E4M3, transposed=False)
+    else:
+        a, sa = Q.quantize_tokens(torch.randn(m, 40, generator=gen) * spread, offs, POW2, E4M3)
+        b, sb = Q.quantize_tokens(torch.randn(m, 44, generator=gen), offs, POW2, E4M3)
+    problem = BlockScaledProblem(kind, a, b, sa, sb, offs, torch.float32, POW2)
+    mx = pow2_blockwise_as_mxfp8(problem)
+    assert mx.recipe == Q.MXFP8 and not mx.reason() and mx.a is a and mx.b is b
+    for name in ("a_scale", "b_scale"):
+        t = getattr(mx, name)
+        assert t.dtype == torch.uint8
+        if kind is GemmKind.M_GROUPED:
+            mx_host.check_scale_layout(name, tuple(t.shape), t.stride())
+        else:
+            assert t.stride() == (1, t.shape[0])  # slot-major, as quantize_tokens stores MXFP8's
+    assert torch.equal(reference_block_scaled_gemm(mx, torch.float64), reference_block_scaled_gemm(problem, torch.float64))
+    # The allocation-only form (the plan's checks) has the same shapes and strides.
+    bare = pow2_blockwise_as_mxfp8(problem, compute=False)
+    assert [(t.shape, t.stride()) for t in (bare.a_scale, bare.b_scale)] == [
+        (t.shape, t.stride()) for t in (mx.a_scale, mx.b_scale)]
+
+
+def test_pow2_blockwise_as_mxfp8_refuses_other_recipes():
+    with pytest.raises(ValueError, match="takes blockwise power-of-two problems"):
+        pow2_blockwise_as_mxfp8(_problem(recipe=Q.BLOCKWISE, n=256))
+    with pytest.raises(ValueError, match="takes blockwise power-of-two problems"):
+        pow2_blockwise_as_mxfp8(_problem())
+
+
+def test_pow2_blockwise_training_step_sends_all_three_gemms_to_the_mx_variant(gfx950):
+    """UE8M0 blockwise (power_of_two_scales=True) on a gfx950: fwd, dgrad and wgrad launch the MX
+    variant with the expanded scales' byte counts; float32-scale blockwise stays off FlyDSL."""
+    offs = torch.tensor(OFFS)
+    x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(G, N, K, dtype=torch.bfloat16, requires_grad=True)
+    config = Float8Config(granularity="blockwise", power_of_two_scales=True)
+    grouped_gemm_fine(x, w, offs, config=config, out_dtype=torch.bfloat16).float().sum().backward()
+    (fwd, _, _, fwd_args, _), (dgrad, _, _, dgrad_args, _), (wgrad, _, wgrad_kind, wgrad_args, _) = gfx950
+    assert len(gfx950) == 3 and fwd.mx and dgrad.mx and wgrad.mx and wgrad_kind is GemmKind.K_GROUPED
+    assert (fwd_args[8:11], dgrad_args[8:11]) == ((M, N, K), (M, K, N))
+    assert fwd_args[6:8] == (M * 3, G * N * 3) and dgrad_args[6:8] == (M * 2, G * K * 2)  # per 32 elements
+    slots = M // 32 + G
+    assert wgrad_args[6:8] == (N * slots, K * slots)
+    gfx950.clear()
+    x.grad = w.grad = None
+    grouped_gemm_fine(x, w, offs, config=Float8Config(granularity="blockwise"), out_dtype=torch.bfloat16).float().sum()
+    assert not gfx950

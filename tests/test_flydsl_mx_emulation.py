@@ -9,6 +9,8 @@ Needs torch only."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -213,3 +215,43 @@ def test_emulated_mx_k_grouped_matches_the_reference_and_reads_no_other_groups_s
         bound = 2 * n_add * 2.0 ** -24 * mag[g] + 1e-30
         err = (out[g] - ref[g]).abs()
         assert torch.all(err <= bound), (g, float((err / bound).max()))
+
+
+@pytest.mark.parametrize("kind", ["m", "k"])
+def test_emulated_mx_variant_runs_power_of_two_blockwise(kind):
+    """UE8M0 blockwise on the MX variant (``pow2_blockwise_as_mxfp8``, what ``flydsl_mx.run`` hands
+    the kernel): the emulated kernel on the converted scales against the blockwise problem's own
+    reference, within the fp32 summation-order bound of the MX tests above."""
+    from turbo_moe.fine_grained import quantize as Q
+    from turbo_moe.fine_grained.gemm import pow2_blockwise_as_mxfp8
+
+    pow2 = Q.BLOCKWISE._replace(pow2=True)
+    torch.manual_seed(11)
+    lens = [0, 131, 1, 0, 70] if kind == "m" else [0, 45, 7, 300, 0, 33]
+    offs = offsets(lens)
+    offs_t = torch.tensor(offs, dtype=torch.int64)
+    m, n, k, groups = sum(lens), 140, 160, len(lens)
+    spread = 10 ** (3 * torch.rand(m, 1) - 1)
+    if kind == "m":
+        a, sa = Q.quantize_rows(torch.randn(m, k) * spread, pow2, torch.float8_e4m3fn)
+        b, _, sb = Q.quantize_weight_blocks(torch.randn(groups, n, k), pow2, torch.float8_e4m3fn, transposed=False)
+        problem = BlockScaledProblem(GemmKind.M_GROUPED, a, b, sa, sb, offs_t, torch.float32, pow2)
+        mx = pow2_blockwise_as_mxfp8(problem)
+        out = _emulate(a, mx.a_scale, b, mx.b_scale, offs, n, k)
+        contraction = k
+    else:
+        a, sa = Q.quantize_tokens(torch.randn(m, n) * spread, offs_t, pow2, torch.float8_e4m3fn)
+        b, sb = Q.quantize_tokens(torch.randn(m, k), offs_t, pow2, torch.float8_e4m3fn)
+        problem = BlockScaledProblem(GemmKind.K_GROUPED, a, b, sa, sb, offs_t, torch.float32, pow2)
+        mx = pow2_blockwise_as_mxfp8(problem)
+        out = _emulate_k_grouped(a, mx.a_scale, b, mx.b_scale, offs)
+        contraction = max(lens)
+    ref = reference_block_scaled_gemm(problem, torch.float32).double()
+    absolute = dataclasses.replace(problem, a=problem.a.double().abs(), b=problem.b.double().abs())
+    mag = reference_block_scaled_gemm(absolute, torch.float64)
+    kb = mx_host.scale_groups(contraction)
+    n_add = 128 + kb + -(-contraction // BK) + 1  # the reference sums 128-deep blocks in fp32
+    bound = 2 * n_add * 2.0 ** -24 * mag + 1e-30
+    assert not torch.isnan(out).any()
+    err = (out - ref).abs()
+    assert torch.all(err <= bound), float((err / bound).max())

@@ -16,7 +16,12 @@ It takes the ``BlockScaledProblem`` s of the ``mxfp8`` recipe:
 
 e4m3 x e4m3 operands only (the hybrid recipe's e5m2 gradients run on triton or torch). The out's
 column count must be a multiple of 4: the compiled and ISA-checked variants have vector stores.
-M-grouped allocates its bf16 out (no ``out`` / ``accumulate``). Blockwise stays on triton / torch.
+M-grouped allocates its bf16 out (no ``out`` / ``accumulate``).
+
+Blockwise with power-of-two scales (``power_of_two_scales=True``, UE8M0 blockwise) runs on the
+same variant: its scales are exact e8m0 values, expanded to one per 32 elements on the device
+(``fine_grained.gemm.pow2_blockwise_as_mxfp8``; the scaled MFMA then applies them, no promotion
+loop). Blockwise with float32 scales stays on triton / torch.
 
 Compiled and ISA-checked for gfx950 and emulated on CPU (docs/flydsl.md); never run on hardware.
 """
@@ -33,10 +38,13 @@ __all__ = ["unsupported_reason", "plan", "run"]
 
 def unsupported_reason(problem) -> str:
     """Why the MX variants do not apply to ``problem`` on any machine ("" if they do)."""
-    from ..fine_grained.quantize import MXFP8
+    from ..fine_grained.quantize import BLOCKWISE, MXFP8
 
-    if problem.recipe != MXFP8:
-        return "FlyDSL has MXFP8 variants only; blockwise runs on triton or torch"
+    if problem.recipe == BLOCKWISE:
+        return ("FlyDSL has MXFP8 variants only; blockwise with float32 scales runs on triton or torch "
+                "(power_of_two_scales=True would run on the MX variant)")
+    if problem.recipe not in (MXFP8, BLOCKWISE._replace(pow2=True)):
+        return f"FlyDSL has no variant for recipe {problem.recipe}"
     for name, t in (("a", problem.a), ("b", problem.b)):
         if t.dtype != torch.float8_e4m3fn:
             return (f"{name} is {t.dtype}; the FlyDSL MXFP8 variants are e4m3 x e4m3 (e5m2 gradients of the "
@@ -58,7 +66,20 @@ def unsupported_reason(problem) -> str:
     return ""
 
 
-def plan(problem):
+def as_mx(problem, compute: bool = True):
+    """``problem`` as the MX variant reads it: MXFP8 as it is; power-of-two blockwise through
+    ``fine_grained.gemm.pow2_blockwise_as_mxfp8`` (its scales expanded to e8m0 per 32 elements;
+    ``compute=False`` only allocates them, for the plan's layout checks)."""
+    from ..fine_grained.quantize import BLOCKWISE
+
+    if problem.recipe == BLOCKWISE._replace(pow2=True):
+        from ..fine_grained.gemm import pow2_blockwise_as_mxfp8
+
+        return pow2_blockwise_as_mxfp8(problem, compute)
+    return problem
+
+
+def plan(problem, _converted: bool = False):
     """The launch plan (``host.MGroupedLaunch`` / ``host.KGroupedLaunch``: the tensorwise launches'
     persistent grids) after checking what the kernel reads; raises ValueError naming the argument.
     ``problem`` is well-formed (``BlockScaledProblem.reason``, which ``run_block_scaled`` checks first)."""
@@ -67,6 +88,8 @@ def plan(problem):
     why = unsupported_reason(problem)
     if why:
         raise ValueError(why)
+    if not _converted:
+        problem = as_mx(problem, compute=False)
     flydsl_backend.check_offsets(problem)
     m, n, k = problem.mnk
     if problem.kind is GemmKind.M_GROUPED:
@@ -103,7 +126,9 @@ def run(problem) -> torch.Tensor:
     """Compute ``problem`` with the MX variant (register-staged main loop; it has no LDS-DMA one)."""
     from ..kernels.flydsl import grouped_gemm_fp8 as kernels
 
-    launch_plan = plan(problem)
+    problem = as_mx(problem)
+    launch_plan = plan(problem, _converted=True)
     out = "f32" if problem.accumulate else "bf16"
     config = kernels.KernelConfig("e4m3", "e4m3", out, accumulate=problem.accumulate, vec_store=True, mx=True)
     return flydsl_backend.execute(problem, launch_plan, config, False)
+

@@ -28,7 +28,8 @@ import torch
 from ..backends.base import BackendUnavailable, GemmKind
 from .quantize import FineRecipe, dequantize_scales, token_slots
 
-__all__ = ["BlockScaledProblem", "reference_block_scaled_gemm", "run_block_scaled", "select_block_scaled_backend"]
+__all__ = ["BlockScaledProblem", "pow2_blockwise_as_mxfp8", "reference_block_scaled_gemm", "run_block_scaled",
+           "select_block_scaled_backend"]
 
 
 @dataclass
@@ -127,6 +128,57 @@ class BlockScaledProblem:
         if self.accumulate and (self.kind is not GemmKind.K_GROUPED or out.dtype != torch.float32):
             return "accumulate=True is for K_GROUPED problems into a float32 out"
         return ""
+
+
+def pow2_blockwise_as_mxfp8(problem: BlockScaledProblem, compute: bool = True) -> BlockScaledProblem:
+    """The same GEMM as an ``mxfp8`` problem, for a blockwise problem with power-of-two scales
+    (``Float8Config(power_of_two_scales=True)``: UE8M0 blockwise, as DeepSeek-V3.1 ships).
+
+    A power-of-two float32 dequantization factor ``2**e`` is the e8m0 byte ``e + 127`` (its float32
+    exponent field; NaN and inf give 255, e8m0's NaN). Every 1x128 block's scale becomes the scale
+    of its four 1x32 MX blocks and every 128x128 weight block's of its 128 rows' (K-grouped: group
+    g's MX token block j takes blockwise slot ``offs[g] // 128 + g + j // 4``, gathered on the
+    device, no host sync), in the storage layouts ``quantize_rows`` / ``quantize_tokens`` return
+    for MXFP8. The FP8 operands are shared as they are. Products are exact and the scales powers of
+    two, so both problems have the same value; only fp32 summation order differs (per 32 instead
+    of per 128 products). ``compute=False``: the scales are allocated, not filled (layout checks)."""
+    r = problem.recipe
+    if r.e8m0 or not r.pow2 or r.block != 128 or r.weight_block != 128:
+        raise ValueError(f"pow2_blockwise_as_mxfp8 takes blockwise power-of-two problems, got recipe {r}")
+    from .quantize import MXFP8
+
+    m, n, k = problem.mnk
+    g = problem.num_groups
+    mx = MXFP8.block
+    dev = problem.device
+
+    def e8m0(stored: torch.Tensor) -> torch.Tensor:
+        return ((stored.float().contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+
+    if problem.kind is GemmKind.M_GROUPED:
+        k32 = -(-k // mx)
+        if not compute:
+            sa = torch.empty((k32, m), dtype=torch.uint8, device=dev).T
+            sb = torch.empty((g, k32, n), dtype=torch.uint8, device=dev).transpose(1, 2)
+        else:
+            sa = e8m0(problem.a_scale.T).repeat_interleave(4, 0)[:k32].contiguous().T  # [M, K32] block-major
+            rows = e8m0(problem.b_scale).repeat_interleave(r.weight_block, 1)[:, :n]  # [G, N, KB]
+            sb = rows.repeat_interleave(4, 2)[:, :, :k32].transpose(1, 2).contiguous().transpose(1, 2)
+    else:
+        slots32 = m // mx + g
+        if not compute:
+            sa = torch.empty((slots32, n), dtype=torch.uint8, device=dev).T
+            sb = torch.empty((slots32, k), dtype=torch.uint8, device=dev).T
+        else:
+            offs = problem.group_offs
+            first32 = offs[:-1] // mx + torch.arange(g, device=dev)
+            slot = torch.arange(slots32, device=dev)
+            group = (torch.searchsorted(first32, slot, right=True) - 1).clamp_(0, g - 1)
+            source = offs[group] // r.block + group + (slot - first32[group]) // (r.block // mx)
+            source = source.clamp_(0, problem.a_scale.shape[1] - 1)  # slots of no group: never read
+            sa = e8m0(problem.a_scale.T)[source].T  # [N, slots32] view of slot-major storage
+            sb = e8m0(problem.b_scale.T)[source].T
+    return dataclasses.replace(problem, a_scale=sa, b_scale=sb, recipe=MXFP8)
 
 
 def reference_block_scaled_gemm(problem: BlockScaledProblem, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
