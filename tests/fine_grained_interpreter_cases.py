@@ -175,6 +175,9 @@ CASES = {
                                    ("k", [48, 0, 300, 100], 20, True))
         for seed in (1, 2)),
     "k_mxfp8_ragged_e5m2": lambda: case_gemm("k", "mxfp8", [5, 0, 70, 33], 40, 45, a_fp8=E5M2),
+    # MXFP8's default is the pointer kernel; a config asking for TMA gets the K-grouped TMA kernel
+    # with e8m0 scales (32-token blocks: two narrow boxes per off-boundary block).
+    "k_mxfp8_tma_on_request": lambda: case_gemm("k", "mxfp8", [16, 0, 70, 41, 1], 40, 48, tma=True),
     "k_mxfp8_dot_scaled": lambda: case_gemm("k", "mxfp8", [5, 0, 70, 33], 40, 45, dot_scaled=True),
     "k_all_empty_zero": lambda: case_gemm("k", "mxfp8", [0, 0], 20, 20),
 }
