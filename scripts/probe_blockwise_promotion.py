@@ -14,9 +14,14 @@ One dense 32768 x 4096 x 7168 GEMM (plain tile grid, TMA loads, 128 x 128 x 128 
   (``prev = cur``) made ptxas serialize the wgmmas (warning C7514: an in-flight accumulator
   copied); the pair-unrolled loop never copies one.
 
-Not a library path (yet): the Gluon kernel is dense, not grouped, and Gluon is experimental API
-whose spelling changes between Triton releases. Prints TFLOPS and the relative error against a
-float32 evaluation of the same block-scaled sum.
+Then the library's own M-grouped blockwise problem at the bench's DeepSeek-V3 expert shapes:
+``triton_gemm.run`` (the TMA promotion loop) against ``gl_grouped_blockwise_kernel`` (the
+overlapped loop, one tile per program, tiles found with the shared scheduler's functions).
+
+Not a library path (yet): Gluon is experimental API whose spelling changes between Triton
+releases, and it has no interpreter for the CPU CI. Prints TFLOPS and the relative error against
+a float32 evaluation of the same block-scaled sum (dense) or against the library's output
+(grouped).
 """
 import sys
 
@@ -24,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor as TritonDescriptor
+
+from turbo_moe.kernels.triton import scheduler as S
 
 try:
     from triton.experimental import gluon
@@ -86,12 +93,46 @@ if gluon is not None:
 
 
     @gluon.jit
-    def _issue_block(a_bufs, b_bufs, bars, k, zero, sa_ptr, sb_row, rows, M, STAGES: gl.constexpr):
+    def _issue_block(a_bufs, b_bufs, bars, k, zero, sa_rows, stride_sak, sb_base, stride_sbk, STAGES: gl.constexpr):
+        """Block k's wgmma (in flight on return) and its rows' scales times the weight block's."""
         st = k % STAGES
         mbarrier.wait(bars.index(st), (k // STAGES) & 1)
         acc = warpgroup_mma(a_bufs.index(st), b_bufs.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
-        scale = gl.load(sa_ptr + k * M + rows) * gl.load(sb_row + k)
+        scale = gl.load(sa_rows + k * stride_sak) * gl.load(sb_base + k * stride_sbk)
         return acc, scale
+
+
+    @gluon.jit
+    def _overlapped_blocks(a_desc, b_desc, a_bufs, b_bufs, bars, kb, off_m, off_n, zero, acc, sa_rows, stride_sak,
+                           sb_base, stride_sbk, STAGES: gl.constexpr, BLOCK_K: gl.constexpr, nbytes: gl.constexpr):
+        """acc + the promoted blocks of one tile (kb >= 1): two accumulators in turn, x and y, so
+        that no in-flight accumulator is ever copied; block k's wgmma runs while block k-1's result
+        is promoted. The ring's barriers start fresh (phase 0) for each call."""
+        for i in gl.static_range(STAGES - 1):
+            _issue_load(a_desc, b_desc, a_bufs, b_bufs, bars, i, kb, off_m, off_n, STAGES, BLOCK_K, nbytes)
+        x, x_scale = _issue_block(a_bufs, b_bufs, bars, 0, zero, sa_rows, stride_sak, sb_base, stride_sbk, STAGES)
+        _issue_load(a_desc, b_desc, a_bufs, b_bufs, bars, STAGES - 1, kb, off_m, off_n, STAGES, BLOCK_K, nbytes)
+        for k in range(1, kb - 1, 2):
+            y, y_scale = _issue_block(a_bufs, b_bufs, bars, k, zero, sa_rows, stride_sak, sb_base, stride_sbk, STAGES)
+            done = warpgroup_mma_wait(num_outstanding=1, deps=(x,))
+            acc += done * gl.expand_dims(x_scale, 1)
+            _issue_load(a_desc, b_desc, a_bufs, b_bufs, bars, k + STAGES - 1, kb, off_m, off_n, STAGES, BLOCK_K, nbytes)
+            x, x_scale = _issue_block(a_bufs, b_bufs, bars, k + 1, zero, sa_rows, stride_sak, sb_base, stride_sbk,
+                                      STAGES)
+            done = warpgroup_mma_wait(num_outstanding=1, deps=(y,))
+            acc += done * gl.expand_dims(y_scale, 1)
+            _issue_load(a_desc, b_desc, a_bufs, b_bufs, bars, k + STAGES, kb, off_m, off_n, STAGES, BLOCK_K, nbytes)
+        if kb % 2 == 0:  # one block left after the pairs
+            y, y_scale = _issue_block(a_bufs, b_bufs, bars, kb - 1, zero, sa_rows, stride_sak, sb_base, stride_sbk,
+                                      STAGES)
+            done = warpgroup_mma_wait(num_outstanding=1, deps=(x,))
+            acc += done * gl.expand_dims(x_scale, 1)
+            done = warpgroup_mma_wait(num_outstanding=0, deps=(y,))
+            acc += done * gl.expand_dims(y_scale, 1)
+        else:
+            done = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
+            acc += done * gl.expand_dims(x_scale, 1)
+        return acc
 
 
 
@@ -122,41 +163,16 @@ if gluon is not None:
             mbarrier.init(bars.index(i), count=1)
         kb = gl.cdiv(K, BLOCK_K)
         nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
-        for i in gl.static_range(STAGES - 1):
-            if i < kb:
-                mbarrier.expect(bars.index(i), nbytes)
-                tma.async_copy_global_to_shared(a_desc, [off_m, i * BLOCK_K], bars.index(i), a_bufs.index(i))
-                tma.async_copy_global_to_shared(b_desc, [off_n, i * BLOCK_K], bars.index(i), b_bufs.index(i))
         rows = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma_layout)
         zero = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma_layout)
         sb_row = sb_ptr + (off_n // 128) * kb
         if OVERLAP:
-            # Two accumulators in turn, x and y, so that no in-flight accumulator is ever copied: block
-            # k's wgmma runs while block k-1's result is promoted.
-            mbarrier.wait(bars.index(0), 0)
-            x = warpgroup_mma(a_bufs.index(0), b_bufs.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-            x_scale = gl.load(sa_ptr + rows) * gl.load(sb_row)
-            _issue_load(a_desc, b_desc, a_bufs, b_bufs, bars, STAGES - 1, kb, off_m, off_n, STAGES, BLOCK_K, nbytes)
-            for k in range(1, kb - 1, 2):
-                y, y_scale = _issue_block(a_bufs, b_bufs, bars, k, zero, sa_ptr, sb_row, rows, M, STAGES)
-                done = warpgroup_mma_wait(num_outstanding=1, deps=(x,))
-                acc += done * gl.expand_dims(x_scale, 1)
-                _issue_load(a_desc, b_desc, a_bufs, b_bufs, bars, k + STAGES - 1, kb, off_m, off_n, STAGES, BLOCK_K, nbytes)
-                x, x_scale = _issue_block(a_bufs, b_bufs, bars, k + 1, zero, sa_ptr, sb_row, rows, M, STAGES)
-                done = warpgroup_mma_wait(num_outstanding=1, deps=(y,))
-                acc += done * gl.expand_dims(y_scale, 1)
-                _issue_load(a_desc, b_desc, a_bufs, b_bufs, bars, k + STAGES, kb, off_m, off_n, STAGES, BLOCK_K, nbytes)
-            if kb % 2 == 0:  # one block left after the pairs
-                y, y_scale = _issue_block(a_bufs, b_bufs, bars, kb - 1, zero, sa_ptr, sb_row, rows, M, STAGES)
-                done = warpgroup_mma_wait(num_outstanding=1, deps=(x,))
-                acc += done * gl.expand_dims(x_scale, 1)
-                done = warpgroup_mma_wait(num_outstanding=0, deps=(y,))
-                acc += done * gl.expand_dims(y_scale, 1)
-            else:
-                done = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
-                acc += done * gl.expand_dims(x_scale, 1)
+            acc = _overlapped_blocks(a_desc, b_desc, a_bufs, b_bufs, bars, kb, off_m, off_n, zero, acc, sa_ptr + rows,
+                                     M, sb_row, 1, STAGES, BLOCK_K, nbytes)
         else:
+            for i in gl.static_range(STAGES - 1):
+                _issue_load(a_desc, b_desc, a_bufs, b_bufs, bars, i, kb, off_m, off_n, STAGES, BLOCK_K, nbytes)
             for k in range(kb):
                 st = k % STAGES
                 mbarrier.wait(bars.index(st), (k // STAGES) & 1)
@@ -178,6 +194,62 @@ if gluon is not None:
         tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
         tma.store_wait(pendings=0)
 
+
+
+    @gluon.jit
+    def gl_grouped_blockwise_kernel(a_desc, b_desc, out_ptr, sa_ptr, sb_ptr, offs_ptr, N, K, G, stride_om,
+                                    stride_sam, stride_sak, stride_sbg, stride_sbn, stride_sbk,
+                                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+        """The library's M-grouped blockwise problem (``fine_grained.gemm``, weights [G, N, K] seen as
+        one [G*N, K] matrix, 128x128 weight blocks) with the overlapped promotion: one tile per
+        program, found with the shared scheduler's functions from the tile id (a cursor from
+        group 0), rows past the group's end loaded but never stored."""
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        tile = gl.program_id(0).to(gl.int64)
+        num_n_blocks = S.cdiv(N, BLOCK_N)
+        group = gl.program_id(0) * 0
+        first = tile * 0
+        lo = gl.load(offs_ptr)
+        hi = gl.load(offs_ptr + 1)
+        tiles = S.m_grouped_group_tiles(hi - lo, BLOCK_M, num_n_blocks)
+        while (tile >= first + tiles) & (group < G):
+            first += tiles
+            group += 1
+            lo = hi
+            hi = gl.load(offs_ptr + gl.minimum(group + 1, G))
+            tiles = S.m_grouped_group_tiles(hi - lo, BLOCK_M, num_n_blocks)
+        if group < G:
+            rows_in_group = hi - lo
+            m_block, n_block = S.swizzle_group_m(tile - first, S.cdiv(rows_in_group, BLOCK_M), num_n_blocks, GROUP_M)
+            off_m = (lo + m_block * BLOCK_M).to(gl.int32)
+            off_n = (group * N + n_block * BLOCK_N).to(gl.int32)
+            mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                                 instr_shape=[16, BLOCK_N, 32])
+            row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+            col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+            a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+            b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+            bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(STAGES):
+                mbarrier.init(bars.index(i), count=1)
+            nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+            offs_m = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
+            load_rows = lo + gl.where(offs_m < rows_in_group, offs_m, 0)
+            sb_base = (sb_ptr + group.to(gl.int64) * stride_sbg
+                       + ((n_block * BLOCK_N) // 128).to(gl.int64) * stride_sbn)
+            acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma_layout)
+            zero = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma_layout)
+            acc = _overlapped_blocks(a_desc, b_desc, a_bufs, b_bufs, bars, S.cdiv(K, BLOCK_K), off_m, off_n, zero, acc,
+                                     sa_ptr + load_rows * stride_sam, stride_sak, sb_base, stride_sbk, STAGES,
+                                     BLOCK_K, nbytes)
+            for i in gl.static_range(STAGES):
+                mbarrier.invalidate(bars.index(i))
+            offs_n = n_block * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+            ptrs = (out_ptr + gl.expand_dims(lo + offs_m, 1) * stride_om + gl.expand_dims(offs_n, 0))
+            mask = gl.expand_dims(offs_m < rows_in_group, 1) & gl.expand_dims(offs_n < N, 0)
+            gl.store(ptrs, acc.to(gl.bfloat16), mask=mask)
 
 
 def _operands(M, N, K, bk):
@@ -231,6 +303,45 @@ def run_gluon(M, N, K, stages, overlap, warps=8, bm=128, bn=128, bk=128):
     _measure(f"gluon stages={stages} overlap={overlap} w={warps}", launch, operands, bk, True)
 
 
+def run_grouped(G, T, K, N, stages=4, warps=8):
+    """The library's blockwise forward problem (its own quantization of random x and W, G experts of
+    T tokens) through ``triton_gemm.run`` (the TMA promotion loop) and through
+    ``gl_grouped_blockwise_kernel``: both timed, and the Gluon output's relative difference from
+    the library's (the same promoted sums in another wgmma order: ~1e-3 at most, bf16 rounding)."""
+    from turbo_moe.backends.base import GemmKind
+    from turbo_moe.fine_grained import BlockScaledProblem
+    from turbo_moe.fine_grained import quantize as Q
+    from turbo_moe.fine_grained import triton_gemm
+
+    torch.manual_seed(0)
+    M, bk, bm, bn = G * T, 128, 128, 128
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
+    a, sa = Q.quantize_rows(x, Q.BLOCKWISE, torch.float8_e4m3fn)
+    b, _, sb = Q.quantize_weight_blocks(w, Q.BLOCKWISE, torch.float8_e4m3fn, transposed=False)
+    offs = torch.arange(0, M + 1, T, device="cuda", dtype=torch.int64)
+    problem = BlockScaledProblem(GemmKind.M_GROUPED, a, b, sa, sb, offs, torch.bfloat16, Q.BLOCKWISE)
+    flops = 2 * M * N * K
+    library = lambda: triton_gemm.run(problem)  # noqa: E731
+    ref = library()
+    ms = triton.testing.do_bench(library, warmup=50, rep=200)
+    print(f"library TMA loop G={G} T={T} K={K} N={N}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOPS", flush=True)
+    layout = gl.NVMMASharedLayout.get_default_for
+    ad = TensorDescriptor(a, [M, K], [a.stride(0), 1], [bm, bk], layout([bm, bk], gl.float8e4nv))
+    bd = TensorDescriptor(b, [G * N, K], [b.stride(1), 1], [bn, bk], layout([bn, bk], gl.float8e4nv))
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    tiles = sum(-(-T // bm) * -(-N // bn) for _ in range(G))
+    gluon_run = lambda: gl_grouped_blockwise_kernel[(tiles,)](  # noqa: E731
+        ad, bd, out, sa, sb, offs, N, K, G, out.stride(0), sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
+        sb.stride(2), STAGES=stages, GROUP_M=8, num_warps=warps)
+    gluon_run()
+    torch.cuda.synchronize()
+    diff = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    ms = triton.testing.do_bench(gluon_run, warmup=50, rep=200)
+    print(f"gluon grouped stages={stages} G={G} T={T} K={K} N={N}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOPS "
+          f"rel. diff from the library {diff:.2e} NaN {bool(torch.isnan(out).any())}", flush=True)
+
+
 def main() -> int:
     M, N, K = 32768, 4096, 7168
     for mode, ws, stages in ((0, False, 4), (1, False, 4), (2, False, 4), (2, False, 3), (2, True, 3)):
@@ -246,6 +357,11 @@ def main() -> int:
             run_gluon(M, N, K, stages, overlap)
         except Exception as exc:  # Gluon's API moves between Triton releases
             print(f"gluon stages={stages} overlap={overlap}: fails {type(exc).__name__}: {str(exc)[:300]}")
+    for shape in ((8, 4096, 7168, 4096), (32, 512, 7168, 4096)):  # the bench's DeepSeek-V3 expert shapes
+        try:
+            run_grouped(*shape)
+        except Exception as exc:
+            print(f"gluon grouped {shape}: fails {type(exc).__name__}: {str(exc)[:300]}")
     return 0
 
 
