@@ -30,7 +30,10 @@
 #               PYTEST_PATHS the test files or folders (default tests; e.g. "tests/test_fp8_cast.py
 #               tests/test_fine_grained_gpu.py": PYTEST_ARGS paths are added to tests/, not instead);
 #               PYTEST_WORKERS pytest-xdist processes when a carried xdist wheel is installed (default 6;
-#               `pip download pytest-xdist execnet --no-deps -d .whl` before the call: 3.5 -> ~3 min)
+#               `pip download pytest-xdist execnet --no-deps -d .whl` before the call: 3.5 -> ~3 min);
+#               SERIAL_RESERVE seconds kept from the parallel run's cap for the serial tests (default
+#               90; the whole suite wants BUDGET_S ~585: ~320 s parallel, ~70 s serial). A run that
+#               prints a clean summary and then hangs past its cap keeps its summary's verdict.
 #   FUZZ_S, FUZZ_ARGS, HOTPATH_S, HOTPATH_ARGS, MEGATRON_S   caps and arguments of those steps
 #   BENCH_ARGS  extra benchmark arguments (e.g. "--levels kernel --num-cu 66")
 # Wheels in .whl/ (carried with the call) are installed into /tmp/site first; nothing is downloaded.
@@ -111,7 +114,9 @@ rm -f "$ENV_TXT"
 # 3. Every GPU test of the project.
 PYTEST_RC=skipped
 if has_step pytest; then
-PYTEST_CAP=$(( PYTEST_S < $(left) - 60 ? PYTEST_S : $(left) - 60 ))
+# The serial tests run after the parallel ones: keep SERIAL_RESERVE seconds for them.
+SERIAL_RESERVE=${SERIAL_RESERVE:-90}
+PYTEST_CAP=$(( PYTEST_S < $(left) - 60 - SERIAL_RESERVE ? PYTEST_S : $(left) - 60 - SERIAL_RESERVE ))
 log "pytest -m gpu (cap ${PYTEST_CAP}s)"
 # TURBO_MOE_LAUNCH_CHECK: every lean Triton launch is checked against Triton's own dispatch.
 # With pytest-xdist (a carried wheel) the tests run in PYTEST_WORKERS processes: most of their time
@@ -123,7 +128,21 @@ pytest_gpu() {  # pytest_gpu MARKEXPR CAP LOGFILE [extra...]
   TURBO_MOE_LAUNCH_CHECK=${TURBO_MOE_LAUNCH_CHECK:-1} timeout --signal=TERM --kill-after=10 "$cap" "$PY" -m pytest -m "$expr" -q -rs \
     -p no:cacheprovider --deselect tests/test_fuzz_gpu.py::test_gpu_fuzz_case "$@" ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} ${PYTEST_PATHS:-tests} \
     2>&1 | tee "$logf" | tail -n 40
-  return "${PIPESTATUS[0]}"
+  local rc=${PIPESTATUS[0]}
+  # Seen once (2026-11-25): the pytest-xdist controller printed its final summary, every test
+  # passed, and the process then sat until the cap. A run whose summary is in the log and names
+  # no failure or error keeps that verdict; the log says what happened.
+  if { [ "$rc" = 124 ] || [ "$rc" = 137 ]; } && summary_is_clean "$logf"; then
+    log "pytest printed a clean summary, then did not exit within ${cap}s: killed; its summary stands"
+    rc=0
+  fi
+  return "$rc"
+}
+summary_is_clean() {  # the log's last pytest summary line reports passes and no failure or error
+  local line
+  line=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error|skipped|deselected)|(passed|failed|error).* in [0-9.]+s' "$1" | tail -n 1)
+  echo "$line" | grep -Eq '[0-9]+ passed' || return 1
+  ! echo "$line" | grep -Eq '[0-9]+ (failed|errors?)'  # "xfailed" is no failure
 }
 pytest_gpu "gpu and not serial" "$PYTEST_CAP" "$OUT/pytest.log" "${PYTEST_PAR[@]}"
 PYTEST_RC=$?
