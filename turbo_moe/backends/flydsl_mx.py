@@ -79,7 +79,7 @@ def as_mx(problem, compute: bool = True):
     return problem
 
 
-def plan(problem, _converted: bool = False):
+def plan(problem):
     """The launch plan (``host.MGroupedLaunch`` / ``host.KGroupedLaunch``: the tensorwise launches'
     persistent grids) after checking what the kernel reads; raises ValueError naming the argument.
     ``problem`` is well-formed (``BlockScaledProblem.reason``, which ``run_block_scaled`` checks first)."""
@@ -88,8 +88,7 @@ def plan(problem, _converted: bool = False):
     why = unsupported_reason(problem)
     if why:
         raise ValueError(why)
-    if not _converted:
-        problem = as_mx(problem, compute=False)
+    problem = as_mx(problem, compute=False)  # an MXFP8 problem (run's converted one included) as it is
     flydsl_backend.check_offsets(problem)
     m, n, k = problem.mnk
     if problem.kind is GemmKind.M_GROUPED:
@@ -127,7 +126,7 @@ def run(problem) -> torch.Tensor:
     from ..kernels.flydsl import grouped_gemm_fp8 as kernels
 
     problem = as_mx(problem)
-    launch_plan = plan(problem, _converted=True)
+    launch_plan = plan(problem)
     out = "f32" if problem.accumulate else "bf16"
     config = kernels.KernelConfig("e4m3", "e4m3", out, accumulate=problem.accumulate, vec_store=True, mx=True)
     return flydsl_backend.execute(problem, launch_plan, config, False)

@@ -145,15 +145,16 @@ def pow2_blockwise_as_mxfp8(problem: BlockScaledProblem, compute: bool = True) -
     r = problem.recipe
     if r.e8m0 or not r.pow2 or r.block != 128 or r.weight_block != 128:
         raise ValueError(f"pow2_blockwise_as_mxfp8 takes blockwise power-of-two problems, got recipe {r}")
-    from .quantize import MXFP8
+    from .quantize import MXFP8, _fp32_bits
 
     m, n, k = problem.mnk
     g = problem.num_groups
     mx = MXFP8.block
+    per = r.block // mx  # MX blocks per blockwise block
     dev = problem.device
 
     def e8m0(stored: torch.Tensor) -> torch.Tensor:
-        return ((stored.float().contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+        return ((_fp32_bits(stored) >> 23) & 0xFF).to(torch.uint8)
 
     if problem.kind is GemmKind.M_GROUPED:
         k32 = -(-k // mx)
@@ -161,9 +162,9 @@ def pow2_blockwise_as_mxfp8(problem: BlockScaledProblem, compute: bool = True) -
             sa = torch.empty((k32, m), dtype=torch.uint8, device=dev).T
             sb = torch.empty((g, k32, n), dtype=torch.uint8, device=dev).transpose(1, 2)
         else:
-            sa = e8m0(problem.a_scale.T).repeat_interleave(4, 0)[:k32].contiguous().T  # [M, K32] block-major
+            sa = e8m0(problem.a_scale.T).repeat_interleave(per, 0)[:k32].contiguous().T  # [M, K32] block-major
             rows = e8m0(problem.b_scale).repeat_interleave(r.weight_block, 1)[:, :n]  # [G, N, KB]
-            sb = rows.repeat_interleave(4, 2)[:, :, :k32].transpose(1, 2).contiguous().transpose(1, 2)
+            sb = rows.repeat_interleave(per, 2)[:, :, :k32].transpose(1, 2).contiguous().transpose(1, 2)
     else:
         slots32 = m // mx + g
         if not compute:
@@ -174,7 +175,7 @@ def pow2_blockwise_as_mxfp8(problem: BlockScaledProblem, compute: bool = True) -
             first32 = offs[:-1] // mx + torch.arange(g, device=dev)
             slot = torch.arange(slots32, device=dev)
             group = (torch.searchsorted(first32, slot, right=True) - 1).clamp_(0, g - 1)
-            source = offs[group] // r.block + group + (slot - first32[group]) // (r.block // mx)
+            source = offs[group] // r.block + group + (slot - first32[group]) // per
             source = source.clamp_(0, problem.a_scale.shape[1] - 1)  # slots of no group: never read
             sa = e8m0(problem.a_scale.T)[source].T  # [N, slots32] view of slot-major storage
             sb = e8m0(problem.b_scale.T)[source].T
