@@ -221,8 +221,9 @@ def test_float8_config_validation():
         Float8Config(granularity="mxfp8", power_of_two_scales=True)
     with pytest.raises(TypeError, match="power_of_two_scales"):
         Float8Config(granularity="blockwise", power_of_two_scales=1)
-    with pytest.raises(NotImplementedError, match="delayed"):
-        Float8Config(strategy="delayed")
+    assert Float8Config(strategy="delayed").delayed  # tests/test_delayed_scaling.py
+    with pytest.raises(ValueError, match="delayed"):
+        Float8Config(strategy="delayed", granularity="rowwise")
     with pytest.raises(ValueError, match="margin"):
         Float8Config(margin=-1)
     assert not Float8Config().promotes_accumulation

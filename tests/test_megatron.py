@@ -275,9 +275,8 @@ def test_fp8_switch_mapping():
     # Recipes turbo_moe cannot run as Megatron defines them are refused (tests/test_megatron_options.py).
     assert resolve(opts(), _ns(fp8="e4m3", fp8_recipe="blockwise")) == Float8Config(granularity="blockwise")
     assert resolve(opts(), _ns(fp8="hybrid", fp8_recipe="mxfp8")) == Float8Config(format="hybrid", granularity="mxfp8")
-    for recipe in ("delayed",):
-        with pytest.raises(ValueError, match=f"fp8_recipe='{recipe}'"):
-            resolve(opts(), _ns(fp8="e4m3", fp8_recipe=recipe))
+    assert resolve(opts(), _ns(fp8="e4m3", fp8_recipe="delayed")) == Float8Config(
+        strategy="delayed", amax_history_len=1, amax_compute_algo="most_recent")
     assert resolve(opts(fp8="e4m3", granularity="rowwise"), _ns()) == Float8Config(granularity="rowwise")
     explicit = Float8Config(format="hybrid", granularity="rowwise", margin=2)
     assert resolve(opts(fp8=explicit), _ns(fp8="e4m3")) is explicit

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _megatron_harness import make_config, megatron_world, randomize_  # noqa: E402
 
 import turbo_moe.megatron as tm  # noqa: E402
-from turbo_moe.config import ScalingGranularity  # noqa: E402
+from turbo_moe.config import Float8Config, ScalingGranularity  # noqa: E402
 from turbo_moe.megatron import options as tm_options  # noqa: E402
 
 ROOT = Path(__file__).parent.parent
@@ -42,14 +42,24 @@ def _ns(**kw):
     return types.SimpleNamespace(**base)
 
 
-@pytest.mark.parametrize("recipe, reason", [
-    ("delayed", "amax history"), ("custom", "custom"),
-])
+@pytest.mark.parametrize("recipe, reason", [("custom", "custom")])
 def test_unsupported_recipes_are_refused_naming_the_recipe(recipe, reason):
     with pytest.raises(ValueError, match=f"fp8_recipe='{recipe}'.*{reason}.*fp8_recipe='tensorwise'"):
         tm.resolve_fp8_config(tm.TurboMoEOptions(), _ns(fp8_recipe=recipe))
     with pytest.raises(ValueError, match="'nvfp8' is not a recipe turbo_moe knows"):
         tm.resolve_fp8_config(tm.TurboMoEOptions(), _ns(fp8_recipe="nvfp8"))
+
+
+def test_delayed_recipe_maps_to_delayed_tensorwise_with_megatrons_history_settings():
+    cfg = tm.resolve_fp8_config(tm.TurboMoEOptions(), _ns(fp8="hybrid", fp8_recipe="delayed", fp8_margin=1))
+    # Megatron's defaults when the config does not carry them: history 1, most_recent
+    assert cfg == Float8Config(format="hybrid", strategy="delayed", amax_history_len=1,
+                               amax_compute_algo="most_recent", margin=1)
+    cfg = tm.resolve_fp8_config(tm.TurboMoEOptions(), _ns(fp8_recipe="delayed", fp8_amax_history_len=1024,
+                                                          fp8_amax_compute_algo="max"))
+    assert cfg.delayed and cfg.amax_history_len == 1024 and cfg.amax_compute_algo == "max"
+    with pytest.raises(ValueError, match="amax_compute_algo"):
+        tm.resolve_fp8_config(tm.TurboMoEOptions(), _ns(fp8_recipe="delayed", fp8_amax_compute_algo="mean"))
 
 
 @pytest.mark.parametrize("recipe, granularity", [("blockwise", "BLOCKWISE"), ("mxfp8", "MXFP8")])

@@ -13,6 +13,7 @@ from .autograd import GroupedGemmFP8Function, grouped_gemm, grouped_gemm_fp8
 from .backends import BackendUnavailable, available_backends, recent_dispatches
 from .comm_cap import num_cu_for_comm
 from .config import Float8Accumulation, Float8Config, Float8Format, ScalingGranularity, ScalingStrategy
+from .delayed_scaling import DelayedScalingState
 from .mlp import GroupedSwiGLUMLPFP8
 from .module import GroupedLinearFP8
 from .swiglu import grouped_gemm_fp8_swiglu
@@ -30,6 +31,7 @@ __all__ = [
     "Float8Format",
     "ScalingGranularity",
     "ScalingStrategy",
+    "DelayedScalingState",
     "Float8Accumulation",
     "BackendUnavailable",
     "available_backends",

@@ -28,6 +28,7 @@ import torch
 from .backends import GemmKind, GroupedGemmProblem, select_backend
 from .checks import HIGH_PRECISION_DTYPES, check_group_offs, check_operands, check_wgrad_operands, resolve_group_offs
 from .config import Float8Config, ScalingGranularity
+from .delayed_scaling import AmaxHistory, DelayedScalingState
 from .quantize import quantize_columnwise, quantize_rowwise, quantize_tensorwise_layouts, row_group_ids
 
 __all__ = [
@@ -212,11 +213,12 @@ class QuantizedGradHandoff:
     such an op would see the zeros. ``TurboMoEGroupedMLP`` hands off only with no fc1 bias.
     """
 
-    __slots__ = ("grad_dtype", "margin", "need_rows", "need_transposed", "_given", "_placeholder")
+    __slots__ = ("grad_dtype", "margin", "need_rows", "need_transposed", "history", "_given", "_placeholder")
 
     def __init__(self) -> None:
         self.grad_dtype: Optional[torch.dtype] = None
         self.margin = 0
+        self.history: Optional[AmaxHistory] = None  # delayed scaling: the producer's grad_output history
         self.need_rows = self.need_transposed = False
         self._given = self._placeholder = None
 
@@ -225,11 +227,13 @@ class QuantizedGradHandoff:
         """Whether a producer registered (:meth:`expect`) and needs a layout."""
         return self.grad_dtype is not None and (self.need_rows or self.need_transposed)
 
-    def expect(self, config: Float8Config, need_rows: bool, need_transposed: bool) -> None:
+    def expect(self, config: Float8Config, need_rows: bool, need_transposed: bool,
+               history: Optional[AmaxHistory] = None) -> None:
         if config.fine_grained or config.granularity is not ScalingGranularity.TENSORWISE:
             return  # per-tensor scaling only: the producer quantizes its own gradient
         self.grad_dtype, self.margin = config.grad_dtype, config.margin
         self.need_rows, self.need_transposed = need_rows, need_transposed
+        self.history = history
 
     def give(self, rows: Optional[torch.Tensor], transposed: Optional[torch.Tensor], scale: torch.Tensor,
              like: torch.Tensor) -> torch.Tensor:
@@ -260,11 +264,14 @@ def fp8_weight_for(w_nk, w_fp8: Optional[Float8Weight], config: Float8Config, ne
 
 
 def stash_for_fp8_gemm_backward(ctx, w_kn, config, num_cu, backend, x_dtype, w_dtype, wgrad_target,
-                                grad_handoff: Optional[QuantizedGradHandoff] = None) -> None:
+                                grad_handoff: Optional[QuantizedGradHandoff] = None,
+                                grad_history: Optional[AmaxHistory] = None) -> None:
     """What :func:`fp8_gemm_backward` reads from ``ctx`` besides the saved tensors. W^T in FP8 is
     dgrad's alone: held on ctx (not saved) so backward can drop it before the wgrad output is
-    allocated -- unless it belongs to the caller's cache, which keeps it anyway."""
+    allocated -- unless it belongs to the caller's cache, which keeps it anyway. ``grad_history``:
+    dy's amax history under delayed scaling."""
     ctx.w_kn = w_kn
+    ctx.grad_history = grad_history
     ctx.config, ctx.num_cu, ctx.backend = config, num_cu, backend
     ctx.x_dtype, ctx.w_dtype = x_dtype, w_dtype
     ctx.wgrad_target = wgrad_target
@@ -298,7 +305,8 @@ def fp8_gemm_backward(ctx, dy, w_nk, w_kn_scale, x_km, x_km_scale, group_offs, n
             dy_fp8, dy_scale = quantize_rowwise(dy, gdtype, margin)
     else:  # one pass writes both layouts (tensorwise shares one amax)
         dy = dy.contiguous()
-        dy_fp8, dy_t, dy_scale = quantize_tensorwise_layouts(dy, gdtype, margin, rows=need_dx, transposed=need_dw)
+        dy_fp8, dy_t, dy_scale = quantize_tensorwise_layouts(dy, gdtype, margin, rows=need_dx, transposed=need_dw,
+                                                             history=ctx.grad_history)
         dy_t_scale = dy_scale
     if need_dx:
         dx = _run(GemmKind.M_GROUPED, dy_fp8, w_kn, dy_scale, w_kn_scale, group_offs,
@@ -325,7 +333,7 @@ class GroupedGemmFP8Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_nk, group_offs, config: Float8Config, num_cu, backend, out_dtype,
                 w_fp8: Optional[Float8Weight] = None, wgrad_target: Optional[WgradTarget] = None,
-                grad_handoff: Optional[QuantizedGradHandoff] = None):
+                grad_handoff: Optional[QuantizedGradHandoff] = None, delayed: Optional[DelayedScalingState] = None):
         dtype, margin = config.forward_dtype, config.margin
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # Backward's operands, contiguous along their contraction dims: dgrad reads W as
@@ -336,7 +344,8 @@ class GroupedGemmFP8Function(torch.autograd.Function):
             x_fp8, x_scale = quantize_rowwise(x, dtype, margin)
             x_km = x_km_scale = None
         else:
-            x_fp8, x_km, x_scale = quantize_tensorwise_layouts(x, dtype, margin, transposed=need_dw)
+            x_fp8, x_km, x_scale = quantize_tensorwise_layouts(x, dtype, margin, transposed=need_dw,
+                                                               history=delayed and delayed.input)
             x_km_scale = x_scale
         if not need_dx:
             w_kn = w_kn_scale = None
@@ -348,10 +357,11 @@ class GroupedGemmFP8Function(torch.autograd.Function):
             x_km, x_km_scale = _token_major_operand(x, group_offs, dtype, margin, rowwise=True)
         # w itself is saved (a live parameter: no memory) to re-derive W^T if backward runs again
         # (retain_graph); the saved-tensor version check then also catches an in-place change of w.
+        grad_history = delayed and delayed.grad_output
         if grad_handoff is not None:
-            grad_handoff.expect(config, need_dx, need_dw)
+            grad_handoff.expect(config, need_dx, need_dw, grad_history)
         stash_for_fp8_gemm_backward(ctx, w_kn, config, num_cu, backend, x.dtype, w_nk.dtype, wgrad_target,
-                                    grad_handoff)
+                                    grad_handoff, grad_history)
         ctx.save_for_backward(w_nk if need_dx else None, w_kn_scale, x_km, x_km_scale, group_offs)
         return y
 
@@ -361,7 +371,7 @@ class GroupedGemmFP8Function(torch.autograd.Function):
         w_nk, w_kn_scale, x_km, x_km_scale, group_offs = ctx.saved_tensors
         dx, dw = fp8_gemm_backward(ctx, dy, w_nk, w_kn_scale, x_km, x_km_scale, group_offs,
                                    ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return dx, dw, None, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None, None
 
 
 def _prepare(x, w, group_lens, group_offs, trans_b):
@@ -370,12 +380,20 @@ def _prepare(x, w, group_lens, group_offs, trans_b):
     return offs
 
 
-def resolve_call_options(config, num_cu, out_dtype) -> Float8Config:
-    """The FP8 entry points' shared checks: ``config`` (None: ``Float8Config()``), ``num_cu`` and
-    ``out_dtype``, each named when wrong; returns the config."""
+def resolve_call_options(config, num_cu, out_dtype, delayed_state=None) -> Float8Config:
+    """The FP8 entry points' shared checks: ``config`` (None: ``Float8Config()``), ``num_cu``,
+    ``out_dtype`` and ``delayed_state`` (present exactly when the config is delayed), each named
+    when wrong; returns the config."""
     config = Float8Config() if config is None else config
     if not isinstance(config, Float8Config):
         raise TypeError(f"config must be a turbo_moe.Float8Config, got {type(config).__name__}")
+    if config.delayed and not isinstance(delayed_state, DelayedScalingState):
+        raise ValueError("config.strategy='delayed' needs delayed_state=, the amax histories the scales come from "
+                         "(a turbo_moe.DelayedScalingState kept across calls; GroupedLinearFP8 owns one), got "
+                         f"{type(delayed_state).__name__}")
+    if delayed_state is not None and not config.delayed:
+        raise ValueError(f"delayed_state= is for Float8Config(strategy='delayed'), got strategy="
+                         f"{config.strategy.value!r}")
     _check_num_cu(num_cu)
     if out_dtype is not None and out_dtype not in HIGH_PRECISION_DTYPES:
         raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
@@ -399,6 +417,7 @@ def grouped_gemm_fp8(
     backend: str = "auto",
     group_offs: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
+    delayed_state: Optional[DelayedScalingState] = None,
 ) -> torch.Tensor:
     """Differentiable FP8 grouped GEMM: ``y[rows of g] = x[rows of g] @ (W[g]^T if trans_b else W[g])``.
 
@@ -412,15 +431,19 @@ def grouped_gemm_fp8(
         backend: ``"auto"``, ``"flydsl"``, ``"triton"`` or ``"torch"``.
         out_dtype: dtype of ``y``; default, as ``F.linear``: the autocast dtype under
             ``torch.autocast`` for x's device, else ``x.dtype``.
+        delayed_state: with ``config.strategy="delayed"`` (and only then), the
+            ``DelayedScalingState`` whose amax histories scale x and dy; keep one per layer
+            across calls (``GroupedLinearFP8`` does).
     """
     offs = _prepare(x, w, group_lens, group_offs, trans_b)
     return _grouped_gemm_fp8_resolved(x, w, offs, trans_b=trans_b, config=config, num_cu=num_cu,
-                                      backend=backend, out_dtype=out_dtype)
+                                      backend=backend, out_dtype=out_dtype, delayed_state=delayed_state)
 
 
 @torch.compiler.disable
 def grouped_gemm_fp8_with_offs(x, w, offs, *, trans_b=True, config=None, num_cu=None, backend="auto", out_dtype=None,
-                               w_fp8: Optional[Float8Weight] = None):
+                               w_fp8: Optional[Float8Weight] = None,
+                               delayed_state: Optional[DelayedScalingState] = None):
     """``grouped_gemm_fp8`` on int64 ``[G+1]`` offsets ``offs``, checked (and on a GPU clamped) as
     ``grouped_gemm_fp8`` checks its ``group_offs``.
 
@@ -430,18 +453,19 @@ def grouped_gemm_fp8_with_offs(x, w, offs, *, trans_b=True, config=None, num_cu=
     num_groups, num_rows, _, _ = check_operands(x, w, trans_b)
     offs = check_group_offs(offs, num_groups, num_rows, x.device, name="offs")
     return _grouped_gemm_fp8_resolved(x, w, offs, trans_b=trans_b, config=config, num_cu=num_cu,
-                                      backend=backend, out_dtype=out_dtype, w_fp8=w_fp8)
+                                      backend=backend, out_dtype=out_dtype, w_fp8=w_fp8, delayed_state=delayed_state)
 
 
 @torch.compiler.disable
 def _grouped_gemm_fp8_resolved(x, w, offs, *, trans_b=True, config=None, num_cu=None, backend="auto", out_dtype=None,
                                w_fp8: Optional[Float8Weight] = None, wgrad_target: Optional[WgradTarget] = None,
-                               grad_handoff: Optional[QuantizedGradHandoff] = None):
+                               grad_handoff: Optional[QuantizedGradHandoff] = None,
+                               delayed_state: Optional[DelayedScalingState] = None):
     """``grouped_gemm_fp8_with_offs`` on operands and offsets already checked (by ``check_operands``
     and ``checks.resolve_group_offs``): for callers that resolved them once for several uses.
     ``wgrad_target``: see ``WgradTarget``; ``grad_handoff``: see ``QuantizedGradHandoff`` (ignored
     by the fine-grained recipes, which quantize their own gradient)."""
-    config = resolve_call_options(config, num_cu, out_dtype)
+    config = resolve_call_options(config, num_cu, out_dtype, delayed_state)
     out_dtype = _autocast_out_dtype(x, out_dtype)
     w_nk = w if trans_b else w.transpose(1, 2)
     if config.fine_grained:  # blockwise / mxfp8: turbo_moe.fine_grained
@@ -449,7 +473,7 @@ def _grouped_gemm_fp8_resolved(x, w, offs, *, trans_b=True, config=None, num_cu=
         return grouped_gemm_fine(x, w_nk, offs, config=config, num_cu=num_cu, backend=backend, out_dtype=out_dtype,
                                  w_fp8=w_fp8, wgrad_target=wgrad_target)
     return GroupedGemmFP8Function.apply(x, w_nk, offs, config, num_cu, backend, out_dtype, w_fp8, wgrad_target,
-                                        grad_handoff)
+                                        grad_handoff, delayed_state)
 
 
 @torch.compiler.disable
@@ -494,6 +518,11 @@ def _grouped_wgrad_fp8_resolved(dy, x, group_offs, *, config=None, num_cu=None, 
         if out_dtype not in (None, torch.float32):
             raise ValueError(f"out_dtype={out_dtype} conflicts with main_grad (accumulation is in float32)")
         out_dtype = torch.float32
+    config = Float8Config() if config is None else config
+    if isinstance(config, Float8Config) and config.delayed:
+        raise ValueError("grouped_wgrad_fp8 quantizes dy and x afresh, with no amax history: config.strategy must be "
+                         "'current' (a delayed-scaling layer makes dW in its GEMM's own backward, or queues it "
+                         "through WgradTarget(defer=...))")
     config = resolve_call_options(config, num_cu, out_dtype)
     if config.fine_grained:  # blockwise / mxfp8: turbo_moe.fine_grained
         from .fine_grained import grouped_wgrad_fine

@@ -45,7 +45,10 @@ class ScalingStrategy(str, enum.Enum):
     """Where the scale comes from.
 
     ``CURRENT``: amax of the tensor being quantized, computed on the device (no host sync).
-    ``DELAYED``: reserved seam for amax-history scaling; not implemented yet and rejected.
+    ``DELAYED``: for activations and gradients, the newest or largest amax of the last
+    ``amax_history_len`` casts of the same tensor role (Transformer Engine's ``DelayedScaling``,
+    Megatron's ``fp8_recipe="delayed"``): one pass per cast instead of two; weights keep current
+    scaling. Tensorwise only; see ``turbo_moe.delayed_scaling``.
     """
 
     CURRENT = "current"
@@ -92,15 +95,22 @@ def fp8_max(dtype: torch.dtype) -> float:
 #   in float32, so the scale is 0 and the output NaN).
 MAX_MARGIN = 8
 
+# Delayed scaling: how the history reduces to the scale's amax (Transformer Engine's names), and the
+# longest history (TE's default is 1024; the cast kernel's last program rolls it in one vector).
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+MAX_AMAX_HISTORY = 4096
+
 
 @dataclass(frozen=True)
 class Float8Config:
     """The FP8 recipe for one grouped GEMM (forward and backward).
 
     ``format``: ``"e4m3"`` or ``"hybrid"``; ``granularity``: ``"tensorwise"`` or ``"rowwise"``;
-    ``strategy``: ``"current"`` (``"delayed"`` is a reserved seam: ``amax_history_len`` will size
-    its history, and asking for it today raises). ``margin`` (an int in ``[0, 8]``) shrinks the
-    scale by ``2**margin`` to leave head-room, as Transformer Engine's recipe does.
+    ``strategy``: ``"current"`` or ``"delayed"`` (tensorwise only: the scale of an activation or
+    gradient from the amax history of its tensor role, ``amax_history_len`` entries long, reduced
+    by ``amax_compute_algo``: ``"max"`` or ``"most_recent"``, as Transformer Engine's
+    ``DelayedScaling``). ``margin`` (an int in ``[0, 8]``) shrinks the scale by ``2**margin`` to
+    leave head-room, as Transformer Engine's recipe does.
     ``granularity`` may also be ``"blockwise"`` or ``"mxfp8"`` (see ScalingGranularity).
     ``power_of_two_scales`` (blockwise only): round every quantization scale down to a power of
     two (DeepSeek-V3, TE's ``Float8BlockScaling(power_2_scale=True)``), so that scaling is exact;
@@ -113,6 +123,7 @@ class Float8Config:
     strategy: ScalingStrategy = ScalingStrategy.CURRENT
     margin: int = 0
     amax_history_len: int = field(default=1)
+    amax_compute_algo: str = "max"
     power_of_two_scales: bool = False
     accumulation: Float8Accumulation = Float8Accumulation.FAST
 
@@ -129,15 +140,21 @@ class Float8Config:
             except ValueError:
                 allowed = ", ".join(repr(m.value) for m in enum_type)
                 raise ValueError(f"Float8Config.{name}={value!r} is not one of {allowed}") from None
-        if self.strategy is ScalingStrategy.DELAYED:
-            raise NotImplementedError(
-                "Float8Config.strategy='delayed' (amax history) is a reserved seam and not implemented; "
-                "use strategy='current'"
+        if self.strategy is ScalingStrategy.DELAYED and self.granularity is not ScalingGranularity.TENSORWISE:
+            raise ValueError(
+                f"Float8Config.strategy='delayed' scales per tensor (one amax history per tensor role); "
+                f"granularity={self.granularity.value!r} takes its scales from the current tensor: use "
+                "granularity='tensorwise' or strategy='current'"
             )
+        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(f"Float8Config.amax_compute_algo must be one of {', '.join(map(repr, AMAX_COMPUTE_ALGOS))}, "
+                             f"got {self.amax_compute_algo!r}")
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or not 0 <= self.margin <= MAX_MARGIN:
             raise ValueError(f"Float8Config.margin must be an int in [0, {MAX_MARGIN}], got {self.margin!r}")
-        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
-            raise ValueError(f"Float8Config.amax_history_len must be >= 1, got {self.amax_history_len!r}")
+        if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) \
+                or not 1 <= self.amax_history_len <= MAX_AMAX_HISTORY:
+            raise ValueError(f"Float8Config.amax_history_len must be an int in [1, {MAX_AMAX_HISTORY}], "
+                             f"got {self.amax_history_len!r}")
         if not isinstance(self.power_of_two_scales, bool):
             raise TypeError(f"Float8Config.power_of_two_scales must be a bool, got {self.power_of_two_scales!r}")
         if self.power_of_two_scales and self.granularity is not ScalingGranularity.BLOCKWISE:
@@ -150,6 +167,11 @@ class Float8Config:
     def fine_grained(self) -> bool:
         """Whether the recipe is blockwise or MXFP8 (run by ``turbo_moe.fine_grained``)."""
         return self.granularity in (ScalingGranularity.BLOCKWISE, ScalingGranularity.MXFP8)
+
+    @property
+    def delayed(self) -> bool:
+        """Whether activations and gradients take their scales from an amax history."""
+        return self.strategy is ScalingStrategy.DELAYED
 
     @property
     def promotes_accumulation(self) -> bool:

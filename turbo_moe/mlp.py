@@ -72,10 +72,12 @@ class GroupedSwiGLUMLPFP8(nn.Module):
         handoff = QuantizedGradHandoff()
         h = _grouped_gemm_fp8_resolved(
             x, fc1.weight, offs, config=self.config, num_cu=fc1.num_cu, backend=fc1.backend,
-            w_fp8=fc1._cached_fp8_weight() if fc1.cache_fp8_weight else None, grad_handoff=handoff)
+            w_fp8=fc1._cached_fp8_weight() if fc1.cache_fp8_weight else None, grad_handoff=handoff,
+            delayed_state=fc1.fp8_delayed)
         return grouped_gemm_fp8_swiglu(
             h, probs, fc2.weight, offs, config=self.config, num_cu=fc2.num_cu, backend=fc2.backend,
-            w_fp8=fc2._cached_fp8_weight() if fc2.cache_fp8_weight else None, h_grad_handoff=handoff)
+            w_fp8=fc2._cached_fp8_weight() if fc2.cache_fp8_weight else None, h_grad_handoff=handoff,
+            delayed_state=fc2.fp8_delayed)
 
     def extra_repr(self) -> str:
         return f"fused_swiglu={fuses_swiglu(self.config)}"

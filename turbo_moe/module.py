@@ -11,6 +11,7 @@ from torch import nn
 from .autograd import _grouped_gemm_fp8_resolved, add_group_bias, quantize_weight
 from .checks import check_operands, resolve_group_offs
 from .config import Float8Config
+from .delayed_scaling import delayed_state_for
 
 __all__ = ["GroupedLinearFP8"]
 
@@ -22,7 +23,9 @@ class GroupedLinearFP8(nn.Module):
         num_groups: number of experts G.
         in_features / out_features: K and N of every expert.
         bias: add a per-expert bias ``[G, out_features]`` (kept in high precision).
-        config: the FP8 recipe (``Float8Config``; default e4m3, tensorwise, current scaling).
+        config: the FP8 recipe (``Float8Config``; default e4m3, tensorwise, current scaling). With
+            ``strategy="delayed"`` the layer keeps the amax histories of its input and output
+            gradient (``fp8_delayed``, a ``DelayedScalingState``; ``turbo_moe.delayed_scaling``).
         num_cu: cap on the SMs/CUs the kernels occupy, or None for all.
         backend: ``"auto"``, ``"flydsl"``, ``"triton"`` or ``"torch"``.
         cache_fp8_weight: (default True) keep the FP8 copies of the weight between calls and
@@ -71,6 +74,7 @@ class GroupedLinearFP8(nn.Module):
         self.backend = backend
         self.cache_fp8_weight = bool(cache_fp8_weight)
         self._fp8_weight_cache = None  # (key, Float8Weight)
+        self.fp8_delayed = delayed_state_for(self.config)
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
         if bias:
@@ -106,6 +110,7 @@ class GroupedLinearFP8(nn.Module):
             config=self.config,
             num_cu=self.num_cu,
             backend=self.backend,
+            delayed_state=self.fp8_delayed,
         )
         if self.bias is not None:
             y = add_group_bias(y, self.bias, offs)
@@ -140,6 +145,7 @@ class GroupedLinearFP8(nn.Module):
         return (
             f"num_groups={self.num_groups}, in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, format={cfg.format.value}, granularity={cfg.granularity.value}, "
-            f"num_cu={self.num_cu}, backend={self.backend!r}"
+            + (f"strategy=delayed(history={cfg.amax_history_len}, {cfg.amax_compute_algo}), " if cfg.delayed else "")
+            + f"num_cu={self.num_cu}, backend={self.backend!r}"
             + (", cache_fp8_weight=True" if self.cache_fp8_weight else "")
         )

@@ -87,14 +87,18 @@ def quantize_tensorwise(t: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0
 
 
 def quantize_tensorwise_layouts(t: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, *,
-                                rows: bool = True, transposed: bool = False):
+                                rows: bool = True, transposed: bool = False, history=None):
     """Tensorwise FP8 copies of ``t`` ([R, C] or [B, R, C]) in the layouts asked for.
 
     Returns ``(rows_fp8, transposed_fp8, dequant_scale)``: a contiguous copy in t's layout, a
     contiguous copy of its last two dims swapped (``[..., C, R]``), each None unless asked for.
     On a GPU two Triton launches (amax partials, then one cast writing both layouts, the scale
     derived on the device) do it all; elsewhere torch ops give the same bits.
+    ``history``: a ``turbo_moe.delayed_scaling.AmaxHistory`` (delayed scaling): the scale comes
+    from it and t's amax is recorded in it, in one launch on a GPU.
     """
+    if history is not None:
+        return history.quantize(t, fp8_dtype, margin, rows=rows, transposed=transposed)
     kernels = _cast_kernels(t)
     if kernels is not None:
         return kernels.fp8_tensorwise_cast(t, fp8_dtype, fp8_max(fp8_dtype), margin, write_rows=rows,

@@ -17,6 +17,9 @@
 Saved for backward: ``h`` (Megatron's activation saves it too), ``probs``, ``a``'s token-major FP8
 copy (wgrad) and, held on ctx, W^T in FP8 (dgrad) -- never ``a`` in high precision.
 
+Under delayed scaling (``turbo_moe.delayed_scaling``) each of these is one pass: ``a``'s cast, and
+``dh``'s layouts with ``dprobs``, take their scale from an amax history and record their amax.
+
 Tensorwise scaling only (one scale for ``a``: the amax pass sees the whole tensor before the cast);
 :func:`fuses_swiglu` says whether a recipe is supported, and callers fall back to the activation
 followed by ``grouped_gemm_fp8`` otherwise. The activation's arithmetic is float32 from ``h``
@@ -47,6 +50,7 @@ from .autograd import (
 from .backends import GemmKind
 from .checks import HIGH_PRECISION_DTYPES, check_group_offs
 from .config import Float8Config, ScalingGranularity, fp8_max
+from .delayed_scaling import AmaxHistory, DelayedScalingState
 from .quantize import quantize_tensorwise_layouts
 
 __all__ = ["fuses_swiglu", "grouped_gemm_fp8_swiglu", "weighted_swiglu", "quantize_weighted_swiglu",
@@ -54,7 +58,8 @@ __all__ = ["fuses_swiglu", "grouped_gemm_fp8_swiglu", "weighted_swiglu", "quanti
 
 
 def fuses_swiglu(config: Optional[Float8Config]) -> bool:
-    """Whether :func:`grouped_gemm_fp8_swiglu` supports this FP8 recipe (per-tensor scaling)."""
+    """Whether :func:`grouped_gemm_fp8_swiglu` supports this FP8 recipe (per-tensor scaling,
+    current or delayed)."""
     return config is not None and not config.fine_grained and config.granularity is ScalingGranularity.TENSORWISE
 
 
@@ -74,15 +79,22 @@ def _swiglu_kernels(h: torch.Tensor):
 
 
 def quantize_weighted_swiglu(h: torch.Tensor, probs: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, *,
-                             rows: bool = True, transposed: bool = False):
+                             rows: bool = True, transposed: bool = False, history: Optional[AmaxHistory] = None):
     """Tensorwise FP8 of :func:`weighted_swiglu` ``(h, probs)`` in the layouts asked for:
     ``(rows [M, F] or None, transposed [F, M] or None, 0-dim dequant scale)``, as
-    ``quantize.quantize_tensorwise_layouts`` returns them for a materialized activation."""
+    ``quantize.quantize_tensorwise_layouts`` returns them for a materialized activation.
+    ``history``: delayed scaling (``turbo_moe.delayed_scaling``): one pass, the scale from it."""
     kernels = _swiglu_kernels(h)
+    if kernels is not None and history is not None:
+        history.prepare(h.device, fp8_dtype, margin, lambda: kernels.swiglu_amax(h, probs))
+        return kernels.swiglu_fp8_delayed(h, probs, history.state, history.ticket, history.history_len,
+                                          history.most_recent, fp8_dtype, fp8_max(fp8_dtype), margin, write_rows=rows,
+                                          write_transposed=transposed)
     if kernels is not None:
         return kernels.swiglu_fp8_tensorwise(h, probs, fp8_dtype, fp8_max(fp8_dtype), margin, write_rows=rows,
                                              write_transposed=transposed)
-    return quantize_tensorwise_layouts(weighted_swiglu(h, probs), fp8_dtype, margin, rows=rows, transposed=transposed)
+    return quantize_tensorwise_layouts(weighted_swiglu(h, probs), fp8_dtype, margin, rows=rows, transposed=transposed,
+                                       history=history)
 
 
 def weighted_swiglu_backward(h: torch.Tensor, probs: torch.Tensor, da: torch.Tensor):
@@ -107,17 +119,25 @@ def _weighted_swiglu_grads(h: torch.Tensor, probs: torch.Tensor, da: torch.Tenso
 
 
 def quantize_weighted_swiglu_backward(h: torch.Tensor, probs: torch.Tensor, da: torch.Tensor, fp8_dtype: torch.dtype,
-                                      margin: int = 0, *, rows: bool = True, transposed: bool = False):
+                                      margin: int = 0, *, rows: bool = True, transposed: bool = False,
+                                      history: Optional[AmaxHistory] = None):
     """``(rows [M, 2F] or None, transposed [2F, M] or None, dequant scale, dprobs [M])``: ``dh`` of
     :func:`weighted_swiglu_backward` quantized tensorwise from its float32 values, as
     ``quantize.quantize_tensorwise_layouts`` returns a materialized tensor's layouts, without ``dh``
-    ever existing in h's dtype; ``dprobs`` in probs' dtype."""
+    ever existing in h's dtype; ``dprobs`` in probs' dtype. ``history``: delayed scaling (one pass
+    on a GPU: ``dh``'s layouts and ``dprobs`` together)."""
     kernels = _swiglu_kernels(h)
+    if kernels is not None and history is not None:
+        history.prepare(h.device, fp8_dtype, margin, lambda: kernels.swiglu_backward_dh_amax(h, probs, da))
+        return kernels.swiglu_backward_fp8_delayed(h, probs, da, history.state, history.ticket, history.history_len,
+                                                   history.most_recent, fp8_dtype, fp8_max(fp8_dtype), margin,
+                                                   probs.dtype, write_rows=rows, write_transposed=transposed)
     if kernels is not None:
         return kernels.swiglu_backward_fp8_tensorwise(h, probs, da, fp8_dtype, fp8_max(fp8_dtype), margin, probs.dtype,
                                                       write_rows=rows, write_transposed=transposed)
     dh, dprobs = _weighted_swiglu_grads(h, probs, da)
-    q_rows, q_t, scale = quantize_tensorwise_layouts(dh, fp8_dtype, margin, rows=rows, transposed=transposed)
+    q_rows, q_t, scale = quantize_tensorwise_layouts(dh, fp8_dtype, margin, rows=rows, transposed=transposed,
+                                                     history=history)
     return q_rows, q_t, scale, dprobs.to(probs.dtype)
 
 
@@ -133,17 +153,19 @@ class GroupedSwiGLUGemmFP8Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, probs, w_nk, group_offs, config: Float8Config, num_cu, backend, out_dtype,
                 w_fp8: Optional[Float8Weight] = None, wgrad_target: Optional[WgradTarget] = None,
-                h_grad_handoff: Optional[QuantizedGradHandoff] = None):
+                h_grad_handoff: Optional[QuantizedGradHandoff] = None,
+                delayed: Optional[DelayedScalingState] = None):
         need_da = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         need_dw = ctx.needs_input_grad[2]
         w_q, w_scale, w_kn, w_kn_scale = fp8_weight_for(w_nk, w_fp8, config, need_da)
         a_fp8, a_km, a_scale = quantize_weighted_swiglu(h, probs, config.forward_dtype, config.margin,
-                                                        transposed=need_dw)
+                                                        transposed=need_dw, history=delayed and delayed.input)
         y = _run(GemmKind.M_GROUPED, a_fp8, w_q, a_scale, w_scale, group_offs, out_dtype, num_cu, backend, "fwd",
                  config)
         if not need_da:
             w_kn = w_kn_scale = None
-        stash_for_fp8_gemm_backward(ctx, w_kn, config, num_cu, backend, h.dtype, w_nk.dtype, wgrad_target)
+        stash_for_fp8_gemm_backward(ctx, w_kn, config, num_cu, backend, h.dtype, w_nk.dtype, wgrad_target,
+                                    grad_history=delayed and delayed.grad_output)
         ctx.h_grad_handoff = h_grad_handoff
         ctx.h_ref = weakref.ref(h) if h_grad_handoff is not None else None
         ctx.save_for_backward(h if need_da else None, probs if need_da else None, w_nk if need_da else None,
@@ -163,11 +185,11 @@ class GroupedSwiGLUGemmFP8Function(torch.autograd.Function):
                 and not _grad_is_observed(ctx.h_ref()):
             rows, transposed, scale, dprobs = quantize_weighted_swiglu_backward(
                 h, probs, da, handoff.grad_dtype, handoff.margin, rows=handoff.need_rows,
-                transposed=handoff.need_transposed)
+                transposed=handoff.need_transposed, history=handoff.history)
             dh = handoff.give(rows, transposed, scale, like=h)
         elif need_da:
             dh, dprobs = weighted_swiglu_backward(h, probs, da)
-        return dh, dprobs, dw, None, None, None, None, None, None, None, None
+        return dh, dprobs, dw, None, None, None, None, None, None, None, None, None
 
 
 @torch.compiler.disable
@@ -176,7 +198,8 @@ def grouped_gemm_fp8_swiglu(h: torch.Tensor, probs: torch.Tensor, w: torch.Tenso
                             backend: str = "auto", out_dtype: Optional[torch.dtype] = None,
                             w_fp8: Optional[Float8Weight] = None,
                             wgrad_target: Optional[WgradTarget] = None,
-                            h_grad_handoff: Optional[QuantizedGradHandoff] = None) -> torch.Tensor:
+                            h_grad_handoff: Optional[QuantizedGradHandoff] = None,
+                            delayed_state: Optional[DelayedScalingState] = None) -> torch.Tensor:
     """Differentiable ``y[rows of g] = weighted_swiglu(h, probs)[rows of g] @ w[g]^T``.
 
     Args:
@@ -192,8 +215,11 @@ def grouped_gemm_fp8_swiglu(h: torch.Tensor, probs: torch.Tensor, w: torch.Tenso
         h_grad_handoff: the ``QuantizedGradHandoff`` that the FP8 GEMM producing ``h`` (fc1) was
             given as its ``grad_handoff``: ``dh`` then goes to fc1's backward in FP8 and autograd
             carries a placeholder; only where ``h`` feeds nothing else (see the class).
+        delayed_state: with ``config.strategy="delayed"``, fc2's ``DelayedScalingState``: its
+            ``input`` history scales ``a``, its ``grad_output`` history fc2's ``dy`` (``dh`` takes
+            fc1's, through ``h_grad_handoff``).
     """
-    config = resolve_call_options(config, num_cu, out_dtype)
+    config = resolve_call_options(config, num_cu, out_dtype, delayed_state)
     if not fuses_swiglu(config):
         raise ValueError(f"grouped_gemm_fp8_swiglu supports tensorwise scaling only, got {config.granularity.value}; "
                          "apply the activation, then grouped_gemm_fp8")
@@ -220,4 +246,4 @@ def grouped_gemm_fp8_swiglu(h: torch.Tensor, probs: torch.Tensor, w: torch.Tenso
     p = p if p.is_contiguous() else p.contiguous()
     out_dtype = _autocast_out_dtype(h, out_dtype)
     return GroupedSwiGLUGemmFP8Function.apply(h, p, w, offs, config, num_cu, backend, out_dtype, w_fp8, wgrad_target,
-                                              h_grad_handoff)
+                                              h_grad_handoff, delayed_state)

@@ -80,7 +80,12 @@ TRAIN_VARIANTS = {
     # opt-in (--variants), so the default run keeps its GPU time.
     "fp8-blockwise": (True, "blockwise"),
     "fp8-mxfp8": (True, "mxfp8"),
+    # Delayed scaling (Megatron's fp8_recipe="delayed"): per-tensor scales from a 16-step amax
+    # history, reduced by max (turbo_moe.delayed_scaling): no amax pass before each cast.
+    "fp8-delayed": (True, "tensorwise-delayed"),
 }
+# The delayed variant's history (Transformer Engine's DelayedScaling names).
+DELAYED_HISTORY_LEN, DELAYED_COMPUTE_ALGO = 16, "max"
 DEFAULT_TRAIN_VARIANTS = ("turbo-bf16", "fp8-tensorwise", "fp8-rowwise", "megatron")
 
 
@@ -195,7 +200,14 @@ def build_model(cfg: TrainConfig, variant: str, device: torch.device, fp8_format
         if granularity is None:
             spec = use_turbo_moe_experts(spec, fp8=None)
         else:
-            spec = use_turbo_moe_experts(spec, fp8=fp8_format, granularity=granularity, backend=backend)
+            if granularity == "tensorwise-delayed":
+                from turbo_moe import Float8Config
+
+                fp8 = Float8Config.from_megatron(fp8_format, strategy="delayed", amax_history_len=DELAYED_HISTORY_LEN,
+                                                 amax_compute_algo=DELAYED_COMPUTE_ALGO)
+                spec = use_turbo_moe_experts(spec, fp8=fp8, backend=backend)
+            else:
+                spec = use_turbo_moe_experts(spec, fp8=fp8_format, granularity=granularity, backend=backend)
     config = _transformer_config(cfg, device)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB_SIZE,
                      max_sequence_length=cfg.seq, position_embedding_type="rope")

@@ -19,6 +19,7 @@ from ..autograd import (
     grouped_gemm,
 )
 from ..checks import resolve_group_offs
+from ..delayed_scaling import delayed_state_for
 from ..swiglu import fuses_swiglu, grouped_gemm_fp8_swiglu
 from .checkpoint import GroupedLinearCheckpointMixin
 from .main_grad import (
@@ -100,6 +101,7 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
         if not isinstance(self.options, TurboMoEOptions):
             raise TypeError(f"options must be a TurboMoEOptions, got {type(self.options).__name__}")
         self.fp8_config = resolve_fp8_config(self.options, config)
+        self.fp8_delayed = delayed_state_for(self.fp8_config)  # amax histories (fp8_recipe="delayed")
         self.num_gemms = num_gemms
         self.parallel_mode = parallel_mode
         self.name = name
@@ -231,13 +233,13 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
             return grouped_gemm_fp8_swiglu(
                 x, swiglu_probs, weight, offs, config=self.fp8_config, num_cu=self.num_cu,
                 backend=self.options.backend, out_dtype=out_dtype, w_fp8=self._cached_fp8_weight(),
-                wgrad_target=wgrad_target, h_grad_handoff=grad_handoff)
+                wgrad_target=wgrad_target, h_grad_handoff=grad_handoff, delayed_state=self.fp8_delayed)
         if self.fp8_config is None:
             return grouped_gemm(x, weight, group_offs=offs, out_dtype=out_dtype)
         return _grouped_gemm_fp8_resolved(  # offs resolved (checked) once in forward
             x, weight, offs, config=self.fp8_config, num_cu=self.num_cu,
             backend=self.options.backend, out_dtype=out_dtype, w_fp8=self._cached_fp8_weight(),
-            wgrad_target=wgrad_target, grad_handoff=grad_handoff,
+            wgrad_target=wgrad_target, grad_handoff=grad_handoff, delayed_state=self.fp8_delayed,
         )
 
     def _defer_wgrad(self, wgrad) -> None:
@@ -419,7 +421,8 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
 
     def extra_repr(self) -> str:
         fp8 = "off" if self.fp8_config is None else (
-            f"{self.fp8_config.format.value}/{self.fp8_config.granularity.value}")
+            f"{self.fp8_config.format.value}/{self.fp8_config.granularity.value}"
+            + ("/delayed" if self.fp8_config.delayed else ""))
         return (f"num_gemms={self.num_gemms}, in={self.in_features}, out={self.out_features}, "
                 f"bias={self.use_bias}, parallel_mode={self.parallel_mode}, ETP={self.tp_size}, fp8={fp8}, "
                 f"backend={self.options.backend!r}, delay_wgrad={self.delay_wgrad_compute}")

@@ -9,7 +9,7 @@ import dataclasses
 import warnings
 from typing import Optional, Union
 
-from ..config import Float8Config, ScalingGranularity
+from ..config import Float8Config, ScalingGranularity, ScalingStrategy
 
 __all__ = ["TurboMoEOptions", "resolve_fp8_config", "resolve_num_cu", "Fp8Setting", "FP8_RECIPES", "RecipeMapping"]
 
@@ -89,6 +89,7 @@ def resolve_num_cu(num_cu: Union[None, int, str], ep_size: int) -> Optional[int]
 class RecipeMapping:
     granularity: Optional[ScalingGranularity] = None  # the Float8Config granularity it runs as
     refusal: str = ""  # non-empty: why turbo_moe refuses this recipe
+    strategy: ScalingStrategy = ScalingStrategy.CURRENT  # where its scales come from
 
     def __post_init__(self) -> None:
         if (self.granularity is None) == (not self.refusal):
@@ -100,9 +101,10 @@ _INSTEAD = ("set config.fp8_recipe='tensorwise' (current per-tensor scaling), or
 
 FP8_RECIPES = {
     "tensorwise": RecipeMapping(ScalingGranularity.TENSORWISE),
-    "delayed": RecipeMapping(refusal=(
-        "delayed scaling takes each scale from an amax history (kept in TE's _extra_state); turbo_moe scales "
-        "every tensor with its current amax and keeps no history")),
+    # TE's DelayedScaling: activations and gradients scaled from per-layer amax histories
+    # (config.fp8_amax_history_len / fp8_amax_compute_algo); turbo_moe.delayed_scaling says where
+    # it differs (weights current-scaled, histories per rank, not in the checkpoint).
+    "delayed": RecipeMapping(ScalingGranularity.TENSORWISE, strategy=ScalingStrategy.DELAYED),
     # DeepSeek-style 1x128 / 128x128 float32 block scales (TE Float8BlockScaling) and OCP MXFP8
     # (1x32 blocks, e8m0 scales; TE MXFP8BlockScaling): turbo_moe.fine_grained.
     "mxfp8": RecipeMapping(ScalingGranularity.MXFP8),
@@ -159,6 +161,7 @@ def resolve_fp8_config(options: TurboMoEOptions, config) -> Optional[Float8Confi
         return None
     margin = 0
     granularity = options.granularity
+    delayed = {}
     if fp8 == "megatron":
         fp8 = _enum_value(getattr(config, "fp8", None))
         _check_megatron_quantization(config, bool(fp8))
@@ -175,6 +178,10 @@ def resolve_fp8_config(options: TurboMoEOptions, config) -> Optional[Float8Confi
                 raise ValueError(f"config.fp8_recipe={recipe!r} is not supported by turbo_moe's experts: "
                                  f"{mapping.refusal}. Instead, {_INSTEAD}")
             granularity = mapping.granularity
+            if mapping.strategy is ScalingStrategy.DELAYED:
+                delayed = dict(strategy=ScalingStrategy.DELAYED,
+                               amax_history_len=int(getattr(config, "fp8_amax_history_len", 1) or 1),
+                               amax_compute_algo=str(getattr(config, "fp8_amax_compute_algo", "most_recent")))
     return Float8Config.from_megatron(
-        fp8, granularity=granularity or ScalingGranularity.TENSORWISE, margin=margin
+        fp8, granularity=granularity or ScalingGranularity.TENSORWISE, margin=margin, **delayed
     )
