@@ -117,14 +117,9 @@ class AmaxHistory:
 
         state = self.state
         state[2:] = torch.cat((amax.float().reshape(1), state[2:-1]))
-        amax_h = state[2] if self.most_recent else _nan_max(state[2:])
+        amax_h = state[2] if self.most_recent else state[2:].max()  # torch's max keeps NaN
         usable = torch.isfinite(amax_h) & (amax_h > 0)
         state[0] = torch.where(usable, _quant_scale(amax_h, fp8_dtype, margin), state[0])
-
-
-def _nan_max(t: torch.Tensor) -> torch.Tensor:
-    """max of t, NaN if any element is (torch's max propagates NaN; no host read)."""
-    return t.max()
 
 
 class DelayedScalingState:
