@@ -19,8 +19,9 @@ State: an :class:`AmaxHistory` per tensor role, two device buffers (the layout i
 seeds the history with that tensor's own amax, so the first step is current-scaled rather than
 cast with an arbitrary scale (Transformer Engine starts from scale 1). Warm a layer up before
 capturing it in a CUDA graph: a seed captured in the graph would run on every replay (correct,
-but current scaling again). The state is not part of ``state_dict``: after a restore the first
-cast seeds afresh.
+but current scaling again). The histories travel with the layer's ``state_dict`` (its
+``_extra_state``: :meth:`DelayedScalingState.state_dict`, as Transformer Engine keeps its FP8
+metadata there), so a resumed run casts with the scales the interrupted one would have used.
 
 Where it differs from TE: weights current-scaled (above); an empty tensor records nothing; each
 rank keeps its own histories (TE reduces amaxes over the data-parallel group, so its ranks share
@@ -37,7 +38,11 @@ import torch
 from ._triton_kernels import triton_kernels
 from .config import Float8Config, fp8_max
 
-__all__ = ["AmaxHistory", "DelayedScalingState", "delayed_state_for"]
+__all__ = ["AmaxHistory", "DelayedScalingState", "STATE_FORMAT", "delayed_state_for", "is_saved_delayed_state",
+           "restore_delayed_state"]
+
+# The ``format`` entry of a saved DelayedScalingState (what tells it from TE's FP8 metadata).
+STATE_FORMAT = "turbo_moe.delayed_scaling/1"
 
 
 class AmaxHistory:
@@ -68,9 +73,13 @@ class AmaxHistory:
         self.state = self.ticket = None
 
     def prepare(self, device: torch.device, fp8_dtype: torch.dtype, margin: int, amax_of: Callable[[], torch.Tensor]):
-        """Allocate and seed the state on its first use (or on a new device), with ``amax_of()``, the
-        amax of the tensor about to be cast: that first cast is current-scaled. Returns the state."""
-        if self.state is not None and self.state.device == device:
+        """Allocate and seed the state on its first use, with ``amax_of()``, the amax of the tensor
+        about to be cast: that first cast is current-scaled. A state on another device (a loaded
+        one, or the layer moved) is moved, not re-seeded. Returns self."""
+        if self.state is not None:
+            if self.state.device != device:
+                self.state = self.state.to(device)
+                self.ticket = torch.zeros(1, dtype=torch.int32, device=device)
             return self
         from .quantize import _quant_scale
 
@@ -82,6 +91,35 @@ class AmaxHistory:
         self.state = state
         self.ticket = torch.zeros(1, dtype=torch.int32, device=device)
         return self
+
+    def saved(self) -> Optional[torch.Tensor]:
+        """A CPU copy of ``[scale, history...]`` (``1 + history_len`` float32), or None before the
+        first cast. Reads the device (a sync): for checkpoints, not the step."""
+        if self.state is None:
+            return None
+        state = self.state.detach().cpu()
+        return torch.cat((state[:1], state[2:]))
+
+    def load(self, saved: Optional[torch.Tensor]) -> None:
+        """Restore :meth:`saved`'s ``[scale, history...]``; None forgets the history (the next cast
+        seeds it). A saved history of another length keeps its newest entries (padded with zeros,
+        which neither reduction picks over a recorded amax). Loads in place when the state already
+        lives on a device, so a captured CUDA graph keeps reading it."""
+        if saved is None:
+            self.reset()
+            return
+        saved = saved.detach().to("cpu", torch.float32).reshape(-1)
+        if saved.numel() < 2:
+            raise ValueError(f"a saved amax history holds a scale and at least one amax, got {saved.numel()} values")
+        fresh = torch.zeros(2 + self.history_len, dtype=torch.float32)
+        fresh[0] = saved[0]
+        kept = min(self.history_len, saved.numel() - 1)
+        fresh[2:2 + kept] = saved[1:1 + kept]
+        if self.state is not None:
+            self.state.copy_(fresh)
+            self.ticket.zero_()
+        else:
+            self.state, self.ticket = fresh, torch.zeros(1, dtype=torch.int32)
 
     def quantize(self, t: torch.Tensor, fp8_dtype: torch.dtype, margin: int, *, rows: bool, transposed: bool):
         """Tensorwise FP8 of ``t`` ([R, C] or [B, R, C]) with this role's scale, recording t's amax.
@@ -138,6 +176,49 @@ class DelayedScalingState:
     def reset(self) -> None:
         self.input.reset()
         self.grad_output.reset()
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (``_extra_state`` of the layer owning this state): the format, the
+        recipe's history settings, and each role's :meth:`AmaxHistory.saved` (None if unused)."""
+        return {"format": STATE_FORMAT, "amax_history_len": self.input.history_len,
+                "amax_compute_algo": "most_recent" if self.input.most_recent else "max",
+                "input": self.input.saved(), "grad_output": self.grad_output.saved()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s histories (this recipe's settings stay: a history saved with
+        another length or reduction is taken as recorded, ``AmaxHistory.load``)."""
+        if not is_saved_delayed_state(state):
+            raise ValueError(f"not a saved turbo_moe delayed-scaling state (format {STATE_FORMAT!r}): {type(state).__name__}")
+        self.input.load(state.get("input"))
+        self.grad_output.load(state.get("grad_output"))
+
+
+def restore_delayed_state(delayed: Optional[DelayedScalingState], state, owner: str) -> bool:
+    """Apply a layer's saved ``_extra_state`` to its delayed-scaling state ``delayed`` (None when the
+    layer scales with the current amax). Returns False, touching nothing, when ``state`` is neither
+    None nor :meth:`DelayedScalingState.state_dict`'s (the caller decides what else it accepts).
+    None (a checkpoint without histories) makes the next casts seed afresh; saved histories loaded
+    into a current-scaling layer are dropped with a warning."""
+    if state is None:
+        if delayed is not None:
+            delayed.reset()
+        return True
+    if not is_saved_delayed_state(state):
+        return False
+    if delayed is None:
+        import warnings
+
+        warnings.warn(f"{owner}: the checkpoint's delayed-scaling amax histories were dropped: this layer scales "
+                      "with the current amax (Float8Config(strategy='delayed') would use them)", UserWarning,
+                      stacklevel=3)
+        return True
+    delayed.load_state_dict(state)
+    return True
+
+
+def is_saved_delayed_state(state) -> bool:
+    """Whether ``state`` (a layer's ``_extra_state``) is :meth:`DelayedScalingState.state_dict`'s."""
+    return isinstance(state, dict) and state.get("format") == STATE_FORMAT
 
 
 def delayed_state_for(config: Optional[Float8Config]) -> Optional[DelayedScalingState]:

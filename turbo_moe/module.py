@@ -11,7 +11,7 @@ from torch import nn
 from .autograd import _grouped_gemm_fp8_resolved, add_group_bias, quantize_weight
 from .checks import check_operands, resolve_group_offs
 from .config import Float8Config
-from .delayed_scaling import delayed_state_for
+from .delayed_scaling import delayed_state_for, restore_delayed_state
 
 __all__ = ["GroupedLinearFP8"]
 
@@ -75,6 +75,8 @@ class GroupedLinearFP8(nn.Module):
         self.cache_fp8_weight = bool(cache_fp8_weight)
         self._fp8_weight_cache = None  # (key, Float8Weight)
         self.fp8_delayed = delayed_state_for(self.config)
+        self.register_state_dict_post_hook(GroupedLinearFP8._save_delayed_histories)
+        self.register_load_state_dict_pre_hook(GroupedLinearFP8._load_delayed_histories)
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
         if bias:
@@ -115,6 +117,25 @@ class GroupedLinearFP8(nn.Module):
         if self.bias is not None:
             y = add_group_bias(y, self.bias, offs)
         return y
+
+    # Delayed scaling's amax histories travel in the state dict as ``_extra_state`` (only then: a
+    # current-scaling layer's state dict is just its parameters), so that a resumed run casts with
+    # the scales the interrupted one would have used (turbo_moe.delayed_scaling). Hooks rather than
+    # get/set_extra_state, which would put the key in every layer's state dict.
+    @staticmethod
+    def _save_delayed_histories(module, state_dict, prefix, local_metadata) -> None:
+        if module.fp8_delayed is not None:
+            state_dict[prefix + "_extra_state"] = module.fp8_delayed.state_dict()
+
+    @staticmethod
+    def _load_delayed_histories(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                error_msgs) -> None:
+        # No saved histories (a checkpoint from current scaling or from before they were saved):
+        # the next casts seed afresh.
+        saved = state_dict.pop(prefix + "_extra_state", None)
+        if not restore_delayed_state(module.fp8_delayed, saved, type(module).__name__):
+            error_msgs.append(f"{prefix}_extra_state: expected a saved delayed-scaling state "
+                              f"(DelayedScalingState.state_dict()) or None, got {type(saved).__name__}")
 
     def __getstate__(self):
         # The FP8 cache is derived data keyed on storage addresses and version counters, which mean

@@ -11,6 +11,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 from megatron.core.utils import get_pg_rank, get_pg_size
 
+from ..delayed_scaling import is_saved_delayed_state, restore_delayed_state
 from .options import warn_once
 
 _INDEXED_EXTRA_STATE = re.compile(r"^_extra_state\d+$")
@@ -18,11 +19,12 @@ _INDEXED_EXTRA_STATE = re.compile(r"^_extra_state\d+$")
 
 def _warn_if_te_fp8_state(state) -> None:
     """TE stores an empty tensor (or None) when it has no FP8 state; anything else is its FP8
-    metadata, which turbo_moe's current scaling does not use."""
+    metadata, in TE's own layout, which turbo_moe does not read (its delayed scaling keeps its own
+    histories, ``turbo_moe.delayed_scaling``)."""
     if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
         return
     warn_once("te_extra_state", "a Transformer Engine _extra_state with FP8 metadata (scales / amax history) "
-              "was dropped on load: turbo_moe's experts scale every tensor with its current amax")
+              "was dropped on load: turbo_moe's experts keep their own scaling state")
 
 
 class GroupedLinearCheckpointMixin:
@@ -34,14 +36,17 @@ class GroupedLinearCheckpointMixin:
         self.register_load_state_dict_pre_hook(GroupedLinearCheckpointMixin._accept_per_expert_tensors)
 
     def get_extra_state(self):
-        # Present so that state_dict has the ``_extra_state`` key Megatron's / TE's layouts carry;
-        # turbo_moe scales with the current amax and keeps no FP8 state.
-        return None
+        # The ``_extra_state`` key Megatron's / TE's layouts carry: the amax histories under
+        # fp8_recipe="delayed" (turbo_moe.delayed_scaling), None otherwise.
+        delayed = getattr(self, "fp8_delayed", None)
+        return None if delayed is None else delayed.state_dict()
 
     def set_extra_state(self, state) -> None:
-        # Transformer Engine's FP8 metadata (scales, amax history) has no meaning for current
-        # scaling: dropped, with a warning the first time one that holds something is dropped.
-        _warn_if_te_fp8_state(state)
+        # Our own delayed-scaling state, or None; Transformer Engine's FP8 metadata (scales, amax
+        # history in its own layout) is dropped, with a warning the first time one that holds
+        # something is dropped.
+        if not restore_delayed_state(getattr(self, "fp8_delayed", None), state, type(self).__name__):
+            _warn_if_te_fp8_state(state)
 
     @staticmethod
     def _present_per_expert_tensors(module, state_dict, prefix, local_metadata) -> None:
@@ -63,9 +68,11 @@ class GroupedLinearCheckpointMixin:
         """
         for key in [k for k in state_dict if k.startswith(prefix)]:
             if _INDEXED_EXTRA_STATE.match(key[len(prefix):]):
-                _warn_if_te_fp8_state(state_dict.pop(key))
-        # Nothing is kept in the extra state, so a checkpoint without it (a SequentialMLP layout
-        # renamed by hand, say) loads strictly too.
+                extra = state_dict.pop(key)  # ours repeats ``_extra_state`` per expert: one copy is enough
+                if not is_saved_delayed_state(extra):
+                    _warn_if_te_fp8_state(extra)
+        # A checkpoint without the extra state (a SequentialMLP layout renamed by hand, say) loads
+        # strictly too: no saved histories, so delayed scaling seeds afresh.
         state_dict.setdefault(prefix + "_extra_state", None)
         for name in ("weight", "bias"):
             indexed = [f"{prefix}{name}{e}" for e in range(module.num_gemms)]
