@@ -110,7 +110,13 @@ def build(impl, shape, fmt, granularity, micro_batches):
 
         return step
     kwargs = {"cache_fp8_weight": micro_batches > 1} if micro_batches > 1 else {}
-    cfg = turbo_moe.Float8Config(format=fmt, granularity=granularity)
+    try:
+        from turbo_moe.bench.recipes import bench_float8_config
+    except ImportError:  # a checkout from before the recipes module (a before/after run): granularities only
+        def bench_float8_config(fmt, recipe):
+            return turbo_moe.Float8Config(format=fmt, granularity=recipe)
+
+    cfg = bench_float8_config(fmt, granularity)  # a granularity, or tensorwise-delayed
     layer = turbo_moe.GroupedLinearFP8(g, k, n, config=cfg, device="meta", dtype=torch.bfloat16, **kwargs)
     layer.weight = w
     if micro_batches == 1 and hasattr(layer, "cache_fp8_weight"):
@@ -163,7 +169,8 @@ def main(argv=None):
     p.add_argument("--shapes", default="tiny-8x128-256x256,dsv3-fc1-32x512")
     p.add_argument("--impls", default="turbo,bf16")
     p.add_argument("--format", default="hybrid")
-    p.add_argument("--granularities", default="tensorwise,rowwise")
+    p.add_argument("--granularities", default="tensorwise,rowwise",
+                   help="comma list of turbo_moe.bench.recipes.RECIPES (tensorwise-delayed: delayed scaling)")
     p.add_argument("--micro-batches", default="1,4")
     p.add_argument("--profile-top", type=int, default=0, help="cProfile the issue loop of the first shape")
     p.add_argument("--label", default="")

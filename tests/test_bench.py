@@ -237,3 +237,44 @@ def test_tables_ratios_and_missing():
     text = "\n".join(report.e2e_table(e2e))
     assert "1234 MB" in text and "1.25x" in text
     assert report.notes(records) == ["- bf16 missing: why"]
+
+
+def test_e2e_drops_each_implementation_before_the_next(monkeypatch, tmp_path):
+    """A measured layer (and its FP8 weight cache) is released before the next implementation runs,
+    so that no implementation's peak memory counts another's cache."""
+    import weakref
+
+    from turbo_moe.bench import cli
+    from turbo_moe.bench.kernel_level import Missing
+
+    refs, alive_when_called = [], []
+
+    class Tracked:
+        def __init__(self, index, step):
+            self.index, self.step = index, step
+
+        def __call__(self):
+            alive_when_called.append([r() is not None for r in refs[:self.index]])
+            return self.step()
+
+    real = cli.e2e_impls
+
+    def tracked_impls(*args, **kwargs):
+        out = []
+        for i, (name, step) in enumerate(real(*args, **kwargs)):
+            if isinstance(step, Missing):
+                refs.append(lambda: None)
+                out.append((name, step))
+            else:
+                wrapped = Tracked(i, step)
+                refs.append(weakref.ref(wrapped))
+                out.append((name, wrapped))
+        return out
+
+    monkeypatch.setattr(cli, "e2e_impls", tracked_impls)
+    argv = ["--levels", "e2e", "--device", "cpu", "--models", "tiny", "--layers", "fc1", "--experts", "4:48",
+            "--routings", "balanced", "--granularity", "tensorwise+wcache,tensorwise-delayed+wcache",
+            "--peers", "bf16", "--warmup-ms", "0", "--rep-ms", "1", "--e2e-extras", "none", "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    assert len(refs) == 3 and len(alive_when_called) >= 3
+    assert not any(any(alive) for alive in alive_when_called), alive_when_called

@@ -123,7 +123,9 @@ def test_train_preset_tiny_on_gpu(tmp_path):
 def _turbo_step(granularity, cache=False, groups=8, tokens=256, k=512, n=1024):
     import turbo_moe
 
-    layer = turbo_moe.GroupedLinearFP8(groups, k, n, config=turbo_moe.Float8Config(granularity=granularity),
+    from turbo_moe.bench.recipes import bench_float8_config
+
+    layer = turbo_moe.GroupedLinearFP8(groups, k, n, config=bench_float8_config("e4m3", granularity),
                                        backend="triton", device=CUDA, dtype=torch.bfloat16, cache_fp8_weight=cache)
     x = torch.randn(groups * tokens, k, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(groups * tokens, n, device=CUDA, dtype=torch.bfloat16)
@@ -137,20 +139,20 @@ def _turbo_step(granularity, cache=False, groups=8, tokens=256, k=512, n=1024):
     return layer, step
 
 
-@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise", "blockwise", "mxfp8"])
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise", "blockwise", "mxfp8", "tensorwise-delayed"])
 def test_gpu_time_breakdown_names_every_turbo_kernel(granularity):
     """The profiler split of a turbo_moe fwd+bwd: its quantization and GEMM kernels are all recognised
     (none of turbo_moe's Triton kernels lands in "other"), and the three GEMMs are there."""
     from torch.profiler import ProfilerActivity, profile
 
-    from kernels.triton import blockwise_cast, blockwise_gemm, fp8_cast, grouped_gemm, group_offsets
+    from kernels.triton import amax_history, blockwise_cast, blockwise_gemm, fp8_cast, grouped_gemm, group_offsets
 
     _, step = _turbo_step(granularity)
     split = step_metrics.gpu_time_breakdown(step)
     assert split["gemm_launches"] >= 3 and split["quant_launches"] >= 2, split
     assert 0 < split["quant_share"] < 1 and split["gemm_ms"] > 0, split
     assert split["total_ms"] == pytest.approx(split["quant_ms"] + split["gemm_ms"] + split["other_ms"])
-    ours = {n for mod in (fp8_cast, blockwise_cast, group_offsets, grouped_gemm, blockwise_gemm)
+    ours = {n for mod in (fp8_cast, blockwise_cast, group_offsets, grouped_gemm, blockwise_gemm, amax_history)
             for n in dir(mod) if n.endswith("_kernel")}
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -22,6 +22,7 @@ needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
 QUANT_NAMES = [
     "amax_partials_kernel", "fp8_cast_kernel", "fp8_rowwise_cast_kernel", "fp8_colwise_grouped_cast_kernel",
     "resolve_group_offs_kernel", "block_cast_rows_kernel", "block_cast_weight_kernel", "block_cast_tokens_kernel",
+    "fp8_cast_delayed_kernel",
 ]
 GEMM_NAMES = [
     "m_grouped_gemm_kernel", "k_grouped_gemm_kernel", "m_grouped_gemm_tma_kernel", "k_grouped_gemm_tma_kernel",
@@ -48,9 +49,10 @@ def test_classify_gpu_activity_names():
     assert step_metrics.classify_gpu_activity("Memcpy HtoD (Pinned -> Device)") == "memcpy"
     assert step_metrics.classify_gpu_activity("Memset (Device)") == "memset"
     # Every quantization kernel the kernels define is listed (a renamed kernel would silently be "other").
-    from kernels.triton import blockwise_cast, fp8_cast, group_offsets
+    from kernels.triton import amax_history, blockwise_cast, fp8_cast, group_offsets
 
-    defined = {n for mod in (fp8_cast, blockwise_cast, group_offsets) for n in dir(mod) if n.endswith("_kernel")}
+    defined = {n for mod in (fp8_cast, blockwise_cast, group_offsets, amax_history) for n in dir(mod)
+               if n.endswith("_kernel")}
     assert defined == set(step_metrics.QUANT_KERNELS)
 
 
@@ -164,15 +166,17 @@ def test_issue10_preset_cpu_smoke(tmp_path):
             "--layers", "fc1", "--train-configs", "expert-dominated", "--variants", "turbo-bf16,fp8-tensorwise",
             "--corpus-bytes", str(SMALL_CORPUS), "--out", str(out)]
     args = cli.parse_args(argv)
-    assert args.levels == ["e2e"] and args.granularity == ["tensorwise", "tensorwise+wcache", "rowwise", "rowwise+wcache"]
+    assert args.levels == ["e2e"] and args.granularity == ["tensorwise", "tensorwise+wcache", "rowwise", "rowwise+wcache",
+                                                           "tensorwise-delayed+wcache"]
     assert args.format == "e4m3" and args.train_format == "hybrid" and "gpusplit" in args.e2e_extras
     assert cli.main(argv) == 0
     with open(out / "results.json") as f:
         e2e = json.load(f)["records"]
     assert [r["impl"] for r in e2e] == ["turbo:torch:tensorwise", "turbo:torch:tensorwise+wcache", "turbo:torch:rowwise",
-                                        "turbo:torch:rowwise+wcache", "bf16", "torchao_fp8"]
-    assert all(r["status"] == "ok" for r in e2e[:5]) and e2e[5]["status"] == "missing"
-    assert all("gpusplit: the profiler's GPU-time breakdown needs a CUDA device" in r["hot_path_notes"] for r in e2e[:5])
+                                        "turbo:torch:rowwise+wcache", "turbo:torch:tensorwise-delayed+wcache", "bf16",
+                                        "torchao_fp8"]
+    assert all(r["status"] == "ok" for r in e2e[:6]) and e2e[6]["status"] == "missing"
+    assert all("gpusplit: the profiler's GPU-time breakdown needs a CUDA device" in r["hot_path_notes"] for r in e2e[:6])
     md = (out / "results.md").read_text()
     assert "### Issue 10 targets (end to end)" in md and "host <= 300 µs" in md
     with open(out / "train" / "results.json") as f:

@@ -28,6 +28,7 @@ from .issue10 import (
 )
 from .end_to_end import E2E_EXTRAS, E2E_PEERS, e2e_impls, hot_path_metrics, prepare_e2e, reference_errors
 from .kernel_level import KERNEL_OPS, KERNEL_PEERS, Missing, kernel_impls, prepare_case
+from .recipes import RECIPES
 from .report import e2e_hot_path_table, e2e_table, kernel_table, notes, plot, write_outputs
 from .shapes import CPU_EXPERTS, GPU_EXPERTS, GPU_MODELS, LAYERS, ROUTINGS, Case, build_cases, make_group_sizes, parse_experts
 from .timing import median_ms, synchronize
@@ -100,7 +101,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--kernel-scales", choices=["rowwise", "tensorwise"], default="rowwise",
                    help="scale granularity of turbo_moe's kernel-level problems (the peers are rowwise)")
     p.add_argument("--granularity", type=_csv, default=["tensorwise", "tensorwise+wcache", "rowwise"],
-                   help="Float8Config granularities of the end-to-end turbo_moe layer (tensorwise, rowwise, blockwise, mxfp8); "
+                   help="Float8Config granularities of the end-to-end turbo_moe layer (tensorwise, rowwise, blockwise, mxfp8, "
+                        "tensorwise-delayed: delayed scaling, a 16-cast amax history); "
                         "'+wcache' builds it with "
                         "cache_fp8_weight=True (the weight, unchanged between steps here, is quantized once)")
     p.add_argument("--format", choices=["e4m3", "hybrid"], default=None,
@@ -139,8 +141,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.e2e_extras == ["none"]:
         args.e2e_extras = []
     for name, allowed in (("levels", ("kernel", "e2e")), ("ops", KERNEL_OPS),
-                          ("granularity", [g + c for g in ("tensorwise", "rowwise", "blockwise", "mxfp8")
-                                           for c in ("", "+wcache")]),
+                          ("granularity", [g + c for g in RECIPES for c in ("", "+wcache")]),
                           ("e2e_extras", E2E_EXTRAS)):
         bad = [v for v in getattr(args, name) if v not in allowed]
         if bad:
@@ -308,8 +309,14 @@ def _run_e2e_case(case: Case, args, device: torch.device, records: list, label: 
     flops = 6.0 * case.m * case.n * case.k
     tol = E2E_TOL[args.format]
     peers = [p for p in args.peers if p in E2E_PEERS]
+    impls = e2e_impls(inputs, args.backends, args.granularity, args.format, peers, args.num_cu)
     try:
-        for name, step in e2e_impls(inputs, args.backends, args.granularity, args.format, peers, args.num_cu):
+        while impls:
+            # Each implementation is dropped once measured: a layer's FP8 weight cache (made by its
+            # first call) must not stay allocated into the next one's peak memory. Steps not yet
+            # called hold no device memory (layers are built on the meta device).
+            name, step = impls.pop(0)
+            _release_device_memory(device)
             rec = dict(case.as_dict(), level="e2e", op="fwd+bwd", impl=name, status="ok", ms=None, tflops=None,
                        err_y=None, err_dx=None, err_dw=None, peak_mb=None, extra_mb=None, host_us=None,
                        launches=None, graph_ms=None, mb4_ms=None, mb1_ms=None, reason="")
@@ -324,7 +331,7 @@ def _run_e2e_case(case: Case, args, device: torch.device, records: list, label: 
                     rec["impl"] = name = _resolved_turbo_label(name)
                 synchronize(device)
                 if device.type == "cuda":
-                    gc.collect()
+                    _release_device_memory(device)
                     torch.cuda.reset_peak_memory_stats(device)
                     before = torch.cuda.memory_allocated(device)
                 y, dx, dw = step()
@@ -358,10 +365,16 @@ def _run_e2e_case(case: Case, args, device: torch.device, records: list, label: 
                 ("mb4_ms", "ms/µb of 4", ".3f")) if rec.get(key) is not None)
             _progress(f"{label} e2e    {name:24s} {rec['status']:7s} {timing}{mem}{errs}{hot}")
     finally:
-        del inputs
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        del inputs, impls
+        step = None  # this frame's last reference to the last implementation: freed before the release
+        _release_device_memory(device)
+
+
+def _release_device_memory(device: torch.device) -> None:
+    """Free what nothing references any more (the previous implementation's layer and caches)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -3,7 +3,8 @@
 Implementations:
 
 * ``turbo:<backend>:<granularity>`` -- ``turbo_moe.GroupedLinearFP8`` (its weight is the shared
-  ``[G, N, K]`` bf16 parameter); ``<granularity>+wcache`` with ``cache_fp8_weight=True``: the
+  ``[G, N, K]`` bf16 parameter; the granularity a recipe of ``recipes.RECIPES``, delayed scaling
+  included); ``<granularity>+wcache`` with ``cache_fp8_weight=True``: the
   weight does not change between the timed steps (no optimizer step), so it is quantized once,
   as it is once per optimizer step under gradient accumulation;
 * ``bf16`` -- ``torch._grouped_mm`` forward and its autograd backward;
@@ -25,6 +26,7 @@ import torch
 
 from . import data
 from .kernel_level import Missing, peer_impls
+from .recipes import bench_float8_config
 from .shapes import Case
 
 __all__ = ["E2E_PEERS", "E2E_EXTRAS", "MICRO_BATCHES", "E2EInputs", "prepare_e2e", "e2e_impls", "reference_errors",
@@ -79,7 +81,7 @@ def turbo_step(inputs: E2EInputs, backend: str, granularity: str, fmt: str, num_
 
     g, n, k = inputs.w.shape
     granularity, _, option = granularity.partition("+")
-    config = turbo_moe.Float8Config(format=fmt, granularity=granularity)
+    config = bench_float8_config(fmt, granularity)
     # Build on the meta device (no init kernels, no memory), then share the bench's weight.
     layer = turbo_moe.GroupedLinearFP8(g, k, n, config=config, num_cu=num_cu, backend=backend, device="meta",
                                        dtype=inputs.w.dtype, cache_fp8_weight=option == "wcache")

@@ -117,10 +117,11 @@ def host_issue_us(step: Step, device: torch.device, target_ms: float = 60.0, max
 # turbo_moe's quantization kernels, by the name the profiler shows (Triton names a kernel after its
 # jitted function): the fused tensorwise/rowwise casts (kernels/triton/fp8_cast.py), the group
 # offsets of every call (kernels/triton/group_offsets.py: part of preparing the operands, so it is
-# counted with them) and the fine-grained casts (kernels/triton/blockwise_cast.py).
+# counted with them), delayed scaling's cast (kernels/triton/amax_history.py) and the fine-grained
+# casts (kernels/triton/blockwise_cast.py).
 QUANT_KERNELS = (
     "amax_partials_kernel", "fp8_cast_kernel", "fp8_rowwise_cast_kernel", "fp8_colwise_grouped_cast_kernel",
-    "resolve_group_offs_kernel",
+    "resolve_group_offs_kernel", "fp8_cast_delayed_kernel",
     "block_cast_rows_kernel", "block_cast_weight_kernel", "block_cast_tokens_kernel",
 )
 # GEMM kernels: turbo_moe's Triton grouped GEMMs (kernels/triton/grouped_gemm.py, blockwise_gemm.py)

@@ -21,6 +21,7 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
+from .recipes import DELAYED, bench_float8_config
 from .text_corpus import VOCAB_SIZE
 
 __all__ = ["TrainConfig", "GPU_CONFIGS", "CPU_CONFIGS", "TRAIN_VARIANTS", "DEFAULT_TRAIN_VARIANTS", "apply_overrides", "megatron_world",
@@ -82,10 +83,8 @@ TRAIN_VARIANTS = {
     "fp8-mxfp8": (True, "mxfp8"),
     # Delayed scaling (Megatron's fp8_recipe="delayed"): per-tensor scales from a 16-step amax
     # history, reduced by max (turbo_moe.delayed_scaling): no amax pass before each cast.
-    "fp8-delayed": (True, "tensorwise-delayed"),
+    "fp8-delayed": (True, DELAYED),
 }
-# The delayed variant's history (Transformer Engine's DelayedScaling names).
-DELAYED_HISTORY_LEN, DELAYED_COMPUTE_ALGO = 16, "max"
 DEFAULT_TRAIN_VARIANTS = ("turbo-bf16", "fp8-tensorwise", "fp8-rowwise", "megatron")
 
 
@@ -200,12 +199,8 @@ def build_model(cfg: TrainConfig, variant: str, device: torch.device, fp8_format
         if granularity is None:
             spec = use_turbo_moe_experts(spec, fp8=None)
         else:
-            if granularity == "tensorwise-delayed":
-                from turbo_moe import Float8Config
-
-                fp8 = Float8Config.from_megatron(fp8_format, strategy="delayed", amax_history_len=DELAYED_HISTORY_LEN,
-                                                 amax_compute_algo=DELAYED_COMPUTE_ALGO)
-                spec = use_turbo_moe_experts(spec, fp8=fp8, backend=backend)
+            if granularity == DELAYED:
+                spec = use_turbo_moe_experts(spec, fp8=bench_float8_config(fp8_format, DELAYED), backend=backend)
             else:
                 spec = use_turbo_moe_experts(spec, fp8=fp8_format, granularity=granularity, backend=backend)
     config = _transformer_config(cfg, device)
