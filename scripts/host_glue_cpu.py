@@ -16,7 +16,7 @@ What it leaves out, so read its numbers as turbo_moe's Python alone:
 
 Nothing is computed: outputs are uninitialized memory, only time is read.
 
-Usage: ``python scripts/host_glue_cpu.py [--shape tiny|dsv3] [--granularity tensorwise|rowwise|blockwise|mxfp8]
+Usage: ``python scripts/host_glue_cpu.py [--shape tiny|dsv3] [--granularity tensorwise|rowwise|blockwise|mxfp8|tensorwise-delayed]
 [--cache] [--profile N]`` (the fine-grained recipes: their Triton casts and GEMMs, MXFP8 through its
 promotion loop as on Hopper)
 """
@@ -46,17 +46,18 @@ class _StandInKernel:
 @contextlib.contextmanager
 def gpu_path_on_cpu():
     """Route CPU tensors through the GPU code path with every launch a no-op (see the module doc)."""
-    from turbo_moe import checks, quantize
+    from turbo_moe import checks, delayed_scaling, quantize
     from turbo_moe.backends import clear_dispatch_cache, triton_backend
     from turbo_moe.fine_grained import quantize as fine_quantize
     from turbo_moe.fine_grained import triton_gemm
-    from turbo_moe.kernels.triton import blockwise_cast, fp8_cast, group_offsets, launch
+    from turbo_moe.kernels.triton import amax_history, blockwise_cast, fp8_cast, group_offsets, launch
 
     patches = [
         (launch, "_cuda_get_device", lambda: 0),
         (launch._Memo, "run", lambda self, grid, device, args: None),
         (launch.LeanLauncher, "_first_launch", _memoize_stand_in),
         (quantize, "_cast_kernels", lambda t: fp8_cast if t.dim() in (2, 3) else None),
+        (delayed_scaling, "_history_kernels", lambda t: amax_history if t.dim() in (2, 3) else None),
         (checks, "_offsets_kernel", lambda t: group_offsets),
         (triton_backend, "_interpreting", lambda: False),
         (triton_backend, "_tma_reason", lambda problem: ""),
@@ -111,7 +112,8 @@ def main(argv=None):
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="tiny", choices=["tiny", "dsv3"])
-    p.add_argument("--granularity", default="tensorwise", choices=["tensorwise", "rowwise", "blockwise", "mxfp8"])
+    p.add_argument("--granularity", default="tensorwise",
+                   choices=["tensorwise", "rowwise", "blockwise", "mxfp8", "tensorwise-delayed"])
     p.add_argument("--cache", action="store_true", help="the FP8 weight cache on (quantized once, not per call)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--reps", type=int, default=7)
@@ -123,7 +125,9 @@ def main(argv=None):
     x = torch.empty(g * t, k, dtype=torch.bfloat16).requires_grad_()
     dy = torch.empty(g * t, n, dtype=torch.bfloat16)
     lens = torch.full((g,), t, dtype=torch.int64)
-    config = turbo_moe.Float8Config(granularity=args.granularity)
+    from turbo_moe.bench.recipes import bench_float8_config
+
+    config = bench_float8_config("e4m3", args.granularity)
     layer = turbo_moe.GroupedLinearFP8(g, k, n, device="meta", dtype=torch.bfloat16, config=config,
                                        cache_fp8_weight=args.cache, backend="triton")
     layer.weight = torch.nn.Parameter(torch.empty(g, n, k, dtype=torch.bfloat16))

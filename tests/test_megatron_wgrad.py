@@ -88,8 +88,12 @@ def test_megatron_ddp_with_gradient_accumulation_fusion(world, delayed):
     torch.testing.assert_close(layer.router.weight.main_grad, plain.router.weight.grad, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("fp8", [None, "hybrid"])
+@pytest.mark.parametrize("fp8", [None, "hybrid", "hybrid-delayed-scaling"])
 def test_delayed_wgrad_matches_immediate(world, fp8):
+    if fp8 == "hybrid-delayed-scaling":  # fp8_recipe="delayed": the deferred wgrad's dy was cast from its history
+        from turbo_moe import Float8Config
+
+        fp8 = Float8Config(format="hybrid", strategy="delayed", amax_history_len=2)
     config = make_config(num_moe_experts=4)
     now = tm.TurboMoEGroupedMLP(4, config, pg_collection=default_pg(), options=tm.TurboMoEOptions(fp8=fp8))
     randomize_(now, seed=14)
@@ -130,11 +134,16 @@ def test_delayed_wgrad_matches_immediate(world, fp8):
     torch.testing.assert_close(later.linear_fc2.weight.grad, expected["linear_fc2"], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("fp8", [None, "hybrid"])
+@pytest.mark.parametrize("fp8", [None, "hybrid", "hybrid-delayed-scaling"])
 def test_delayed_wgrad_with_interleaved_micro_batches(world, fp8):
     """1F1B order with delayed wgrad: F1, F2, B1, backward_dw, B2, backward_dw. Each backward's
     wgrad is queued when that backward runs (not where its forward ran), so none is lost; the sum
-    equals the immediate backward of both micro-batches."""
+    equals the immediate backward of both micro-batches. Under delayed scaling the amax histories
+    see the same casts in the same order (x: F1, F2; dy: B1, B2) in both schedules."""
+    if fp8 == "hybrid-delayed-scaling":
+        from turbo_moe import Float8Config
+
+        fp8 = Float8Config(format="hybrid", strategy="delayed", amax_history_len=2)
     config = make_config(num_moe_experts=4)
     now = tm.TurboMoEGroupedMLP(4, config, pg_collection=default_pg(), options=tm.TurboMoEOptions(fp8=fp8))
     randomize_(now, seed=16)
@@ -146,7 +155,8 @@ def test_delayed_wgrad_with_interleaved_micro_batches(world, fp8):
     delayed_config = make_config(num_moe_experts=4)
     delayed_config.delay_wgrad_compute = True
     later = tm.TurboMoEGroupedMLP(4, delayed_config, pg_collection=default_pg(), options=tm.TurboMoEOptions(fp8=fp8))
-    later.load_state_dict(now.state_dict())
+    # the weights only: ``now``'s amax histories (its _extra_state) would scale ``later``'s first casts
+    later.load_state_dict({k: v for k, v in now.state_dict().items() if "_extra_state" not in k})
     losses = [later(x, tpe, probs)[0].square().sum() for x, tpe, probs in batches]  # F1, F2
     losses[0].backward()  # B1
     from turbo_moe.autograd import DeferredWgrad

@@ -125,10 +125,12 @@ class AmaxHistory:
         """Tensorwise FP8 of ``t`` ([R, C] or [B, R, C]) with this role's scale, recording t's amax.
         Returns ``(rows_fp8, transposed_fp8, dequant_scale)`` as
         ``quantize.quantize_tensorwise_layouts``; ``dequant_scale`` is the scale this cast used."""
-        from .quantize import _amax
+        state = self.state
+        if state is None or state.device != t.device:  # first use (or a move): no import, no closure per call
+            from .quantize import _amax
 
-        self.prepare(t.device, fp8_dtype, margin, lambda: _amax(t))
-        kernels = triton_kernels("amax_history") if t.is_cuda and t.dim() in (2, 3) else None
+            self.prepare(t.device, fp8_dtype, margin, lambda: _amax(t))
+        kernels = _history_kernels(t)
         if kernels is not None:
             return kernels.fp8_tensorwise_cast_delayed(t, self.state, self.ticket, self.history_len, self.most_recent,
                                                        fp8_dtype, fp8_max(fp8_dtype), margin, rows, transposed)
@@ -158,6 +160,11 @@ class AmaxHistory:
         amax_h = state[2] if self.most_recent else state[2:].max()  # torch's max keeps NaN
         usable = torch.isfinite(amax_h) & (amax_h > 0)
         state[0] = torch.where(usable, _quant_scale(amax_h, fp8_dtype, margin), state[0])
+
+
+def _history_kernels(t: torch.Tensor):
+    """``turbo_moe.kernels.triton.amax_history`` for 2-D/3-D GPU tensors, or None (CPU, or no triton)."""
+    return triton_kernels("amax_history") if t.is_cuda and t.dim() in (2, 3) else None
 
 
 class DelayedScalingState:

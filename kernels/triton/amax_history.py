@@ -95,8 +95,9 @@ def record_amax(state_ptr, ticket_ptr, amax, num_programs, FP8_MAX: tl.constexpr
 
 
 def history_block(history_len: int) -> int:
-    """The power-of-two vector the last program rolls the history in."""
-    return triton.next_power_of_2(max(history_len, 1))
+    """The power-of-two vector the last program rolls the history in (plain Python: Triton's
+    ``next_power_of_2`` costs microseconds per call on the host path)."""
+    return 1 << (max(history_len, 1) - 1).bit_length()
 
 
 @triton.jit
@@ -146,6 +147,34 @@ _CAST_BLOCK = 64
 _CAST_TILES_C = 2
 
 
+class _DelayedGeometry:
+    """What a delayed cast of one source shape derives before its launch: the output shapes, the
+    grid and the constant part of the launch key. Cached per (shape, dtypes, recipe, flags), as
+    ``fp8_cast._TensorwiseGeometry``: a fwd+bwd casts the same few shapes every step."""
+
+    __slots__ = ("rows_shape", "trans_shape", "numel", "grid", "num_programs", "r", "c", "stride_b", "key",
+                 "constexprs")
+
+    def __init__(self, x, fp8_dtype, fp8_max, margin, history_len, most_recent, write_rows, write_transposed):
+        batches, r, c, stride_b = _batched(x)
+        self.rows_shape, self.trans_shape = x.shape, x.shape[:-2] + (c, r)
+        self.numel = batches * r * c
+        self.r, self.c, self.stride_b = r, c, stride_b
+        self.grid = (_cdiv(r, _CAST_BLOCK), _cdiv(c, _CAST_BLOCK * _CAST_TILES_C), batches)
+        self.num_programs = self.grid[0] * self.grid[1] * self.grid[2]
+        # Row counts that follow the token count enter as their facts: a new token count is no new key.
+        self.key = (x.dtype, fp8_dtype, fp8_max, margin, history_len, most_recent, write_rows, write_transposed,
+                    arg_fact(self.num_programs), arg_fact(r), c, batches, stride_b)
+        self.constexprs = dict(
+            FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, HISTORY=history_len, MOST_RECENT=most_recent,
+            WRITE_ROWS=write_rows, WRITE_T=write_transposed, BLOCK_R=_CAST_BLOCK, BLOCK_C=_CAST_BLOCK,
+            TILES_C=_CAST_TILES_C, BLOCK_H=history_block(history_len), num_warps=4)
+
+
+_DELAYED_GEOMETRY = {}
+_MAX_GEOMETRIES = 1024
+
+
 def fp8_tensorwise_cast_delayed(x, state, ticket, history_len: int, most_recent: bool, fp8_dtype, fp8_max: float,
                                 margin: int = 0, write_rows: bool = True, write_transposed: bool = False):
     """Tensorwise FP8 of ``x`` (``[R, C]`` or ``[B, R, C]``) scaled from the amax history in
@@ -155,27 +184,26 @@ def fp8_tensorwise_cast_delayed(x, state, ticket, history_len: int, most_recent:
     import torch
 
     x = x if x.stride(-1) == 1 else x.contiguous()
-    batches, r, c, stride_b = _batched(x)
+    lookup = (x.shape, x.dtype, fp8_dtype, fp8_max, margin, history_len, most_recent, write_rows, write_transposed)
+    geo = _DELAYED_GEOMETRY.get(lookup)
+    if geo is None:
+        if len(_DELAYED_GEOMETRY) >= _MAX_GEOMETRIES:
+            _DELAYED_GEOMETRY.clear()
+        geo = _DELAYED_GEOMETRY[lookup] = _DelayedGeometry(x, fp8_dtype, fp8_max, margin, history_len, most_recent,
+                                                           write_rows, write_transposed)
     device = x.device
-    rows = torch.empty(x.shape, dtype=fp8_dtype, device=device) if write_rows else None
-    trans = torch.empty(x.shape[:-2] + (c, r), dtype=fp8_dtype, device=device) if write_transposed else None
+    rows = torch.empty(geo.rows_shape, dtype=fp8_dtype, device=device) if write_rows else None
+    trans = torch.empty(geo.trans_shape, dtype=fp8_dtype, device=device) if write_transposed else None
     out = rows if rows is not None else trans
+    if geo.numel == 0 or out is None:
+        return rows, trans, torch.ones((), dtype=torch.float32, device=device)
     dequant = torch.empty((), dtype=torch.float32, device=device)
-    if batches * r * c == 0 or out is None:
-        return rows, trans, dequant.fill_(1.0)
-    grid = (_cdiv(r, _CAST_BLOCK), _cdiv(c, _CAST_BLOCK * _CAST_TILES_C), batches)
-    num_programs = grid[0] * grid[1] * grid[2]
     stride_r = x.stride(-2)
-    key = (x.dtype, fp8_dtype, fp8_max, margin, history_len, most_recent, write_rows, write_transposed,
-           arg_fact(num_programs), arg_fact(r), c, batches, stride_b, arg_fact(stride_r), x.data_ptr() % 16 == 0,
-           out.data_ptr() % 16 == 0, trans is None or trans.data_ptr() % 16 == 0)
+    key = geo.key + (arg_fact(stride_r), x.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
+                     trans is None or trans.data_ptr() % 16 == 0)
     _cast_delayed.launch_keyed(
-        grid, key, x, state, ticket, num_programs, out, trans if trans is not None else out, dequant,
-        r, c, stride_b, stride_r, 1,
-        FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, HISTORY=history_len, MOST_RECENT=most_recent,
-        WRITE_ROWS=write_rows, WRITE_T=write_transposed, BLOCK_R=_CAST_BLOCK, BLOCK_C=_CAST_BLOCK,
-        TILES_C=_CAST_TILES_C, BLOCK_H=history_block(history_len), num_warps=4,
-    )
+        geo.grid, key, x, state, ticket, geo.num_programs, out, trans if trans is not None else out, dequant,
+        geo.r, geo.c, geo.stride_b, stride_r, 1, **geo.constexprs)
     return rows, trans, dequant
 
 
