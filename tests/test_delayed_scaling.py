@@ -405,8 +405,8 @@ def _resume_case(device):
         step(run, i)
     buf = io.BytesIO()
     torch.save(run.state_dict(), buf)
-    saved = run.state_dict()["fc1._extra_state"]
-    assert saved["input"].shape == (4,) and saved["input"].device.type == "cpu"
+    saved = run.state_dict()["fc1._extra_state"]  # one float32 CPU tensor: header 6 + 2 x (scale + 3 amaxes)
+    assert saved.dtype == torch.float32 and saved.shape == (6 + 4 + 4,) and saved.device.type == "cpu"
     buf.seek(0)
     resumed = GroupedSwiGLUMLPFP8(4, 64, 48, config=cfg, device=device)
     resumed.load_state_dict(torch.load(buf, weights_only=False))
@@ -442,6 +442,10 @@ def test_extra_state_loading_rules():
         layer(torch.randn(11, 16) * mag, lens).sum().backward()
     saved = layer.state_dict()
     hist = layer.fp8_delayed.input.state.clone()
+    # tensors only (as TE's extra state), so checkpoint formats that hold tensors alone take it
+    assert all(isinstance(v, torch.Tensor) for v in saved.values())
+    with pytest.raises(ValueError, match="header promising"):
+        layer.fp8_delayed.load_state_dict(saved["_extra_state"][:-1])
     # current scaling: parameters only; checkpoints without histories load strictly
     plain = GroupedLinearFP8(2, 16, 8)
     assert set(plain.state_dict()) == {"weight"} and set(saved) == {"weight", "_extra_state"}
@@ -469,3 +473,30 @@ def test_extra_state_loading_rules():
     # a checkpoint without histories resets a layer that has them
     layer.load_state_dict({"weight": saved["weight"], "_extra_state": None})
     assert layer.fp8_delayed.input.state is None and layer.fp8_delayed.grad_output.state is None
+
+
+def test_delayed_layer_under_torch_compile_follows_its_eager_twin():
+    """torch.compile around a delayed-scaling layer: each step casts with the scale the history held
+    and records the new amax, as the eager layer does (outputs, gradients, histories bit for bit)."""
+    torch.manual_seed(4)
+    cfg = Float8Config(strategy="delayed", amax_history_len=3)
+    layer = GroupedLinearFP8(3, 32, 16, bias=True, config=cfg)
+    twin = GroupedLinearFP8(3, 32, 16, bias=True, config=cfg)
+    twin.load_state_dict(layer.state_dict())
+    compiled = torch.compile(layer, backend="eager")
+    lens = torch.tensor([5, 0, 7])
+    for mag in (1.0, 5.0, 0.2):  # amaxes that move: the history decides each scale
+        x = torch.randn(12, 32) * mag
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = compiled(xa, lens), twin(xb, lens)
+        dy = torch.randn_like(ya)
+        ya.backward(dy)
+        yb.backward(dy)
+        assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad)
+        assert torch.equal(layer.weight.grad, twin.weight.grad)
+        for a, b in ((layer.fp8_delayed.input, twin.fp8_delayed.input),
+                     (layer.fp8_delayed.grad_output, twin.fp8_delayed.grad_output)):
+            assert torch.equal(a.state, b.state)
+        layer.zero_grad()
+        twin.zero_grad()
+    assert layer.fp8_delayed.input.history.unique().numel() == 3  # three distinct amaxes recorded

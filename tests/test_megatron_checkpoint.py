@@ -286,3 +286,8 @@ def test_delayed_histories_travel_with_plain_and_distributed_checkpoints(world, 
         dist.load_state_dict({k[len("experts."):]: v for k, v in loaded.items()}, strict=True)
     assert all(torch.equal(g, w) for g, w in zip(histories(dist), want))
     assert not [w for w in recwarn if "_extra_state" in str(w.message)]  # ours is not TE's metadata
+    # TE's (empty) extra state in their place: nothing of ours to restore, so the histories reset
+    te_style = {k: (torch.empty(0, dtype=torch.uint8) if k.endswith("_extra_state") else v)
+                for k, v in src.state_dict().items()}
+    dist.load_state_dict(te_style, strict=True)
+    assert all(h is None for h in histories(dist))

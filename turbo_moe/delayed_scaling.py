@@ -38,11 +38,14 @@ import torch
 from ._triton_kernels import triton_kernels
 from .config import Float8Config, fp8_max
 
-__all__ = ["AmaxHistory", "DelayedScalingState", "STATE_FORMAT", "delayed_state_for", "is_saved_delayed_state",
+__all__ = ["AmaxHistory", "DelayedScalingState", "delayed_state_for", "is_saved_delayed_state",
            "restore_delayed_state"]
 
-# The ``format`` entry of a saved DelayedScalingState (what tells it from TE's FP8 metadata).
-STATE_FORMAT = "turbo_moe.delayed_scaling/1"
+# A saved DelayedScalingState is one float32 tensor (tensor-only, as TE's own extra state is, so
+# that checkpoint formats holding tensors alone take it): a header of _HEADER values, then each
+# role's AmaxHistory.saved() values. The header starts with a marker and the format version: what
+# tells it from TE's FP8 metadata (a uint8 tensor) or anything else.
+_MARKER, _VERSION, _HEADER = 7321.0, 1.0, 6
 
 
 class AmaxHistory:
@@ -184,20 +187,31 @@ class DelayedScalingState:
         self.input.reset()
         self.grad_output.reset()
 
-    def state_dict(self) -> dict:
-        """What a checkpoint keeps (``_extra_state`` of the layer owning this state): the format, the
-        recipe's history settings, and each role's :meth:`AmaxHistory.saved` (None if unused)."""
-        return {"format": STATE_FORMAT, "amax_history_len": self.input.history_len,
-                "amax_compute_algo": "most_recent" if self.input.most_recent else "max",
-                "input": self.input.saved(), "grad_output": self.grad_output.saved()}
+    def state_dict(self) -> torch.Tensor:
+        """What a checkpoint keeps (``_extra_state`` of the layer owning this state): a float32 CPU
+        tensor ``[marker, version, history_len, most_recent, n_input, n_grad_output]`` followed by
+        the ``input`` and ``grad_output`` roles' :meth:`AmaxHistory.saved` values (``n = 0`` for a
+        role not used yet)."""
+        roles = [self.input.saved(), self.grad_output.saved()]
+        sizes = [0.0 if r is None else float(r.numel()) for r in roles]
+        header = torch.tensor([_MARKER, _VERSION, float(self.input.history_len), float(self.input.most_recent),
+                               *sizes], dtype=torch.float32)
+        return torch.cat([header] + [r for r in roles if r is not None])
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: torch.Tensor) -> None:
         """Restore :meth:`state_dict`'s histories (this recipe's settings stay: a history saved with
         another length or reduction is taken as recorded, ``AmaxHistory.load``)."""
         if not is_saved_delayed_state(state):
-            raise ValueError(f"not a saved turbo_moe delayed-scaling state (format {STATE_FORMAT!r}): {type(state).__name__}")
-        self.input.load(state.get("input"))
-        self.grad_output.load(state.get("grad_output"))
+            raise ValueError("not a saved turbo_moe delayed-scaling state (DelayedScalingState.state_dict()'s "
+                             f"float32 tensor): {type(state).__name__}")
+        values = state.detach().to("cpu", torch.float32)
+        n_input, n_grad = int(values[4].item()), int(values[5].item())
+        if values.numel() != _HEADER + n_input + n_grad:
+            raise ValueError(f"a saved delayed-scaling state of {values.numel()} values, its header promising "
+                             f"{_HEADER} + {n_input} + {n_grad}")
+        body = values[_HEADER:]
+        self.input.load(body[:n_input] if n_input else None)
+        self.grad_output.load(body[n_input:] if n_grad else None)
 
 
 def restore_delayed_state(delayed: Optional[DelayedScalingState], state, owner: str) -> bool:
@@ -225,7 +239,8 @@ def restore_delayed_state(delayed: Optional[DelayedScalingState], state, owner: 
 
 def is_saved_delayed_state(state) -> bool:
     """Whether ``state`` (a layer's ``_extra_state``) is :meth:`DelayedScalingState.state_dict`'s."""
-    return isinstance(state, dict) and state.get("format") == STATE_FORMAT
+    return (isinstance(state, torch.Tensor) and state.dtype == torch.float32 and state.dim() == 1
+            and state.numel() >= _HEADER and state[0].item() == _MARKER and state[1].item() == _VERSION)
 
 
 def delayed_state_for(config: Optional[Float8Config]) -> Optional[DelayedScalingState]:

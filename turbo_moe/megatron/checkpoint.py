@@ -45,7 +45,10 @@ class GroupedLinearCheckpointMixin:
         # Our own delayed-scaling state, or None; Transformer Engine's FP8 metadata (scales, amax
         # history in its own layout) is dropped, with a warning the first time one that holds
         # something is dropped.
-        if not restore_delayed_state(getattr(self, "fp8_delayed", None), state, type(self).__name__):
+        delayed = getattr(self, "fp8_delayed", None)
+        if not restore_delayed_state(delayed, state, type(self).__name__):
+            if delayed is not None:  # TE's metadata says nothing of our histories: the next casts seed afresh
+                delayed.reset()
             _warn_if_te_fp8_state(state)
 
     @staticmethod
