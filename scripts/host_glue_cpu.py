@@ -46,11 +46,11 @@ class _StandInKernel:
 @contextlib.contextmanager
 def gpu_path_on_cpu():
     """Route CPU tensors through the GPU code path with every launch a no-op (see the module doc)."""
-    from turbo_moe import checks, delayed_scaling, quantize
+    from turbo_moe import checks, delayed_scaling, quantize, swiglu
     from turbo_moe.backends import clear_dispatch_cache, triton_backend
     from turbo_moe.fine_grained import quantize as fine_quantize
     from turbo_moe.fine_grained import triton_gemm
-    from turbo_moe.kernels.triton import amax_history, blockwise_cast, fp8_cast, group_offsets, launch
+    from turbo_moe.kernels.triton import amax_history, blockwise_cast, fp8_cast, group_offsets, launch, swiglu_fp8
 
     patches = [
         (launch, "_cuda_get_device", lambda: 0),
@@ -58,6 +58,7 @@ def gpu_path_on_cpu():
         (launch.LeanLauncher, "_first_launch", _memoize_stand_in),
         (quantize, "_cast_kernels", lambda t: fp8_cast if t.dim() in (2, 3) else None),
         (delayed_scaling, "_history_kernels", lambda t: amax_history if t.dim() in (2, 3) else None),
+        (swiglu, "_swiglu_kernels", lambda h: swiglu_fp8),
         (checks, "_offsets_kernel", lambda t: group_offsets),
         (triton_backend, "_interpreting", lambda: False),
         (triton_backend, "_tma_reason", lambda problem: ""),

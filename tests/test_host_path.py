@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import turbo_moe  # noqa: E402
 from host_glue_cpu import gpu_path_on_cpu  # noqa: E402
+from turbo_moe.bench.recipes import bench_float8_config  # noqa: E402
 from turbo_moe.kernels.triton.launch import launch_stats  # noqa: E402
 
 
@@ -33,7 +34,7 @@ def _one_step_counts(granularity, cache, monkeypatch):
     dy = torch.empty(g * t, n, dtype=torch.bfloat16)
     lens = torch.full((g,), t, dtype=torch.int64)
     layer = turbo_moe.GroupedLinearFP8(g, k, n, device="meta", dtype=torch.bfloat16, backend="triton",
-                                       config=turbo_moe.Float8Config(granularity=granularity), cache_fp8_weight=cache)
+                                       config=bench_float8_config("e4m3", granularity), cache_fp8_weight=cache)
     layer.weight = torch.nn.Parameter(torch.empty(g, n, k, dtype=torch.bfloat16))
     allocations = []
     real_empty = torch.empty
@@ -71,6 +72,53 @@ def test_rowwise_fwd_bwd_launches(cache, monkeypatch):
     assert launches == {"resolve_group_offs_kernel": 1, "fp8_rowwise_cast_kernel": 2 + weight,
                         "fp8_colwise_grouped_cast_kernel": 2 + weight,
                         "m_grouped_gemm_tma_kernel": 2, "k_grouped_gemm_tma_kernel": 1}
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_delayed_scaling_fwd_bwd_launches_and_allocations(cache, monkeypatch):
+    """Delayed scaling: x and dy each cast in one launch that records their amax (no amax pass);
+    the weight stays current-scaled (amax pass + cast) unless cached."""
+    launches, allocations = _one_step_counts("tensorwise-delayed", cache, monkeypatch)
+    weight = {} if cache else {"amax_partials_kernel": 1, "fp8_cast_kernel": 1}
+    assert launches == {"resolve_group_offs_kernel": 1, "fp8_cast_delayed_kernel": 2, **weight,
+                        "m_grouped_gemm_tma_kernel": 2, "k_grouped_gemm_tma_kernel": 1}
+    assert sum(launches.values()) == (6 if cache else 8)
+    # offsets; per delayed cast its two FP8 layouts and the scale it used (W's: two layouts and the
+    # partials + scale buffer); y, dx, dW.
+    assert allocations == 1 + 2 * 3 + (0 if cache else 3) + 3
+
+
+@pytest.mark.parametrize("recipe, expected", [
+    ("tensorwise", {"amax_partials_kernel": 2, "fp8_cast_kernel": 2, "swiglu_amax_partials_kernel": 1,
+                    "swiglu_fp8_cast_kernel": 1, "swiglu_backward_amax_kernel": 1, "swiglu_backward_fp8_cast_kernel": 1}),
+    ("tensorwise-delayed", {"fp8_cast_delayed_kernel": 2, "swiglu_fp8_cast_delayed_kernel": 1,
+                            "swiglu_backward_fp8_delayed_kernel": 1, "swiglu_dprobs_sum_kernel": 1}),
+])
+def test_swiglu_mlp_fwd_bwd_launches(recipe, expected):
+    """GroupedSwiGLUMLPFP8 (weights cached): four M-grouped and two K-grouped GEMMs, one offsets
+    launch, and the casts: x and dy (fc1's input, fc2's output gradient), the SwiGLU inside fc2's
+    quantization of ``a``, fc1's ``dh`` handed over in FP8 with ``dprobs`` -- 15 launches with
+    current scaling, 12 with delayed."""
+    g, t, hidden, ffn = 4, 64, 256, 128
+    mlp = turbo_moe.GroupedSwiGLUMLPFP8(g, hidden, ffn, config=bench_float8_config("e4m3", recipe), device="meta",
+                                        dtype=torch.bfloat16, backend="triton")
+    mlp.fc1.weight = torch.nn.Parameter(torch.empty(g, 2 * ffn, hidden, dtype=torch.bfloat16))
+    mlp.fc2.weight = torch.nn.Parameter(torch.empty(g, hidden, ffn, dtype=torch.bfloat16))
+    x = torch.empty(g * t, hidden, dtype=torch.bfloat16).requires_grad_()
+    probs = torch.rand(g * t, requires_grad=True)
+    lens = torch.full((g,), t, dtype=torch.int64)
+    dy = torch.empty(g * t, hidden, dtype=torch.bfloat16)
+    with gpu_path_on_cpu():
+        for _ in range(2):  # the first builds the plans and the FP8 weight caches
+            before = _launches()
+            grads = torch.autograd.grad(mlp(x, lens, probs=probs), (x, probs, mlp.fc1.weight, mlp.fc2.weight), dy)
+    after = _launches()
+    launches = {name: after[name] - before.get(name, 0) for name in after if after[name] != before.get(name, 0)}
+    assert launches == {"resolve_group_offs_kernel": 1, "m_grouped_gemm_tma_kernel": 4, "k_grouped_gemm_tma_kernel": 2,
+                        **expected}
+    assert sum(launches.values()) == (15 if recipe == "tensorwise" else 12)
+    assert [tuple(t.shape) for t in grads] == [tuple(x.shape), tuple(probs.shape), tuple(mlp.fc1.weight.shape),
+                                               tuple(mlp.fc2.weight.shape)]
 
 
 def test_the_harness_leaves_no_stand_in_kernel_behind(monkeypatch):

@@ -115,8 +115,41 @@ ACCUMULATE_CANDIDATES: Tuple[KernelConfig, ...] = (
 )
 
 
+# On ROCm (where FlyDSL does not take a call: the hybrid format's e5m2 gradients, float32-scale
+# blockwise) the pointer kernels run, and the Hopper sets above spill there: compiled for gfx950,
+# every M-grouped candidate above takes 76-896 bytes of scratch (128 x 256 tiles, and 128-deep K
+# steps beside a 128 x 128 tile). These compile for gfx950 with no scratch (Triton 3.9,
+# tests/test_triton_gfx950_compile.py checks each); which is fastest has never been measured (no
+# AMD GPU is lent): tuning times them on the device, and the first is the untuned default.
+HIP_CANDIDATES: Dict[GemmKind, Tuple[KernelConfig, ...]] = {
+    GemmKind.M_GROUPED: (
+        KernelConfig(128, 128, 64, 8, 8, 2, tma=False),
+        KernelConfig(128, 64, 128, 8, 4, 2, tma=False),
+        KernelConfig(64, 64, 128, 8, 4, 2, tma=False),
+    ),
+    GemmKind.K_GROUPED: (
+        KernelConfig(128, 128, 64, 8, 8, 2, band_cyclic=False, tma=False),
+        KernelConfig(128, 128, 128, 8, 8, 2, band_cyclic=False, tma=False),
+        KernelConfig(256, 128, 64, 8, 8, 2, band_cyclic=False, tma=False),
+        KernelConfig(128, 64, 128, 8, 4, 2, band_cyclic=False, tma=False),
+    ),
+}
+# Into an fp32 main_grad: the epilogue's read-modify-write makes 128 x 128 x 128 (88 bytes) and
+# 256 x 128 x 64 (16 bytes) spill on gfx950; these two do not.
+HIP_ACCUMULATE_CANDIDATES: Tuple[KernelConfig, ...] = (
+    KernelConfig(128, 128, 64, 8, 8, 2, band_cyclic=False, tma=False),
+    KernelConfig(128, 64, 128, 8, 4, 2, band_cyclic=False, tma=False),
+)
+
+
+def _on_rocm(problem: GroupedGemmProblem) -> bool:
+    return problem.device.type == "cuda" and bool(torch.version.hip)
+
+
 def candidates_for(problem: GroupedGemmProblem) -> Tuple[KernelConfig, ...]:
     """The configurations tuning chooses among for ``problem``; the first is the default."""
+    if _on_rocm(problem):
+        return HIP_ACCUMULATE_CANDIDATES if problem.accumulate else HIP_CANDIDATES[problem.kind]
     return ACCUMULATE_CANDIDATES if problem.accumulate else GPU_CANDIDATES[problem.kind]
 
 

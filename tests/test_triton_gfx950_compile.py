@@ -1,0 +1,267 @@
+"""The Triton kernels of turbo_moe's quantization path compile for gfx950 (MI355X) on a CPU machine.
+
+On an AMD GPU FlyDSL runs the GEMMs, but the casts that feed them (amax passes, tensorwise /
+rowwise / delayed casts, the SwiGLU fused into fc2's quantization, fc1's FP8 ``dh``, the group
+offsets) are these Triton kernels on every GPU. No AMD GPU is lent, so this compiles each one for
+``GPUTarget("hip", "gfx950", 64)`` with the very arguments and constexprs the GPU host path
+launches it with (recorded from ``scripts/host_glue_cpu.py``'s ``gpu_path_on_cpu``, which runs the
+GPU code path on CPU tensors with launches made no-ops) and checks the ISA: no scratch (spills),
+FP8 stores through the hardware conversion, the delayed casts' amax records as global atomics.
+The GEMMs on ROCm are the pointer kernels (TMA is NVIDIA's): they run where FlyDSL does not take a
+call (the hybrid format's e5m2 gradients, float32-scale blockwise), with the tile configurations of
+``triton_backend.HIP_CANDIDATES``; each is compiled for gfx950 here, recorded from the same host
+path with TMA declined, and must use FP8 MFMAs without scratch.
+"""
+
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    pytest.skip("compiles kernels (the interpreter runs them instead)", allow_module_level=True)
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError:  # pragma: no cover - a Triton without the AMD backend's compile entry
+    pytest.skip("this Triton cannot compile for an explicit target", allow_module_level=True)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+
+import turbo_moe  # noqa: E402
+from host_glue_cpu import gpu_path_on_cpu  # noqa: E402
+from turbo_moe.bench.recipes import bench_float8_config  # noqa: E402
+from turbo_moe.kernels.triton import launch  # noqa: E402
+
+GFX950 = GPUTarget("hip", "gfx950", 64)
+_TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+                 torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "debug")
+
+
+def _record_quantization_launches():
+    """``{kernel name: (jit function, args, kwargs)}``: the first launch of every non-GEMM kernel a
+    layer and a SwiGLU MLP fwd+bwd make, over the recipes with fused casts (hybrid format, so both
+    e4m3 and e5m2 stores appear)."""
+    recorded = {}
+    g, t, hidden, ffn = 4, 64, 256, 128
+    lens = torch.full((g,), t, dtype=torch.int64)
+    with gpu_path_on_cpu():
+        stand_in = launch.LeanLauncher._first_launch
+
+        def record(self, key, grid, args, kwargs):
+            if "gemm" not in self.fn.__name__:
+                recorded.setdefault(self.fn.__name__, (self.fn, tuple(args), dict(kwargs)))
+            return stand_in(self, key, grid, args, kwargs)
+
+        launch.LeanLauncher._first_launch = record
+        try:
+            for recipe in ("tensorwise", "rowwise", "tensorwise-delayed"):
+                config = bench_float8_config("hybrid", recipe)
+                layer = turbo_moe.GroupedLinearFP8(g, hidden, ffn, config=config, device="meta", dtype=torch.bfloat16,
+                                                   backend="triton", cache_fp8_weight=False)
+                layer.weight = torch.nn.Parameter(torch.empty(g, ffn, hidden, dtype=torch.bfloat16))
+                x = torch.empty(g * t, hidden, dtype=torch.bfloat16).requires_grad_()
+                torch.autograd.grad(layer(x, lens), (x, layer.weight), torch.empty(g * t, ffn, dtype=torch.bfloat16))
+                if recipe == "rowwise":
+                    continue
+                mlp = turbo_moe.GroupedSwiGLUMLPFP8(g, hidden, ffn, config=config, device="meta", dtype=torch.bfloat16,
+                                                    backend="triton")
+                mlp.fc1.weight = torch.nn.Parameter(torch.empty(g, 2 * ffn, hidden, dtype=torch.bfloat16))
+                mlp.fc2.weight = torch.nn.Parameter(torch.empty(g, hidden, ffn, dtype=torch.bfloat16))
+                probs = torch.rand(g * t, requires_grad=True)
+                y = mlp(x, lens, probs=probs)
+                torch.autograd.grad(y, (x, probs), torch.empty_like(y))
+        finally:
+            launch.LeanLauncher._first_launch = stand_in
+    return recorded
+
+
+_RECORDED = None
+
+
+def _recorded():
+    global _RECORDED
+    if _RECORDED is None:
+        _RECORDED = _record_quantization_launches()
+    return _RECORDED
+
+
+# What the hot path launches with the recipes above (the test fails if one goes unrecorded, so a
+# renamed or new cast kernel is added here knowingly).
+KERNELS = ["resolve_group_offs_kernel", "amax_partials_kernel", "fp8_cast_kernel", "fp8_rowwise_cast_kernel",
+           "fp8_colwise_grouped_cast_kernel", "fp8_cast_delayed_kernel", "swiglu_amax_partials_kernel",
+           "swiglu_fp8_cast_kernel", "swiglu_backward_amax_kernel", "swiglu_backward_fp8_cast_kernel",
+           "swiglu_fp8_cast_delayed_kernel", "swiglu_backward_fp8_delayed_kernel", "swiglu_dprobs_sum_kernel"]
+
+
+def _signature(fn, args, kwargs):
+    """ASTSource's (signature, constexprs, attrs) for a recorded launch, and its launch options."""
+    runtime = [p for p in fn.params if not p.is_constexpr]
+    assert len(runtime) == len(args), (fn.__name__, len(runtime), len(args))
+    signature, attrs = {}, {}
+    for i, (param, arg) in enumerate(zip(runtime, args)):
+        if isinstance(arg, torch.Tensor):
+            signature[param.name] = "*" + _TRITON_TYPES[arg.dtype]
+            divisible = arg.data_ptr() % 16 == 0
+        elif isinstance(arg, bool):
+            signature[param.name] = "i1"
+            divisible = False
+        elif isinstance(arg, int):
+            signature[param.name] = "i32" if -(2**31) <= arg < 2**31 else "i64"
+            divisible = arg % 16 == 0
+        elif isinstance(arg, float):
+            signature[param.name] = "fp32"
+            divisible = False
+        else:
+            raise AssertionError(f"{fn.__name__}: argument {param.name} of type {type(arg).__name__}")
+        if divisible:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    constexprs = {k: v for k, v in kwargs.items() if k not in _LAUNCH_OPTIONS}
+    for name in constexprs:
+        signature[name] = "constexpr"
+    options = {k: v for k, v in kwargs.items() if k in _LAUNCH_OPTIONS}
+    return signature, constexprs, attrs, options
+
+
+def test_every_quantization_kernel_of_the_hot_path_is_recorded():
+    assert sorted(_recorded()) == sorted(KERNELS)
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_quantization_kernel_compiles_for_gfx950(name):
+    fn, args, kwargs = _recorded()[name]
+    signature, constexprs, attrs, options = _signature(fn, args, kwargs)
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=GFX950, options=options)
+    isa = compiled.asm["amdgcn"]
+    scratch = [int(v) for v in re.findall(r"\.private_segment_fixed_size:\s+(\d+)", isa)]
+    assert scratch and max(scratch) == 0, f"{name}: {scratch} bytes of scratch (register spills) on gfx950"
+    fp8_out = {t for p, t in signature.items() if t in ("*fp8e4nv", "*fp8e5")}
+    if "*fp8e4nv" in fp8_out:  # OCP e4m3 through gfx950's conversion instruction, not an emulation
+        assert re.search(r"v_cvt_\w*pk_fp8_f32", isa), f"{name}: no hardware e4m3 conversion"
+    if "*fp8e5" in fp8_out:
+        assert re.search(r"v_cvt_\w*pk_bf8_f32", isa), f"{name}: no hardware e5m2 conversion"
+    if "ticket_ptr" in signature:  # delayed scaling: the amax record and the ticket are global atomics
+        assert "global_atomic_add" in isa and re.search(r"global_atomic_(smax|umax|max)", isa), name
+
+
+def _record_pointer_gemm_launches():
+    """``{(kernel, operand dtypes, rowwise, accumulate): (jit function, args, kwargs)}``: the pointer
+    GEMMs of fwd+bwd as ROCm runs them (TMA declined), tensorwise and rowwise, e4m3 and hybrid, and
+    the wgrad into an fp32 ``main_grad``."""
+    from turbo_moe.autograd import grouped_wgrad_fp8
+    from turbo_moe.backends import triton_backend
+
+    recorded = {}
+    g, t, hidden, ffn = 4, 64, 256, 128
+    lens = torch.full((g,), t, dtype=torch.int64)
+    with gpu_path_on_cpu():
+        stand_in, tma_reason = launch.LeanLauncher._first_launch, triton_backend._tma_reason
+
+        def record(self, key, grid, args, kwargs):
+            if "gemm" in self.fn.__name__:
+                dtypes = tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
+                flags = (kwargs.get("A_ROWWISE"), kwargs.get("ACCUMULATE"))
+                recorded.setdefault((self.fn.__name__, dtypes, flags), (self.fn, tuple(args), dict(kwargs)))
+            return stand_in(self, key, grid, args, kwargs)
+
+        launch.LeanLauncher._first_launch = record
+        triton_backend._tma_reason = lambda problem: "TMA is an NVIDIA Hopper+ feature"
+        try:
+            for fmt in ("e4m3", "hybrid"):
+                for recipe in ("tensorwise", "rowwise"):
+                    config = bench_float8_config(fmt, recipe)
+                    layer = turbo_moe.GroupedLinearFP8(g, hidden, ffn, config=config, device="meta",
+                                                       dtype=torch.bfloat16, backend="triton", cache_fp8_weight=False)
+                    layer.weight = torch.nn.Parameter(torch.empty(g, ffn, hidden, dtype=torch.bfloat16))
+                    x = torch.empty(g * t, hidden, dtype=torch.bfloat16).requires_grad_()
+                    dy = torch.empty(g * t, ffn, dtype=torch.bfloat16)
+                    torch.autograd.grad(layer(x, lens), (x, layer.weight), dy)
+                    offs = torch.arange(0, g * t + 1, t, dtype=torch.int64)
+                    grouped_wgrad_fp8(dy, x.detach(), offs, config=config, backend="triton",
+                                      main_grad=torch.empty(g, ffn, hidden, dtype=torch.float32))
+        finally:
+            launch.LeanLauncher._first_launch = stand_in
+            triton_backend._tma_reason = tma_reason
+    return recorded
+
+
+def _hip_candidates(kind_name: str, accumulate: bool):
+    from turbo_moe.backends.base import GemmKind
+    from turbo_moe.backends.triton_backend import HIP_ACCUMULATE_CANDIDATES, HIP_CANDIDATES
+
+    return HIP_ACCUMULATE_CANDIDATES if accumulate else HIP_CANDIDATES[GemmKind[kind_name]]
+
+
+def _hip_gemm_cases():
+    """(kind, into an fp32 main_grad, candidate index): what ``candidates_for`` offers on ROCm."""
+    return [(kind, acc, i) for kind, acc in (("M_GROUPED", False), ("K_GROUPED", False), ("K_GROUPED", True))
+            for i in range(len(_hip_candidates(kind, acc)))]
+
+
+_GEMMS = None
+
+
+def _gemms():
+    global _GEMMS
+    if _GEMMS is None:
+        _GEMMS = _record_pointer_gemm_launches()
+    return _GEMMS
+
+
+def test_pointer_gemms_are_recorded_for_every_variant():
+    kinds = {(name, dtypes[0], flags) for name, dtypes, flags in _gemms()}
+    for fp8 in ("torch.float8_e4m3fn", "torch.float8_e5m2"):  # e5m2: hybrid dgrad / wgrad operand a
+        for rowwise in (False, True):
+            assert ("m_grouped_gemm_kernel", fp8, (rowwise, None)) in kinds, (fp8, rowwise, kinds)
+            assert ("k_grouped_gemm_kernel", fp8, (rowwise, False)) in kinds, (fp8, rowwise, kinds)
+            assert ("k_grouped_gemm_kernel", fp8, (rowwise, True)) in kinds, (fp8, rowwise, kinds)
+
+
+@pytest.mark.parametrize("kind, accumulate, index", _hip_gemm_cases())
+def test_hip_gemm_candidates_compile_for_gfx950_without_scratch(kind, accumulate, index):
+    """Every ROCm tile candidate, for every recorded variant of its kernel (operand formats, rowwise
+    scales; the fp32 main_grad accumulation for its own candidates), compiles for gfx950 to FP8
+    MFMAs with no scratch."""
+    config = _hip_candidates(kind, accumulate)[index]
+    assert not config.tma  # ROCm has no TMA: the candidate describes the kernel that runs
+    name = "m_grouped_gemm_kernel" if kind == "M_GROUPED" else "k_grouped_gemm_kernel"
+    variants = [v for key, v in _gemms().items() if key[0] == name and bool(key[2][1]) == accumulate]
+    assert len(variants) == 4  # e4m3 / e5m2 operand a, tensorwise / rowwise scales
+    for fn, args, kwargs in variants:
+        tiles = dict(kwargs, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                     GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
+        if "BAND_CYCLIC" in tiles:
+            tiles["BAND_CYCLIC"] = config.band_cyclic
+        signature, constexprs, attrs, options = _signature(fn, args, tiles)
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                                  target=GFX950, options=options)
+        isa = compiled.asm["amdgcn"]
+        label = (name, str(config), {k: v for k, v in constexprs.items() if k in ("A_ROWWISE", "ACCUMULATE")},
+                 [t for t in signature.values() if t.startswith("*fp8")])
+        scratch = [int(v) for v in re.findall(r"\.private_segment_fixed_size:\s+(\d+)", isa)]
+        assert scratch and max(scratch) == 0, f"{label}: {scratch} bytes of scratch on gfx950"
+        assert re.search(r"v_mfma\w*f8", isa), f"{label}: no FP8 MFMA"
+
+
+def test_rocm_tunes_among_the_hip_candidates(monkeypatch):
+    from types import SimpleNamespace
+
+    from turbo_moe.backends.base import GemmKind
+    from turbo_moe.backends.triton_backend import (ACCUMULATE_CANDIDATES, GPU_CANDIDATES, HIP_ACCUMULATE_CANDIDATES,
+                                                   HIP_CANDIDATES, candidates_for)
+
+    def problem(kind, accumulate=False):
+        return SimpleNamespace(device=torch.device("cuda", 0), kind=kind, accumulate=accumulate)
+
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    assert candidates_for(problem(GemmKind.M_GROUPED)) is HIP_CANDIDATES[GemmKind.M_GROUPED]
+    assert candidates_for(problem(GemmKind.K_GROUPED)) is HIP_CANDIDATES[GemmKind.K_GROUPED]
+    assert candidates_for(problem(GemmKind.K_GROUPED, True)) is HIP_ACCUMULATE_CANDIDATES
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert candidates_for(problem(GemmKind.M_GROUPED)) is GPU_CANDIDATES[GemmKind.M_GROUPED]
+    assert candidates_for(problem(GemmKind.K_GROUPED, True)) is ACCUMULATE_CANDIDATES
