@@ -37,7 +37,7 @@ from turbo_moe.bench.recipes import bench_float8_config  # noqa: E402
 from turbo_moe.kernels.triton import launch  # noqa: E402
 
 GFX950 = GPUTarget("hip", "gfx950", 64)
-_TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+_TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.uint8: "u8",
                  torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "debug")
 
@@ -265,3 +265,89 @@ def test_rocm_tunes_among_the_hip_candidates(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", None)
     assert candidates_for(problem(GemmKind.M_GROUPED)) is GPU_CANDIDATES[GemmKind.M_GROUPED]
     assert candidates_for(problem(GemmKind.K_GROUPED, True)) is ACCUMULATE_CANDIDATES
+
+
+def _record_block_scaled_launches():
+    """``{(kernel, recipe, format, dot_scaled): (jit function, args, kwargs)}``: the fine-grained
+    GEMMs (and their casts) of fwd+bwd as ROCm runs them: ``triton_gemm._HIP_DEFAULTS`` tiles,
+    pointer kernels; MXFP8 both through ``tl.dot_scaled`` (gfx950's choice) and the promotion loop."""
+    from turbo_moe.fine_grained import triton_gemm
+
+    recorded = {}
+    g, t, hidden, ffn = 4, 128, 256, 256
+    lens = torch.full((g,), t, dtype=torch.int64)
+    state = {}
+    with gpu_path_on_cpu():
+        stand_in = launch.LeanLauncher._first_launch
+        default_config, use_dot_scaled = triton_gemm.default_config, triton_gemm.use_dot_scaled
+
+        def record(self, key, grid, args, kwargs):
+            recorded.setdefault((self.fn.__name__,) + state["case"], (self.fn, tuple(args), dict(kwargs)))
+            return stand_in(self, key, grid, args, kwargs)
+
+        launch.LeanLauncher._first_launch = record
+        try:
+            for recipe, dot_scaled in (("blockwise", False), ("mxfp8", True), ("mxfp8", False)):
+                for fmt in ("e4m3", "hybrid"):
+                    state["case"] = (recipe, fmt, dot_scaled)
+                    triton_gemm._PLANS.clear()  # plans cache the dot_scaled choice (fixed per device in use)
+                    triton_gemm.use_dot_scaled = lambda device, flag=dot_scaled: flag
+                    # default_config's ROCm branch, for the CPU tensors of this harness
+                    triton_gemm.default_config = lambda p, flag=dot_scaled: triton_gemm._HIP_DEFAULTS[
+                        (p.recipe.block, p.recipe.e8m0 and flag, p.kind)]
+                    layer = turbo_moe.GroupedLinearFP8(g, hidden, ffn, config=bench_float8_config(fmt, recipe),
+                                                       device="meta", dtype=torch.bfloat16, backend="triton",
+                                                       cache_fp8_weight=False)
+                    layer.weight = torch.nn.Parameter(torch.empty(g, ffn, hidden, dtype=torch.bfloat16))
+                    x = torch.empty(g * t, hidden, dtype=torch.bfloat16).requires_grad_()
+                    torch.autograd.grad(layer(x, lens), (x, layer.weight), torch.empty(g * t, ffn, dtype=torch.bfloat16))
+        finally:
+            launch.LeanLauncher._first_launch = stand_in
+            triton_gemm.default_config, triton_gemm.use_dot_scaled = default_config, use_dot_scaled
+            triton_gemm._PLANS.clear()
+    return recorded
+
+
+_BLOCK_SCALED = None
+
+
+def _block_scaled():
+    global _BLOCK_SCALED
+    if _BLOCK_SCALED is None:
+        _BLOCK_SCALED = _record_block_scaled_launches()
+    return _BLOCK_SCALED
+
+
+@pytest.mark.parametrize("recipe, dot_scaled", [("blockwise", False), ("mxfp8", True), ("mxfp8", False)])
+def test_block_scaled_kernels_compile_for_gfx950_without_scratch(recipe, dot_scaled):
+    """The fine-grained GEMMs with ROCm's default tiles and their casts, e4m3 and hybrid: no scratch;
+    the GEMMs on FP8 MFMAs, MXFP8 through ``tl.dot_scaled`` on the MX-scaled MFMA."""
+    cases = {key: v for key, v in _block_scaled().items() if key[1:2] == (recipe,) and key[3] == dot_scaled}
+    names = {key[0] for key in cases}
+    assert {"m_grouped_block_scaled_kernel", "k_grouped_block_scaled_kernel"} <= names, names
+    for (name, _, fmt, _), (fn, args, kwargs) in cases.items():
+        signature, constexprs, attrs, options = _signature(fn, args, kwargs)
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                                  target=GFX950, options=options)
+        isa = compiled.asm["amdgcn"]
+        scratch = [int(v) for v in re.findall(r"\.private_segment_fixed_size:\s+(\d+)", isa)]
+        assert scratch and max(scratch) == 0, f"{name} ({recipe}, {fmt}): {scratch} bytes of scratch on gfx950"
+        if "block_scaled" in name:
+            mfma = r"v_mfma_scale_f32\w*f8" if dot_scaled else r"v_mfma_f32\w*(f8|fp8|bf8)"
+            assert re.search(mfma, isa), f"{name} ({recipe}, {fmt}): no {mfma}"
+
+
+def test_rocm_block_scaled_defaults(monkeypatch):
+    from types import SimpleNamespace
+
+    from turbo_moe.backends.base import GemmKind
+    from turbo_moe.fine_grained import triton_gemm
+
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    monkeypatch.setattr(triton_gemm, "use_dot_scaled", lambda device: True)
+    for block, e8m0 in ((128, False), (32, True)):
+        for kind in (GemmKind.M_GROUPED, GemmKind.K_GROUPED):
+            problem = SimpleNamespace(device=torch.device("cuda", 0), kind=kind,
+                                      recipe=SimpleNamespace(block=block, e8m0=e8m0))
+            config = triton_gemm.default_config(problem)
+            assert config is triton_gemm._HIP_DEFAULTS[(block, e8m0, kind)] and not config.tma

@@ -43,6 +43,19 @@ _GPU_DEFAULTS = {
     (32, False): BlockKernelConfig(128, 128, 32, num_stages=6, tma=False),
     (32, True): BlockKernelConfig(128, 128, 128, num_stages=3),
 }
+# ROCm (gfx950: where FlyDSL does not take a call, e.g. float32-scale blockwise or the hybrid
+# format's e5m2 gradients), per (block, dot_scaled, kind): the pointer kernels (no TMA). Compiled for
+# gfx950 the H100 defaults spill (blockwise M-grouped 500 bytes, K-grouped 20; MXFP8's dot_scaled
+# M-grouped 244; its promotion loop 296); these compile with no scratch, dot_scaled to gfx950's
+# MX-scaled MFMA (tests/test_triton_gfx950_compile.py). Their speed has never been measured.
+_HIP_DEFAULTS = {
+    (128, False, GemmKind.M_GROUPED): BlockKernelConfig(128, 64, 128, num_warps=4, num_stages=2, tma=False),
+    (128, False, GemmKind.K_GROUPED): BlockKernelConfig(128, 128, 128, num_stages=2, tma=False),
+    (32, False, GemmKind.M_GROUPED): BlockKernelConfig(128, 128, 32, num_stages=2, tma=False),
+    (32, False, GemmKind.K_GROUPED): BlockKernelConfig(128, 128, 32, num_stages=2, tma=False),
+    (32, True, GemmKind.M_GROUPED): BlockKernelConfig(128, 64, 128, num_stages=2, tma=False),
+    (32, True, GemmKind.K_GROUPED): BlockKernelConfig(128, 128, 128, num_stages=2, tma=False),
+}
 
 
 class _Kernels:
@@ -87,6 +100,8 @@ def default_config(problem) -> BlockKernelConfig:
     dot_scaled = r.e8m0 and use_dot_scaled(problem.device)
     if problem.device.type != "cuda":  # interpreter: small tiles, so small shapes span many tiles
         return BlockKernelConfig(16, 16, 64 if dot_scaled else r.block, group_m=2, num_warps=1, num_stages=1)
+    if torch.version.hip:
+        return _HIP_DEFAULTS[(r.block, dot_scaled, problem.kind)]
     return _GPU_DEFAULTS[(r.block, dot_scaled)]
 
 
