@@ -127,19 +127,25 @@ def _signature(fn, args, kwargs):
     return signature, constexprs, attrs, options
 
 
+def _gfx950_isa(fn, args, kwargs, label):
+    """``(ISA, signature, constexprs)`` of a recorded launch compiled for gfx950; fails ``label``
+    if the kernel needs scratch (register spills)."""
+    signature, constexprs, attrs, options = _signature(fn, args, kwargs)
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=GFX950, options=options)
+    isa = compiled.asm["amdgcn"]
+    scratch = [int(v) for v in re.findall(r"\.private_segment_fixed_size:\s+(\d+)", isa)]
+    assert scratch and max(scratch) == 0, f"{label}: {scratch} bytes of scratch (register spills) on gfx950"
+    return isa, signature, constexprs
+
+
 def test_every_quantization_kernel_of_the_hot_path_is_recorded():
     assert sorted(_recorded()) == sorted(KERNELS)
 
 
 @pytest.mark.parametrize("name", KERNELS)
 def test_quantization_kernel_compiles_for_gfx950(name):
-    fn, args, kwargs = _recorded()[name]
-    signature, constexprs, attrs, options = _signature(fn, args, kwargs)
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                              target=GFX950, options=options)
-    isa = compiled.asm["amdgcn"]
-    scratch = [int(v) for v in re.findall(r"\.private_segment_fixed_size:\s+(\d+)", isa)]
-    assert scratch and max(scratch) == 0, f"{name}: {scratch} bytes of scratch (register spills) on gfx950"
+    isa, signature, _ = _gfx950_isa(*_recorded()[name], name)
     fp8_out = {t for p, t in signature.items() if t in ("*fp8e4nv", "*fp8e5")}
     if "*fp8e4nv" in fp8_out:  # OCP e4m3 through gfx950's conversion instruction, not an emulation
         assert re.search(r"v_cvt_\w*pk_fp8_f32", isa), f"{name}: no hardware e4m3 conversion"
@@ -237,14 +243,9 @@ def test_hip_gemm_candidates_compile_for_gfx950_without_scratch(kind, accumulate
                      GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
         if "BAND_CYCLIC" in tiles:
             tiles["BAND_CYCLIC"] = config.band_cyclic
-        signature, constexprs, attrs, options = _signature(fn, args, tiles)
-        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                                  target=GFX950, options=options)
-        isa = compiled.asm["amdgcn"]
-        label = (name, str(config), {k: v for k, v in constexprs.items() if k in ("A_ROWWISE", "ACCUMULATE")},
-                 [t for t in signature.values() if t.startswith("*fp8")])
-        scratch = [int(v) for v in re.findall(r"\.private_segment_fixed_size:\s+(\d+)", isa)]
-        assert scratch and max(scratch) == 0, f"{label}: {scratch} bytes of scratch on gfx950"
+        label = (name, str(config), {k: kwargs.get(k) for k in ("A_ROWWISE", "ACCUMULATE")},
+                 [str(a.dtype) for a in args if isinstance(a, torch.Tensor) and a.element_size() == 1])
+        isa, _, _ = _gfx950_isa(fn, args, tiles, label)
         assert re.search(r"v_mfma\w*f8", isa), f"{label}: no FP8 MFMA"
 
 
@@ -326,12 +327,7 @@ def test_block_scaled_kernels_compile_for_gfx950_without_scratch(recipe, dot_sca
     names = {key[0] for key in cases}
     assert {"m_grouped_block_scaled_kernel", "k_grouped_block_scaled_kernel"} <= names, names
     for (name, _, fmt, _), (fn, args, kwargs) in cases.items():
-        signature, constexprs, attrs, options = _signature(fn, args, kwargs)
-        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                                  target=GFX950, options=options)
-        isa = compiled.asm["amdgcn"]
-        scratch = [int(v) for v in re.findall(r"\.private_segment_fixed_size:\s+(\d+)", isa)]
-        assert scratch and max(scratch) == 0, f"{name} ({recipe}, {fmt}): {scratch} bytes of scratch on gfx950"
+        isa, _, _ = _gfx950_isa(fn, args, kwargs, f"{name} ({recipe}, {fmt})")
         if "block_scaled" in name:
             mfma = r"v_mfma_scale_f32\w*f8" if dot_scaled else r"v_mfma_f32\w*(f8|fp8|bf8)"
             assert re.search(mfma, isa), f"{name} ({recipe}, {fmt}): no {mfma}"
