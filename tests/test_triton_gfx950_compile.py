@@ -43,9 +43,9 @@ _LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "debug")
 
 
 def _record_quantization_launches():
-    """``{kernel name: (jit function, args, kwargs)}``: the first launch of every non-GEMM kernel a
-    layer and a SwiGLU MLP fwd+bwd make, over the recipes with fused casts (hybrid format, so both
-    e4m3 and e5m2 stores appear)."""
+    """``{(kernel name, FP8 output dtypes): (jit function, args, kwargs)}``: the first launch of
+    every non-GEMM kernel (per FP8 format it writes) a layer and a SwiGLU MLP fwd+bwd make, over
+    the recipes with fused casts (hybrid format, so both e4m3 and e5m2 stores appear)."""
     recorded = {}
     g, t, hidden, ffn = 4, 64, 256, 128
     lens = torch.full((g,), t, dtype=torch.int64)
@@ -54,7 +54,10 @@ def _record_quantization_launches():
 
         def record(self, key, grid, args, kwargs):
             if "gemm" not in self.fn.__name__:
-                recorded.setdefault(self.fn.__name__, (self.fn, tuple(args), dict(kwargs)))
+                # one entry per kernel and FP8 output format (hybrid: e4m3 activations, e5m2 gradients)
+                formats = tuple(sorted({str(a.dtype) for a in args if isinstance(a, torch.Tensor)
+                                        and a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)}))
+                recorded.setdefault((self.fn.__name__, formats), (self.fn, tuple(args), dict(kwargs)))
             return stand_in(self, key, grid, args, kwargs)
 
         launch.LeanLauncher._first_launch = record
@@ -140,19 +143,29 @@ def _gfx950_isa(fn, args, kwargs, label):
 
 
 def test_every_quantization_kernel_of_the_hot_path_is_recorded():
-    assert sorted(_recorded()) == sorted(KERNELS)
+    recorded = _recorded()
+    assert sorted({name for name, _ in recorded}) == sorted(KERNELS)
+    # the tensorwise, rowwise and delayed casts write e5m2 (gradients) as well as e4m3
+    for name in ("fp8_cast_kernel", "fp8_rowwise_cast_kernel", "fp8_colwise_grouped_cast_kernel",
+                 "fp8_cast_delayed_kernel"):
+        assert {formats for n, formats in recorded if n == name} == {
+            ("torch.float8_e4m3fn",), ("torch.float8_e5m2",)}, name
 
 
 @pytest.mark.parametrize("name", KERNELS)
 def test_quantization_kernel_compiles_for_gfx950(name):
-    isa, signature, _ = _gfx950_isa(*_recorded()[name], name)
-    fp8_out = {t for p, t in signature.items() if t in ("*fp8e4nv", "*fp8e5")}
-    if "*fp8e4nv" in fp8_out:  # OCP e4m3 through gfx950's conversion instruction, not an emulation
-        assert re.search(r"v_cvt_\w*pk_fp8_f32", isa), f"{name}: no hardware e4m3 conversion"
-    if "*fp8e5" in fp8_out:
-        assert re.search(r"v_cvt_\w*pk_bf8_f32", isa), f"{name}: no hardware e5m2 conversion"
-    if "ticket_ptr" in signature:  # delayed scaling: the amax record and the ticket are global atomics
-        assert "global_atomic_add" in isa and re.search(r"global_atomic_(smax|umax|max)", isa), name
+    variants = [(formats, launch_) for (n, formats), launch_ in _recorded().items() if n == name]
+    assert variants
+    for formats, recorded in variants:
+        label = (name, formats)
+        isa, signature, _ = _gfx950_isa(*recorded, label)
+        fp8_out = {t for p, t in signature.items() if t in ("*fp8e4nv", "*fp8e5")}
+        if "*fp8e4nv" in fp8_out:  # OCP e4m3 through gfx950's conversion instruction, not an emulation
+            assert re.search(r"v_cvt_\w*pk_fp8_f32", isa), f"{label}: no hardware e4m3 conversion"
+        if "*fp8e5" in fp8_out:
+            assert re.search(r"v_cvt_\w*pk_bf8_f32", isa), f"{label}: no hardware e5m2 conversion"
+        if "ticket_ptr" in signature:  # delayed scaling: the amax record and the ticket are global atomics
+            assert "global_atomic_add" in isa and re.search(r"global_atomic_(smax|umax|max)", isa), label
 
 
 def _record_pointer_gemm_launches():
