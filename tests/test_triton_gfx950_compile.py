@@ -13,6 +13,7 @@ call (the hybrid format's e5m2 gradients, float32-scale blockwise), with the til
 path with TMA declined, and must use FP8 MFMAs without scratch.
 """
 
+import contextlib
 import os
 import re
 import sys
@@ -42,44 +43,71 @@ _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "debug")
 
 
+@contextlib.contextmanager
+def _first_launches(key_of, patches=()):
+    """Inside ``gpu_path_on_cpu``: yields ``{key_of(fn, args, kwargs): (fn, args, kwargs)}`` of the
+    first launch of every key that is not None, with ``patches`` (``(object, name, value)``)
+    applied; the launcher and every patched name (set again inside the block or not) are restored
+    on exit."""
+    recorded = {}
+    with gpu_path_on_cpu():
+        stand_in = launch.LeanLauncher._first_launch
+        saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+
+        def record(self, key, grid, args, kwargs):
+            k = key_of(self.fn, args, kwargs)
+            if k is not None:
+                recorded.setdefault(k, (self.fn, tuple(args), dict(kwargs)))
+            return stand_in(self, key, grid, args, kwargs)
+
+        launch.LeanLauncher._first_launch = record
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        try:
+            yield recorded
+        finally:
+            launch.LeanLauncher._first_launch = stand_in
+            for obj, name, value in saved:
+                setattr(obj, name, value)
+
+
+def _linear_fwd_bwd(config, g, t, hidden, ffn):
+    """One GroupedLinearFP8 fwd+bwd (no weight cache) on empty CPU tensors; returns ``(x, dy, lens)``."""
+    lens = torch.full((g,), t, dtype=torch.int64)
+    layer = turbo_moe.GroupedLinearFP8(g, hidden, ffn, config=config, device="meta", dtype=torch.bfloat16,
+                                       backend="triton", cache_fp8_weight=False)
+    layer.weight = torch.nn.Parameter(torch.empty(g, ffn, hidden, dtype=torch.bfloat16))
+    x = torch.empty(g * t, hidden, dtype=torch.bfloat16).requires_grad_()
+    dy = torch.empty(g * t, ffn, dtype=torch.bfloat16)
+    torch.autograd.grad(layer(x, lens), (x, layer.weight), dy)
+    return x, dy, lens
+
+
 def _record_quantization_launches():
     """``{(kernel name, FP8 output dtypes): (jit function, args, kwargs)}``: the first launch of
     every non-GEMM kernel (per FP8 format it writes) a layer and a SwiGLU MLP fwd+bwd make, over
     the recipes with fused casts (hybrid format, so both e4m3 and e5m2 stores appear)."""
-    recorded = {}
+    def key_of(fn, args, kwargs):
+        if "gemm" in fn.__name__:
+            return None
+        # one entry per kernel and FP8 output format (hybrid: e4m3 activations, e5m2 gradients)
+        return fn.__name__, tuple(sorted({str(a.dtype) for a in args if isinstance(a, torch.Tensor)
+                                          and a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)}))
+
     g, t, hidden, ffn = 4, 64, 256, 128
-    lens = torch.full((g,), t, dtype=torch.int64)
-    with gpu_path_on_cpu():
-        stand_in = launch.LeanLauncher._first_launch
-
-        def record(self, key, grid, args, kwargs):
-            if "gemm" not in self.fn.__name__:
-                # one entry per kernel and FP8 output format (hybrid: e4m3 activations, e5m2 gradients)
-                formats = tuple(sorted({str(a.dtype) for a in args if isinstance(a, torch.Tensor)
-                                        and a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)}))
-                recorded.setdefault((self.fn.__name__, formats), (self.fn, tuple(args), dict(kwargs)))
-            return stand_in(self, key, grid, args, kwargs)
-
-        launch.LeanLauncher._first_launch = record
-        try:
-            for recipe in ("tensorwise", "rowwise", "tensorwise-delayed"):
-                config = bench_float8_config("hybrid", recipe)
-                layer = turbo_moe.GroupedLinearFP8(g, hidden, ffn, config=config, device="meta", dtype=torch.bfloat16,
-                                                   backend="triton", cache_fp8_weight=False)
-                layer.weight = torch.nn.Parameter(torch.empty(g, ffn, hidden, dtype=torch.bfloat16))
-                x = torch.empty(g * t, hidden, dtype=torch.bfloat16).requires_grad_()
-                torch.autograd.grad(layer(x, lens), (x, layer.weight), torch.empty(g * t, ffn, dtype=torch.bfloat16))
-                if recipe == "rowwise":
-                    continue
-                mlp = turbo_moe.GroupedSwiGLUMLPFP8(g, hidden, ffn, config=config, device="meta", dtype=torch.bfloat16,
-                                                    backend="triton")
-                mlp.fc1.weight = torch.nn.Parameter(torch.empty(g, 2 * ffn, hidden, dtype=torch.bfloat16))
-                mlp.fc2.weight = torch.nn.Parameter(torch.empty(g, hidden, ffn, dtype=torch.bfloat16))
-                probs = torch.rand(g * t, requires_grad=True)
-                y = mlp(x, lens, probs=probs)
-                torch.autograd.grad(y, (x, probs), torch.empty_like(y))
-        finally:
-            launch.LeanLauncher._first_launch = stand_in
+    with _first_launches(key_of) as recorded:
+        for recipe in ("tensorwise", "rowwise", "tensorwise-delayed"):
+            config = bench_float8_config("hybrid", recipe)
+            x, _, lens = _linear_fwd_bwd(config, g, t, hidden, ffn)
+            if recipe == "rowwise":
+                continue
+            mlp = turbo_moe.GroupedSwiGLUMLPFP8(g, hidden, ffn, config=config, device="meta", dtype=torch.bfloat16,
+                                                backend="triton")
+            mlp.fc1.weight = torch.nn.Parameter(torch.empty(g, 2 * ffn, hidden, dtype=torch.bfloat16))
+            mlp.fc2.weight = torch.nn.Parameter(torch.empty(g, hidden, ffn, dtype=torch.bfloat16))
+            probs = torch.rand(g * t, requires_grad=True)
+            y = mlp(x, lens, probs=probs)
+            torch.autograd.grad(y, (x, probs), torch.empty_like(y))
     return recorded
 
 
@@ -175,37 +203,22 @@ def _record_pointer_gemm_launches():
     from turbo_moe.autograd import grouped_wgrad_fp8
     from turbo_moe.backends import triton_backend
 
-    recorded = {}
+    def key_of(fn, args, kwargs):
+        if "gemm" not in fn.__name__:
+            return None
+        dtypes = tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
+        return fn.__name__, dtypes, (kwargs.get("A_ROWWISE"), kwargs.get("ACCUMULATE"))
+
     g, t, hidden, ffn = 4, 64, 256, 128
-    lens = torch.full((g,), t, dtype=torch.int64)
-    with gpu_path_on_cpu():
-        stand_in, tma_reason = launch.LeanLauncher._first_launch, triton_backend._tma_reason
-
-        def record(self, key, grid, args, kwargs):
-            if "gemm" in self.fn.__name__:
-                dtypes = tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
-                flags = (kwargs.get("A_ROWWISE"), kwargs.get("ACCUMULATE"))
-                recorded.setdefault((self.fn.__name__, dtypes, flags), (self.fn, tuple(args), dict(kwargs)))
-            return stand_in(self, key, grid, args, kwargs)
-
-        launch.LeanLauncher._first_launch = record
-        triton_backend._tma_reason = lambda problem: "TMA is an NVIDIA Hopper+ feature"
-        try:
-            for fmt in ("e4m3", "hybrid"):
-                for recipe in ("tensorwise", "rowwise"):
-                    config = bench_float8_config(fmt, recipe)
-                    layer = turbo_moe.GroupedLinearFP8(g, hidden, ffn, config=config, device="meta",
-                                                       dtype=torch.bfloat16, backend="triton", cache_fp8_weight=False)
-                    layer.weight = torch.nn.Parameter(torch.empty(g, ffn, hidden, dtype=torch.bfloat16))
-                    x = torch.empty(g * t, hidden, dtype=torch.bfloat16).requires_grad_()
-                    dy = torch.empty(g * t, ffn, dtype=torch.bfloat16)
-                    torch.autograd.grad(layer(x, lens), (x, layer.weight), dy)
-                    offs = torch.arange(0, g * t + 1, t, dtype=torch.int64)
-                    grouped_wgrad_fp8(dy, x.detach(), offs, config=config, backend="triton",
-                                      main_grad=torch.empty(g, ffn, hidden, dtype=torch.float32))
-        finally:
-            launch.LeanLauncher._first_launch = stand_in
-            triton_backend._tma_reason = tma_reason
+    declined = (triton_backend, "_tma_reason", lambda problem: "TMA is an NVIDIA Hopper+ feature")
+    with _first_launches(key_of, [declined]) as recorded:
+        for fmt in ("e4m3", "hybrid"):
+            for recipe in ("tensorwise", "rowwise"):
+                config = bench_float8_config(fmt, recipe)
+                x, dy, _ = _linear_fwd_bwd(config, g, t, hidden, ffn)
+                offs = torch.arange(0, g * t + 1, t, dtype=torch.int64)
+                grouped_wgrad_fp8(dy, x.detach(), offs, config=config, backend="triton",
+                                  main_grad=torch.empty(g, ffn, hidden, dtype=torch.float32))
     return recorded
 
 
@@ -287,37 +300,21 @@ def _record_block_scaled_launches():
     pointer kernels; MXFP8 both through ``tl.dot_scaled`` (gfx950's choice) and the promotion loop."""
     from turbo_moe.fine_grained import triton_gemm
 
-    recorded = {}
-    g, t, hidden, ffn = 4, 128, 256, 256
-    lens = torch.full((g,), t, dtype=torch.int64)
-    state = {}
-    with gpu_path_on_cpu():
-        stand_in = launch.LeanLauncher._first_launch
-        default_config, use_dot_scaled = triton_gemm.default_config, triton_gemm.use_dot_scaled
-
-        def record(self, key, grid, args, kwargs):
-            recorded.setdefault((self.fn.__name__,) + state["case"], (self.fn, tuple(args), dict(kwargs)))
-            return stand_in(self, key, grid, args, kwargs)
-
-        launch.LeanLauncher._first_launch = record
+    case = {}
+    # set per case below; restored on exit
+    patches = [(triton_gemm, "default_config", None), (triton_gemm, "use_dot_scaled", None)]
+    with _first_launches(lambda fn, args, kwargs: (fn.__name__,) + case["key"], patches) as recorded:
         try:
             for recipe, dot_scaled in (("blockwise", False), ("mxfp8", True), ("mxfp8", False)):
                 for fmt in ("e4m3", "hybrid"):
-                    state["case"] = (recipe, fmt, dot_scaled)
+                    case["key"] = (recipe, fmt, dot_scaled)
                     triton_gemm._PLANS.clear()  # plans cache the dot_scaled choice (fixed per device in use)
                     triton_gemm.use_dot_scaled = lambda device, flag=dot_scaled: flag
                     # default_config's ROCm branch, for the CPU tensors of this harness
                     triton_gemm.default_config = lambda p, flag=dot_scaled: triton_gemm._HIP_DEFAULTS[
                         (p.recipe.block, p.recipe.e8m0 and flag, p.kind)]
-                    layer = turbo_moe.GroupedLinearFP8(g, hidden, ffn, config=bench_float8_config(fmt, recipe),
-                                                       device="meta", dtype=torch.bfloat16, backend="triton",
-                                                       cache_fp8_weight=False)
-                    layer.weight = torch.nn.Parameter(torch.empty(g, ffn, hidden, dtype=torch.bfloat16))
-                    x = torch.empty(g * t, hidden, dtype=torch.bfloat16).requires_grad_()
-                    torch.autograd.grad(layer(x, lens), (x, layer.weight), torch.empty(g * t, ffn, dtype=torch.bfloat16))
+                    _linear_fwd_bwd(bench_float8_config(fmt, recipe), 4, 128, 256, 256)
         finally:
-            launch.LeanLauncher._first_launch = stand_in
-            triton_gemm.default_config, triton_gemm.use_dot_scaled = default_config, use_dot_scaled
             triton_gemm._PLANS.clear()
     return recorded
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fp8_cast import _batched, _cdiv, _quant_scales, clamp_keep_nan
+from .fp8_cast import _MAX_GEOMETRIES, _batched, _cdiv, _quant_scales, clamp_keep_nan
 from .launch import arg_fact, lean
 
 
@@ -171,8 +171,7 @@ class _DelayedGeometry:
             TILES_C=_CAST_TILES_C, BLOCK_H=history_block(history_len), num_warps=4)
 
 
-_DELAYED_GEOMETRY = {}
-_MAX_GEOMETRIES = 1024
+_DELAYED_GEOMETRY = {}  # bounded by fp8_cast's _MAX_GEOMETRIES, as its own cache
 
 
 def fp8_tensorwise_cast_delayed(x, state, ticket, history_len: int, most_recent: bool, fp8_dtype, fp8_max: float,
