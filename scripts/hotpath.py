@@ -2,10 +2,12 @@
 
 For each shape and implementation, in one process on one GPU:
 
-* host us: CPU time to *issue* one fwd+bwd. A loop of steps runs without synchronizing while the
+* host us: CPU time to *issue* one fwd+bwd (with ``--compare-host-plans``, also ``host_us_python``:
+  the same with turbo_moe's host launch plans off, measured alternately with them). A loop of steps runs without synchronizing while the
   GPU is kept busy by a long kernel queued first (``torch.cuda._sleep``), so the host never waits
   on the GPU and the loop's wall time is pure issue cost;
-* launches: GPU kernels of one fwd+bwd (torch.profiler, CUDA activity, after warm-up);
+* launches: GPU kernels of one fwd+bwd (torch.profiler, CUDA activity, after warm-up; with
+  micro-batches, the mean over one optimizer step's micro-batches, the weight's quantization included);
 * eager ms / graph ms: CUDA-event median of one fwd+bwd, eager and replayed from a CUDA graph;
 * peak MB: ``torch.cuda.max_memory_allocated`` over one step (inputs included).
 
@@ -63,14 +65,17 @@ def _issue_us(fn, steps=10):
     return (t1 - t0) / steps * 1e6
 
 
-def _count_kernels(fn):
+def _count_kernels(fn, steps=1):
+    """GPU kernels per call of ``fn``, averaged over ``steps`` calls (a micro-batch loop's steps
+    differ: one of them re-quantizes the weight)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
+        for _ in range(steps):
+            fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / steps
 
 
 def _graph_ms(fn):
@@ -134,14 +139,35 @@ def build(impl, shape, fmt, granularity, micro_batches):
     return step
 
 
-def measure(impl, shape, fmt, granularity, micro_batches, profile_top):
+def _host_us_with_and_without_plans(step, rounds=7):
+    """(median host us with host launch plans, the same with every call through Python),
+    measured alternately so that the machine's drift hits both alike."""
+    from turbo_moe import host_plan
+
+    previous = host_plan.enabled()
+    with_plans, python = [], []
+    try:
+        for _ in range(rounds):
+            host_plan.set_enabled(False)
+            python.append(_issue_us(step))
+            host_plan.set_enabled(True)
+            with_plans.append(_issue_us(step))
+    finally:
+        host_plan.set_enabled(previous)
+    return statistics.median(with_plans), statistics.median(python)
+
+
+def measure(impl, shape, fmt, granularity, micro_batches, profile_top, compare_plans=False):
     step = build(impl, shape, fmt, granularity, micro_batches)
     for _ in range(3 * max(micro_batches, 1)):
         step()
     torch.cuda.synchronize()
     row = {"impl": impl, "shape": shape, "mb": micro_batches}
-    row["host_us"] = statistics.median(_issue_us(step) for _ in range(3))
-    row["launches"] = _count_kernels(step)
+    if compare_plans and impl == "turbo":
+        row["host_us"], row["host_us_python"] = _host_us_with_and_without_plans(step)
+    else:
+        row["host_us"] = statistics.median(_issue_us(step) for _ in range(3 if impl == "turbo" else 7))
+    row["launches"] = _count_kernels(step, max(micro_batches, 1))
     row["eager_ms"] = _events_ms(step)
     torch.cuda.reset_peak_memory_stats()
     step()
@@ -173,6 +199,8 @@ def main(argv=None):
                    help="comma list of turbo_moe.bench.recipes.RECIPES (tensorwise-delayed: delayed scaling)")
     p.add_argument("--micro-batches", default="1,4")
     p.add_argument("--profile-top", type=int, default=0, help="cProfile the issue loop of the first shape")
+    p.add_argument("--compare-host-plans", action="store_true",
+                   help="turbo rows: host us with host launch plans (turbo_moe.host_plan) and without, interleaved")
     p.add_argument("--label", default="")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
@@ -185,7 +213,8 @@ def main(argv=None):
             for granularity, mb in variants:
                 try:
                     row = measure(impl, shape, args.format, granularity, mb,
-                                  args.profile_top if (si == 0 and impl == "turbo" and mb == 1) else 0)
+                                  args.profile_top if (si == 0 and impl == "turbo" and mb == 1) else 0,
+                                  args.compare_host_plans)
                 except Exception as exc:
                     row = {"impl": impl, "shape": shape, "mb": mb, "error": f"{type(exc).__name__}: {exc}"}
                 row["granularity"], row["label"] = granularity, args.label
@@ -200,6 +229,12 @@ def main(argv=None):
 
         print("lean launches (hits, misses, direct):", launch_stats())
     except ImportError:  # a checkout from before the lean launcher
+        pass
+    try:
+        from turbo_moe import host_plan
+
+        print(f"host plans: {host_plan.status()}; per region (replays, plans, refusals):", host_plan.region_stats())
+    except ImportError:  # a checkout from before host plans
         pass
     if args.json:
         with open(args.json, "w") as f:

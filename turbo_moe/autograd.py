@@ -29,6 +29,7 @@ from .backends import GemmKind, GroupedGemmProblem, select_backend
 from .checks import HIGH_PRECISION_DTYPES, check_group_offs, check_operands, check_wgrad_operands, resolve_group_offs
 from .config import Float8Config, ScalingGranularity
 from .delayed_scaling import AmaxHistory, DelayedScalingState
+from . import host_plan
 from .quantize import quantize_columnwise, quantize_rowwise, quantize_tensorwise_layouts, row_group_ids
 
 __all__ = [
@@ -291,40 +292,147 @@ def fp8_gemm_backward(ctx, dy, w_nk, w_kn_scale, x_km, x_km_scale, group_offs, n
     if w_kn is None and need_dx:  # a second backward (retain_graph): re-derive W^T
         requantized = quantize_weight(w_nk, ctx.config, transposed=True)
         w_kn, w_kn_scale = requantized.data_t, requantized.scale_t
-    config = ctx.config
+    config, num_cu, backend = ctx.config, ctx.num_cu, ctx.backend
+    if handed is None:
+        dy = dy.contiguous()
+    history = ctx.grad_history
+    dgrad = functools.partial(_dgrad_tensors, dy, handed, w_kn, w_kn_scale, group_offs, config, num_cu, backend,
+                              ctx.x_dtype, need_dx, need_dw, history)
+    inputs = (None if handed is not None else dy, *(handed or (None, None, None)), w_kn, w_kn_scale, group_offs)
+    dx, dy_t, dy_t_scale = through_plan(_DGRAD_REGION, (config, num_cu, backend, ctx.x_dtype, need_dx, need_dw),
+                                        inputs, dgrad, (history,))
+    # dgrad's operands are dead: release them before wgrad allocates dW (the peak of the step).
+    del w_kn, dgrad, handed
+    if not need_dw:
+        return dx, None
+    target = ctx.wgrad_target
+    if target is not None and target.defer is not None:
+        if dy_t is None:  # rowwise: made after dgrad's rows copy is freed
+            dy_t, dy_t_scale = _token_major_operand(dy, group_offs, config.grad_dtype, config.margin, rowwise=True)
+        return dx, finish_wgrad(target, DeferredWgrad(functools.partial(
+            _run, GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs,
+            num_cu=num_cu, backend=backend, role="wgrad", config=config)))
+    buffer = None if target is None else target.buffer()
+    if buffer is not None and not isinstance(buffer, torch.Tensor):
+        raise TypeError(f"the wgrad buffer must be a tensor, got {type(buffer).__name__}")
+    # A float32 buffer is accumulated into in the wgrad kernel's epilogue; another dtype gets dW
+    # in its dtype, added after.
+    out = buffer if buffer is not None and buffer.dtype == torch.float32 else None
+    dw_dtype = ctx.w_dtype if buffer is None else buffer.dtype
+    wgrad = functools.partial(_wgrad_tensors, dy, dy_t, dy_t_scale, x_km, x_km_scale, group_offs, config, num_cu,
+                              backend, dw_dtype, out)
+    inputs = (dy if dy_t is None else None, dy_t, dy_t_scale, x_km, x_km_scale, group_offs, out)
+    (dw,) = through_plan(_WGRAD_REGION, (config, num_cu, backend, dw_dtype), inputs, wgrad,
+                         writes_inputs=out is not None)
+    if buffer is None:
+        return dx, dw
+    if out is None:
+        buffer.add_(dw)
+    return dx, target.placeholder() if target.placeholder is not None else None
+
+
+def _dgrad_tensors(dy, handed, w_kn, w_kn_scale, group_offs, config, num_cu, backend, dx_dtype, need_dx, need_dw,
+                   history):
+    """Backward's first GPU work: quantize ``dy`` (unless ``handed`` its FP8 copies) and run
+    dgrad. Returns ``(dx, dy token-major in FP8, its scale)``; the last two None where the wgrad
+    makes its own (rowwise)."""
     rowwise = config.granularity is ScalingGranularity.ROWWISE
     gdtype, margin = config.grad_dtype, config.margin
-    dx = dw = None
+    dy_t = dy_t_scale = None
     if handed is not None:  # tensorwise, in the layouts this backward asked for (expect)
         dy_fp8, dy_t, dy_scale = handed
         dy_t_scale = dy_scale
     elif rowwise:
-        dy = dy.contiguous()
-        dy_fp8 = dy_t = None
-        if need_dx:
-            dy_fp8, dy_scale = quantize_rowwise(dy, gdtype, margin)
+        dy_fp8, dy_scale = quantize_rowwise(dy, gdtype, margin) if need_dx else (None, None)
     else:  # one pass writes both layouts (tensorwise shares one amax)
-        dy = dy.contiguous()
         dy_fp8, dy_t, dy_scale = quantize_tensorwise_layouts(dy, gdtype, margin, rows=need_dx, transposed=need_dw,
-                                                             history=ctx.grad_history)
+                                                             history=history)
         dy_t_scale = dy_scale
+    dx = None
     if need_dx:
-        dx = _run(GemmKind.M_GROUPED, dy_fp8, w_kn, dy_scale, w_kn_scale, group_offs,
-                  ctx.x_dtype, ctx.num_cu, ctx.backend, "dgrad", config)
-    # dgrad's operands are dead: release them before wgrad allocates dW (the peak of the step).
-    del w_kn, dy_fp8
-    if need_dw and rowwise:  # its own pass anyway: made after dgrad's rows copy is freed
-        dy_t, dy_t_scale = _token_major_operand(dy, group_offs, gdtype, margin, rowwise=True)
-    if need_dw:
-        target = ctx.wgrad_target
-        if target is None:
-            dw = _run(GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs,
-                      ctx.w_dtype, ctx.num_cu, ctx.backend, "wgrad", config)
-        else:
-            dw = finish_wgrad(target, DeferredWgrad(functools.partial(
-                _run, GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs,
-                num_cu=ctx.num_cu, backend=ctx.backend, role="wgrad", config=config)))
-    return dx, dw
+        dx = _run(GemmKind.M_GROUPED, dy_fp8, w_kn, dy_scale, w_kn_scale, group_offs, dx_dtype, num_cu, backend,
+                  "dgrad", config)
+    return dx, dy_t, dy_t_scale
+
+
+def _wgrad_tensors(dy, dy_t, dy_t_scale, x_km, x_km_scale, group_offs, config, num_cu, backend, dw_dtype, out):
+    """Backward's wgrad: ``(dW,)``, added into ``out`` (float32) when given. ``dy_t`` None
+    (rowwise): dy's token-major copy made here, after dgrad's rows copy is freed."""
+    if dy_t is None:
+        dy_t, dy_t_scale = _token_major_operand(dy, group_offs, config.grad_dtype, config.margin, rowwise=True)
+    return (_run(GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs, dw_dtype, num_cu, backend,
+                 "wgrad", config, out=out, accumulate=out is not None),)
+
+
+def _fp8_forward_tensors(x, w_nk, w_fp8, group_offs, config, num_cu, backend, out_dtype, need_dx, need_dw, delayed):
+    """The forward's GPU work (see :func:`fp8_gemm_forward`)."""
+    dtype, margin = config.forward_dtype, config.margin
+    # Backward's operands, contiguous along their contraction dims: dgrad reads W as
+    # [G, K, N] (contracted over N), wgrad reads x as [K, M] (contracted over tokens).
+    w_q, w_scale, w_kn, w_kn_scale = fp8_weight_for(w_nk, w_fp8, config, need_dx)
+    rowwise = config.granularity is ScalingGranularity.ROWWISE
+    if rowwise:
+        x_fp8, x_scale = quantize_rowwise(x, dtype, margin)
+        x_km = x_km_scale = None
+    else:
+        x_fp8, x_km, x_scale = quantize_tensorwise_layouts(x, dtype, margin, transposed=need_dw,
+                                                           history=delayed and delayed.input)
+        x_km_scale = x_scale
+    if not need_dx:
+        w_kn = w_kn_scale = None
+    y = _run(GemmKind.M_GROUPED, x_fp8, w_q, x_scale, w_scale, group_offs, out_dtype, num_cu, backend, "fwd", config)
+    if rowwise and need_dw:
+        # Rowwise makes each layout in its own pass: the token-major copy for wgrad only after
+        # the forward's rows copy is freed (one FP8 copy of x less at the forward's peak).
+        del x_fp8
+        x_km, x_km_scale = _token_major_operand(x, group_offs, dtype, margin, rowwise=True)
+    return y, w_kn, w_kn_scale, x_km, x_km_scale
+
+
+# The FP8 GEMM's three host-plan regions: forward; dy's quantization + dgrad; wgrad (a region of
+# its own so that W^T's FP8 copy is freed before dW is allocated, as the Python path does).
+_FORWARD_REGION = host_plan.Region("fp8 gemm forward")
+_DGRAD_REGION = host_plan.Region("fp8 gemm dgrad")
+_WGRAD_REGION = host_plan.Region("fp8 gemm wgrad")
+
+
+def through_plan(region: host_plan.Region, static, inputs, compute, histories=(), writes_inputs=False):
+    """``compute()`` through ``region`` (``turbo_moe.host_plan``: recorded once per signature, then
+    replayed from C++) when its tensors are on a GPU; directly otherwise. ``inputs``: every tensor
+    ``compute`` reads or writes that it does not make (None where absent); ``histories``: the
+    delayed-scaling ``AmaxHistory`` objects it casts with (their device state joins the inputs;
+    a history not yet seeded -- its first cast seeds it in torch ops -- runs directly);
+    ``writes_inputs``: ``compute`` writes an input (e.g. adds into a gradient buffer)."""
+    first = next((t for t in inputs if t is not None), None)
+    live = [h for h in histories if h is not None]
+    if first is None or not first.is_cuda or any(h.state is None or h.state.device != first.device for h in live):
+        return compute()
+    state = tuple(t for h in live for t in (h.state, h.ticket))
+    return region((static, len(live)), (*inputs, *state), compute, pure=not (live or writes_inputs))
+
+
+def fp8_gemm_forward(x, w_nk, w_fp8: Optional[Float8Weight], group_offs, config: Float8Config, num_cu, backend,
+                     out_dtype, need_dx: bool, need_dw: bool, delayed: Optional[DelayedScalingState]):
+    """``(y, W^T in FP8, its scale, x token-major in FP8, its scale)``: quantize ``W`` (unless
+    ``w_fp8`` has it) and ``x``, run the forward GEMM. On a GPU, a repeated signature replays its
+    recorded launches from C++ (``turbo_moe.host_plan``)."""
+    compute = functools.partial(_fp8_forward_tensors, x, w_nk, w_fp8, group_offs, config, num_cu, backend, out_dtype,
+                                need_dx, need_dw, delayed)
+    static = (config, num_cu, backend, out_dtype, need_dx, need_dw, *cached_weight_key(w_fp8))
+    return through_plan(_FORWARD_REGION, static, (x, w_nk, group_offs, *cached_weight_inputs(w_fp8)), compute,
+                        (delayed and delayed.input,))
+
+
+def cached_weight_inputs(w_fp8: Optional[Float8Weight]) -> tuple:
+    """A cached FP8 weight's tensors as host-plan inputs: a scale shared by both layouts
+    (tensorwise) goes in once (each input must be one tensor; :func:`cached_weight_key` says so)."""
+    if w_fp8 is None:
+        return (None, None, None, None)
+    return (w_fp8.data, w_fp8.scale, w_fp8.data_t, None if w_fp8.scale_t is w_fp8.scale else w_fp8.scale_t)
+
+
+def cached_weight_key(w_fp8: Optional[Float8Weight]) -> tuple:
+    return (w_fp8 is None, w_fp8 is not None and w_fp8.scale_t is w_fp8.scale)
 
 
 class GroupedGemmFP8Function(torch.autograd.Function):
@@ -334,27 +442,9 @@ class GroupedGemmFP8Function(torch.autograd.Function):
     def forward(ctx, x, w_nk, group_offs, config: Float8Config, num_cu, backend, out_dtype,
                 w_fp8: Optional[Float8Weight] = None, wgrad_target: Optional[WgradTarget] = None,
                 grad_handoff: Optional[QuantizedGradHandoff] = None, delayed: Optional[DelayedScalingState] = None):
-        dtype, margin = config.forward_dtype, config.margin
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        # Backward's operands, contiguous along their contraction dims: dgrad reads W as
-        # [G, K, N] (contracted over N), wgrad reads x as [K, M] (contracted over tokens).
-        w_q, w_scale, w_kn, w_kn_scale = fp8_weight_for(w_nk, w_fp8, config, need_dx)
-        rowwise = config.granularity is ScalingGranularity.ROWWISE
-        if rowwise:
-            x_fp8, x_scale = quantize_rowwise(x, dtype, margin)
-            x_km = x_km_scale = None
-        else:
-            x_fp8, x_km, x_scale = quantize_tensorwise_layouts(x, dtype, margin, transposed=need_dw,
-                                                               history=delayed and delayed.input)
-            x_km_scale = x_scale
-        if not need_dx:
-            w_kn = w_kn_scale = None
-        y = _run(GemmKind.M_GROUPED, x_fp8, w_q, x_scale, w_scale, group_offs, out_dtype, num_cu, backend, "fwd", config)
-        if rowwise and need_dw:
-            # Rowwise makes each layout in its own pass: the token-major copy for wgrad only after
-            # the forward's rows copy is freed (one FP8 copy of x less at the forward's peak).
-            del x_fp8
-            x_km, x_km_scale = _token_major_operand(x, group_offs, dtype, margin, rowwise=True)
+        y, w_kn, w_kn_scale, x_km, x_km_scale = fp8_gemm_forward(x, w_nk, w_fp8, group_offs, config, num_cu, backend,
+                                                                 out_dtype, need_dx, need_dw, delayed)
         # w itself is saved (a live parameter: no memory) to re-derive W^T if backward runs again
         # (retain_graph); the saved-tensor version check then also catches an in-place change of w.
         grad_history = delayed and delayed.grad_output

@@ -30,11 +30,13 @@ same math (to an ulp of float32 ``exp``) do.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Optional
 
 import torch
 
+from . import host_plan
 from ._triton_kernels import triton_kernels
 from .autograd import (
     Float8Weight,
@@ -42,10 +44,13 @@ from .autograd import (
     WgradTarget,
     _autocast_out_dtype,
     _run,
+    cached_weight_inputs,
+    cached_weight_key,
     fp8_gemm_backward,
     fp8_weight_for,
     resolve_call_options,
     stash_for_fp8_gemm_backward,
+    through_plan,
 )
 from .backends import GemmKind
 from .checks import HIGH_PRECISION_DTYPES, check_group_offs
@@ -147,6 +152,26 @@ def _grad_is_observed(h: Optional[torch.Tensor]) -> bool:
     return h is not None and (bool(h._backward_hooks) or h.retains_grad)
 
 
+def _swiglu_gemm_forward_tensors(h, probs, w_nk, w_fp8, group_offs, config, num_cu, backend, out_dtype, need_da,
+                                 need_dw, history):
+    """The forward's GPU work: ``(y, W^T in FP8, its scale, a token-major in FP8, a's scale)``
+    with ``a = weighted_swiglu(h, probs)`` (never materialized in h's dtype)."""
+    w_q, w_scale, w_kn, w_kn_scale = fp8_weight_for(w_nk, w_fp8, config, need_da)
+    a_fp8, a_km, a_scale = quantize_weighted_swiglu(h, probs, config.forward_dtype, config.margin,
+                                                    transposed=need_dw, history=history)
+    y = _run(GemmKind.M_GROUPED, a_fp8, w_q, a_scale, w_scale, group_offs, out_dtype, num_cu, backend, "fwd", config)
+    if not need_da:
+        w_kn = w_kn_scale = None
+    return y, w_kn, w_kn_scale, a_km, a_scale
+
+
+# Host-plan regions (turbo_moe.host_plan): the forward (the activation's cast + fc2's GEMM) and
+# the activation's backward (dh, with its FP8 layouts under a handoff); fc2's own backward goes
+# through autograd's regions (fp8_gemm_backward).
+_FORWARD_REGION = host_plan.Region("swiglu + fp8 gemm forward")
+_BACKWARD_REGION = host_plan.Region("swiglu backward")
+
+
 class GroupedSwiGLUGemmFP8Function(torch.autograd.Function):
     """``grouped_gemm_fp8(weighted_swiglu(h, probs), w)``; see the module docstring."""
 
@@ -157,13 +182,12 @@ class GroupedSwiGLUGemmFP8Function(torch.autograd.Function):
                 delayed: Optional[DelayedScalingState] = None):
         need_da = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         need_dw = ctx.needs_input_grad[2]
-        w_q, w_scale, w_kn, w_kn_scale = fp8_weight_for(w_nk, w_fp8, config, need_da)
-        a_fp8, a_km, a_scale = quantize_weighted_swiglu(h, probs, config.forward_dtype, config.margin,
-                                                        transposed=need_dw, history=delayed and delayed.input)
-        y = _run(GemmKind.M_GROUPED, a_fp8, w_q, a_scale, w_scale, group_offs, out_dtype, num_cu, backend, "fwd",
-                 config)
-        if not need_da:
-            w_kn = w_kn_scale = None
+        history = delayed and delayed.input
+        compute = functools.partial(_swiglu_gemm_forward_tensors, h, probs, w_nk, w_fp8, group_offs, config, num_cu,
+                                    backend, out_dtype, need_da, need_dw, history)
+        y, w_kn, w_kn_scale, a_km, a_scale = through_plan(
+            _FORWARD_REGION, (config, num_cu, backend, out_dtype, need_da, need_dw, *cached_weight_key(w_fp8)),
+            (h, probs, w_nk, group_offs, *cached_weight_inputs(w_fp8)), compute, (history,))
         stash_for_fp8_gemm_backward(ctx, w_kn, config, num_cu, backend, h.dtype, w_nk.dtype, wgrad_target,
                                     grad_history=delayed and delayed.grad_output)
         ctx.h_grad_handoff = h_grad_handoff
@@ -183,12 +207,16 @@ class GroupedSwiGLUGemmFP8Function(torch.autograd.Function):
         handoff = ctx.h_grad_handoff
         if need_da and handoff is not None and handoff.expecting and ctx.needs_input_grad[0] \
                 and not _grad_is_observed(ctx.h_ref()):
-            rows, transposed, scale, dprobs = quantize_weighted_swiglu_backward(
-                h, probs, da, handoff.grad_dtype, handoff.margin, rows=handoff.need_rows,
-                transposed=handoff.need_transposed, history=handoff.history)
+            compute = functools.partial(quantize_weighted_swiglu_backward, h, probs, da, handoff.grad_dtype,
+                                        handoff.margin, rows=handoff.need_rows, transposed=handoff.need_transposed,
+                                        history=handoff.history)
+            static = (handoff.grad_dtype, handoff.margin, handoff.need_rows, handoff.need_transposed)
+            rows, transposed, scale, dprobs = through_plan(_BACKWARD_REGION, static, (h, probs, da), compute,
+                                                           (handoff.history,))
             dh = handoff.give(rows, transposed, scale, like=h)
         elif need_da:
-            dh, dprobs = weighted_swiglu_backward(h, probs, da)
+            dh, dprobs = through_plan(_BACKWARD_REGION, (), (h, probs, da),
+                                      functools.partial(weighted_swiglu_backward, h, probs, da))
         return dh, dprobs, dw, None, None, None, None, None, None, None, None, None
 
 

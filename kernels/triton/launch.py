@@ -128,6 +128,11 @@ class _Memo:
         grid_x, grid_y, grid_z = grid[0], grid[1] if grid_size > 1 else 1, grid[2] if grid_size > 2 else 1
         stream = _cuda_raw_stream(device)
         direct = self.direct
+        recorder = _RECORD_HOOK
+        if recorder is not None:
+            if direct is None:
+                recorder.other(f"{self.kernel.name} launched through CompiledKernel.run")
+            launched_args = args
         if direct is None:
             kernel.run(grid_x, grid_y, grid_z, stream, kernel.function, kernel.packed_metadata, None, None, None,
                        *triton_args(args), *self.constexpr_values)
@@ -144,6 +149,8 @@ class _Memo:
                    if scratch_bytes else None)
         c_launch(grid_x, grid_y, grid_z, stream, kernel.function, cooperative, pdl, scratch, None,
                  kernel.packed_metadata, None, None, None, *args, *self.constexpr_values)
+        if recorder is not None:
+            recorder.direct(self, (grid_x, grid_y, grid_z), launched_args, scratch)
 
     def _expand(self, args, descs):
         """``args`` with each descriptor replaced by what Triton's wrapper would put there
@@ -168,6 +175,16 @@ class _Memo:
             start = pos + 1
         flat.extend(args[start:])
         return flat
+
+
+# turbo_moe.host_plan's recorder while it records a region (None otherwise): told of every launch
+# (``direct(memo, grid, arguments, global scratch)``, or ``other(why)`` for one it cannot replay).
+_RECORD_HOOK = None
+
+
+def set_record_hook(hook) -> None:
+    global _RECORD_HOOK
+    _RECORD_HOOK = hook
 
 
 # Expanded descriptors kept per memoized kernel (addresses seen: activations move between steps

@@ -11,6 +11,7 @@ reason, never a silent fallback.
 from __future__ import annotations
 
 import collections
+import functools
 import importlib
 import logging
 import os
@@ -19,6 +20,7 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
+from .. import host_plan
 from .base import BackendUnavailable, GemmKind, GroupedGemmBackend, GroupedGemmProblem
 
 __all__ = [
@@ -128,10 +130,10 @@ def _check(name: str, problem: GroupedGemmProblem) -> Tuple[object, str]:
     return backend, ""
 
 
-# (backend argument, problem signature) -> (chosen backend, its record). A decision depends only on
+# (backend argument, problem signature) -> (chosen backend, a callable logging its record again). A decision depends only on
 # what the signature holds (see GroupedGemmProblem.signature), so the second call of a shape class
 # costs one dict lookup: no availability probes, no validation, no string formatting.
-_decisions: Dict[tuple, Tuple[GroupedGemmBackend, DispatchRecord]] = {}
+_decisions: Dict[tuple, Tuple[GroupedGemmBackend, "functools.partial"]] = {}
 _MAX_DECISIONS = 4096
 
 
@@ -140,25 +142,37 @@ def select_backend(problem: GroupedGemmProblem, backend: str = "auto") -> Groupe
     key = (backend, problem.signature())
     hit = _decisions.get(key)
     if hit is not None:
-        _recent.append(hit[1])
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("%s", hit[1])
+        log_again = hit[1]
+        log_again()
+        host_plan.repeat_on_replay(log_again)
         return hit[0]
     chosen = _select_uncached(problem, backend)
     if len(_decisions) >= _MAX_DECISIONS:
         _decisions.clear()
-    _decisions[key] = (chosen, _recent[-1])
+    log_again = functools.partial(_log, _recent[-1])
+    _decisions[key] = (chosen, log_again)
+    host_plan.repeat_on_replay(log_again)
     return chosen
+
+
+def _log(record: DispatchRecord) -> None:
+    """Keep ``record`` in :func:`recent_dispatches` (and the debug log). A host plan replaying a
+    GEMM's launches repeats this for it (``host_plan.repeat_on_replay``)."""
+    _recent.append(record)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s", record)
 
 
 def clear_dispatch_cache() -> None:
     """Forget cached dispatch decisions (after changing TURBO_MOE_DISABLE_FLYDSL, say), the
-    fine-grained recipes' backend choices and their Triton launch plans included."""
+    fine-grained recipes' backend choices, their Triton launch plans and the host launch plans
+    (``turbo_moe.host_plan``) included."""
     from ..fine_grained import gemm, triton_gemm
 
     _decisions.clear()
     gemm._CHOSEN.clear()
     triton_gemm._PLANS.clear()
+    host_plan.clear_all()  # host plans replay the launches those decisions chose
 
 
 def _select_uncached(problem: GroupedGemmProblem, backend: str) -> GroupedGemmBackend:
@@ -183,7 +197,4 @@ def _select_uncached(problem: GroupedGemmProblem, backend: str) -> GroupedGemmBa
 
 
 def _record(problem: GroupedGemmProblem, chosen: str, passed_over) -> None:
-    record = DispatchRecord(problem.describe(), chosen, tuple(passed_over))
-    _recent.append(record)
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("%s", record)
+    _log(DispatchRecord(problem.describe(), chosen, tuple(passed_over)))

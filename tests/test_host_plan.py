@@ -1,0 +1,87 @@
+"""Host launch plans on the CPU: the C++ parameter patching, the address-to-source mapping and the
+refusal rules (turbo_moe/host_plan.py). Replays themselves need a GPU: tests/test_host_plan_gpu.py."""
+
+import shutil
+import struct
+
+import pytest
+import torch
+
+from turbo_moe import host_plan
+
+
+def test_sources_map_addresses_to_inputs_and_allocations_or_refuse():
+    base = torch.empty(64, dtype=torch.float32)
+    view = base[8:24]
+    alloc = torch.empty(100, dtype=torch.uint8)
+    sources = host_plan._Sources([view], [alloc])
+    assert sources.find(view.data_ptr(), "x") == (0, 0)
+    assert sources.find(view.data_ptr() + 12, "x") == (0, 12)
+    assert sources.find(alloc.data_ptr() + 99, "x") == (-1, 99)
+    with pytest.raises(host_plan.RecordingRefused, match="nowhere known"):
+        sources.find(base.data_ptr(), "x")  # before the input's first element: not the input's memory
+    with pytest.raises(host_plan.RecordingRefused, match="nowhere known"):
+        sources.find(view.data_ptr() + 16 * 4, "x")  # one past its last element
+
+
+def test_region_keeps_the_python_run_when_recording_is_refused(monkeypatch):
+    """A region doing a torch op (no plan possible): the result is the one Python run's, run once
+    per call, and after MAX_ATTEMPTS refusals the signature stays on its Python path."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(host_plan, "_extension", lambda: object())  # refused before it is used
+    region = host_plan.Region("test")
+    runs = []
+
+    def fn(t):
+        runs.append(1)
+        return (t + 1,)
+
+    t = torch.arange(4.0)
+    for i in range(host_plan.RECORD_AFTER + host_plan.MAX_ATTEMPTS + 2):
+        (out,) = region(("k",), (t,), lambda: fn(t), pure=True)
+        assert torch.equal(out, t + 1)
+    assert len(runs) == host_plan.RECORD_AFTER + host_plan.MAX_ATTEMPTS + 2
+    assert region.replays == 0
+    # Never recorded: a compute op (add) is refused before anything else is looked at.
+    assert region.refusals and all("aten op add" in r for r in region.refusals), region.refusals
+    assert len(region.refusals) == host_plan.MAX_ATTEMPTS
+
+
+def test_region_is_bypassed_when_plans_are_off():
+    region = host_plan.Region("test")
+    previous = host_plan.set_enabled(False)
+    try:
+        t = torch.ones(3)
+        for _ in range(5):
+            (out,) = region(("k",), (t,), lambda: (t * 2,), pure=True)
+        assert region.refusals == [] and region.replays == 0
+    finally:
+        host_plan.set_enabled(previous)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no C++ compiler")
+def test_extension_writes_each_address_into_the_parameter_bytes():
+    ext = host_plan._extension()
+    if ext is None:
+        pytest.skip(host_plan.status())
+    template = bytearray(64)
+    template[16:20] = struct.pack("<i", 1234)  # a scalar parameter stays as recorded
+    template[40:48] = b"\xaa" * 8
+    error, plan = ext.add_plan(
+        2, [256, 512], [False, True],
+        [(0, [3, 1, 1], 128, 0, bytes(template), [0, 8, 16, 24, 32],
+          [(0, 0, 0), (8, 1, 32), (24, -2, 16), (32, -1, 0)])],
+        [(-1, torch.empty(0, dtype=torch.float32), [4, 2], [2, 1], 8)])
+    assert error == "" and plan >= 0
+    error, (packed,) = ext.packed(plan, [0x1000, 0x2000], [0x9000, 0xA000])
+    assert error == ""
+    words = struct.unpack("<8Q", packed)
+    assert words[0] == 0x1000 and words[1] == 0x2000 + 32 and words[3] == 0xA000 + 16 and words[4] == 0x9000
+    assert struct.unpack("<i", packed[16:20])[0] == 1234 and packed[40:48] == b"\xaa" * 8
+    # Errors come back as text (no C++ exception leaves the extension), naming what is wrong.
+    error, _ = ext.add_plan(1, [16], [False], [(0, [1, 1, 1], 32, 0, bytes(16), [0], [(0, 3, 0)])], [])
+    assert "bad source" in error
+    error, _ = ext.add_plan(1, [16], [False], [(0, [1, 1, 1], 32, 0, bytes(16), [0], [(12, 0, 0)])], [])
+    assert "patch out of range" in error
+    error, _ = ext.packed(10**6, [], [])
+    assert "no plan" in error

@@ -1,0 +1,196 @@
+"""GPU: host launch plans (turbo_moe/host_plan.py) give the Python path's results bit for bit.
+
+Each case runs the same sequence of calls twice, on identical fresh modules: once with host plans
+off (every call through Python) and once on (the first calls record, later ones replay from C++);
+every output and gradient of every call must be equal bitwise, and the replays must have happened
+(a plan silently never used would pass the equality and prove nothing).
+"""
+
+import pytest
+import torch
+
+import turbo_moe
+from turbo_moe import Float8Config, GroupedLinearFP8, GroupedSwiGLUMLPFP8, host_plan
+from turbo_moe import autograd as fp8_autograd
+from turbo_moe import swiglu as fp8_swiglu
+
+pytestmark = pytest.mark.gpu
+
+LINEAR_REGIONS = (fp8_autograd._FORWARD_REGION, fp8_autograd._DGRAD_REGION, fp8_autograd._WGRAD_REGION)
+REGIONS = LINEAR_REGIONS + (fp8_swiglu._FORWARD_REGION, fp8_swiglu._BACKWARD_REGION)
+
+
+def _plans_on(flag: bool):
+    for region in REGIONS:
+        region.clear()
+    return host_plan.set_enabled(flag)
+
+
+def _replays():
+    return tuple(region.replays for region in REGIONS)
+
+
+def _assert_bitwise(a, b, what):
+    assert a.shape == b.shape and a.dtype == b.dtype, what
+    assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), what
+
+
+def _routings(num_groups, tokens, calls, seed):
+    """Per call: group sizes summing to ``tokens`` (same M every call: one signature), ragged, with
+    empty experts."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(calls):
+        cuts = torch.sort(torch.randint(0, tokens + 1, (num_groups - 1,), generator=g)).values
+        bounds = torch.cat([torch.tensor([0]), cuts, torch.tensor([tokens])])
+        lens = bounds[1:] - bounds[:-1]
+        lens[0] = 0  # an empty expert every call
+        lens[-1] += tokens - lens.sum()
+        out.append(lens.cuda())
+    return out
+
+
+def _run_linear(config, cache, calls, plans, seed=0, dtype=torch.bfloat16, G=6, M=517, K=384, N=272):
+    previous = _plans_on(plans)
+    try:
+        torch.manual_seed(seed)
+        layer = GroupedLinearFP8(G, K, N, config=config, device="cuda", dtype=dtype, cache_fp8_weight=cache)
+        results = []
+        for i, lens in enumerate(_routings(G, M, calls, seed)):
+            x = torch.randn(M, K, device="cuda", dtype=dtype, generator=torch.Generator("cuda").manual_seed(i))
+            x.requires_grad_(True)
+            y = layer(x, lens)
+            dy = torch.randn(y.shape, device="cuda", dtype=dtype, generator=torch.Generator("cuda").manual_seed(100 + i))
+            layer.weight.grad = None
+            y.backward(dy)
+            results.append((y.detach().clone(), x.grad.clone(), layer.weight.grad.clone()))
+        torch.cuda.synchronize()
+        return results, _replays()
+    finally:
+        host_plan.set_enabled(previous)
+
+
+CONFIGS = {
+    "tensorwise": Float8Config(),
+    "hybrid": Float8Config(format="hybrid"),
+    "delayed": Float8Config(strategy="delayed", amax_history_len=4),
+    "rowwise": Float8Config(granularity="rowwise"),
+}
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["wcache", "nocache"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_linear_replay_equals_python_path_bitwise(name, cache):
+    config = CONFIGS[name]
+    calls = 6
+    python_results, _ = _run_linear(config, cache, calls, plans=False)
+    plan_results, replays = _run_linear(config, cache, calls, plans=True)
+    if host_plan.status() != "on":
+        pytest.skip(f"host plans unavailable here: {host_plan.status()}")
+    for i, (a, b) in enumerate(zip(python_results, plan_results)):
+        for what, ta, tb in zip(("y", "dx", "dW"), a, b):
+            _assert_bitwise(ta, tb, f"{name} call {i}: {what}")
+    refusals = [r for region in REGIONS for r in region.refusals]
+    # Per-tensor recipes replay all three regions; every recorded call after the first replays.
+    if name != "rowwise":
+        assert all(n >= calls - 3 for n in replays[:3]), (replays, refusals)
+    else:
+        assert sum(replays) > 0, (replays, refusals)
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "delayed"])
+def test_mlp_with_fp8_grad_handoff_replays_bitwise(name):
+    """The SwiGLU MLP (fc1's dh handed over in FP8, fp32 routing weights) through plans: every
+    region, the activation's included, replays."""
+    def run(plans):
+        previous = _plans_on(plans)
+        try:
+            torch.manual_seed(3)
+            mlp = GroupedSwiGLUMLPFP8(4, 256, 320, config=CONFIGS[name], device="cuda", dtype=torch.bfloat16)
+            out = []
+            for i, lens in enumerate(_routings(4, 300, 5, 3)):
+                x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                probs = torch.rand(300, device="cuda", dtype=torch.float32, requires_grad=True)
+                y = mlp(x, lens, probs=probs)
+                for p in mlp.parameters():
+                    p.grad = None
+                y.backward(torch.randn_like(y))
+                out.append((y.detach().clone(), x.grad.clone(), probs.grad.clone(),
+                            *[p.grad.clone() for p in mlp.parameters()]))
+            torch.cuda.synchronize()
+            return out, _replays()
+        finally:
+            host_plan.set_enabled(previous)
+
+    torch.manual_seed(0)
+    reference, _ = run(False)
+    torch.manual_seed(0)
+    replayed, replays = run(True)
+    if host_plan.status() != "on":
+        pytest.skip(f"host plans unavailable here: {host_plan.status()}")
+    assert all(n > 0 for n in replays), (replays, [r for region in REGIONS for r in region.refusals])
+    for i, (a, b) in enumerate(zip(reference, replayed)):
+        for j, (ta, tb) in enumerate(zip(a, b)):
+            _assert_bitwise(ta, tb, f"call {i} tensor {j}")
+
+
+def test_replayed_step_captures_in_a_cuda_graph_and_follows_new_routing():
+    """Plans recorded eagerly, then a capture (the replay path runs inside it): replaying the
+    graph with new routing gives the eager Python path's results."""
+    config = Float8Config()
+    G, M, K, N = 4, 256, 256, 128
+    previous = _plans_on(True)
+    try:
+        torch.manual_seed(1)
+        layer = GroupedLinearFP8(G, K, N, config=config, device="cuda", dtype=torch.bfloat16, cache_fp8_weight=False)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        lens = torch.tensor([100, 0, 56, 100], device="cuda")
+        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):  # record, then replay
+            layer.weight.grad = None
+            x.grad = None
+            layer(x, lens).backward(dy)
+        assert fp8_autograd._FORWARD_REGION.replays > 0
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            layer.weight.grad = None
+            x.grad = None
+            with torch.cuda.graph(graph):
+                y = layer(x, lens)
+                y.backward(dy)
+        torch.cuda.current_stream().wait_stream(stream)
+        lens.copy_(torch.tensor([0, 200, 0, 56]))
+        graph.replay()
+        torch.cuda.synchronize()
+        got = (y.detach().clone(), x.grad.clone(), layer.weight.grad.clone())
+    finally:
+        host_plan.set_enabled(previous)
+    host_plan.set_enabled(False)
+    try:
+        layer.weight.grad = None
+        x.grad = None
+        y_ref = layer(x, lens)
+        y_ref.backward(dy)
+        torch.cuda.synchronize()
+    finally:
+        host_plan.set_enabled(previous)
+    for what, a, b in zip(("y", "dx", "dW"), got, (y_ref.detach(), x.grad, layer.weight.grad)):
+        _assert_bitwise(a, b, what)
+
+
+def test_a_new_token_count_takes_the_python_path_then_its_own_plan():
+    config = Float8Config()
+    previous = _plans_on(True)
+    try:
+        layer = GroupedLinearFP8(3, 128, 64, config=config, device="cuda", dtype=torch.bfloat16)
+        for M in (96, 96, 96, 160, 160, 160):
+            x = torch.randn(M, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            lens = torch.tensor([M // 2, 0, M - M // 2], device="cuda")
+            layer(x, lens).sum().backward()
+        torch.cuda.synchronize()
+        # Per token count: call 1 Python, call 2 recorded, call 3 replayed.
+        assert fp8_autograd._FORWARD_REGION.replays == 2, fp8_autograd._FORWARD_REGION.refusals
+    finally:
+        host_plan.set_enabled(previous)

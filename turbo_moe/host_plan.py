@@ -1,0 +1,526 @@
+"""Host launch plans: a hot region's GPU work recorded once, then replayed from C++.
+
+An FP8 grouped GEMM's forward (quantize x, the GEMM) and backward (quantize dy, dgrad, wgrad) are
+a few allocations and 3-4 Triton launches, but issuing them from Python costs far more host time
+than the GPU work of a small layer: the Python between the launches (argument checks, dispatch,
+launch-argument building) runs per call, on the slow CPUs of GPU machines at 5-10x the cost seen
+on a workstation (docs/results/h100_hotpath.md). Here a :class:`Region` runs such a function of
+tensors normally for its first calls of a signature; one call is *recorded*: every allocation
+(``torch.empty``-like aten ops, seen through a ``TorchDispatchMode``) and every kernel launch
+(through ``kernels/triton/launch.py``'s lean launcher, with each parameter's bytes at the offsets
+the driver reports for the compiled kernel). Later calls of the same signature call
+``replay`` in ``csrc/launch_plan.cpp``: one C++ call allocates, writes the new addresses into
+each launch's parameter bytes (pointers and each TMA descriptor's global address) and launches.
+
+What makes a replay equal to the Python path: the signature key holds everything the launches
+derive from -- each input tensor's shape, strides, dtype, device and 16-byte alignment, plus the
+caller's static key (recipe, backend, flags) -- and a recording is refused (the region keeps its
+Python path for that signature) when anything in it is not a replayable fact:
+
+* any aten op other than allocations and views (a torch kernel, a copy, a host sync);
+* a Triton launch not through the lean launcher's direct path (a compile, a profiler hook);
+* a kernel argument pointing into memory that is neither an input nor an allocation of the call;
+* a parameter layout that does not match the driver's (``cuFuncGetParamInfo``), a TMA descriptor
+  whose global address cannot be located and re-written bit-exactly;
+* while a CUDA graph is captured, or before the signature's tuning is settled (the first
+  ``RECORD_AFTER - 1`` calls run in Python).
+
+For a region declared pure (no input is written), the plan is replayed once on the recording's
+own inputs and its outputs must equal the Python run's bit for bit, or it is dropped. The GPU tests
+compare replayed and Python results for every recipe. ``TURBO_MOE_HOST_PLANS=0`` turns plans off.
+
+The C++ extension is built on first use with ``torch.utils.cpp_extension`` (needs a C++ compiler
+and ninja; about 20 s, cached in torch's extension directory). Where it cannot be built, regions
+run their Python path and :func:`status` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+import threading
+import types
+import warnings
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["Region", "status", "enabled", "set_enabled"]
+
+# Calls of a signature before one is recorded: the first runs tuning and compiles; the second is
+# the first settled one.
+RECORD_AFTER = 2
+# Recording attempts per signature before its Python path is kept for good.
+MAX_ATTEMPTS = 3
+
+_EXT = None
+_EXT_ERROR: Optional[str] = None
+_EXT_LOCK = threading.Lock()
+
+
+# Signatures remembered per region (a run whose token counts change every call makes a new
+# signature each time and is served by the Python path; the cap bounds what it accumulates).
+_MAX_SIGNATURES = 1024
+_ENABLED = os.environ.get("TURBO_MOE_HOST_PLANS", "1") not in ("", "0")
+
+
+def enabled() -> bool:
+    return _ENABLED
+
+
+def set_enabled(flag: bool) -> bool:
+    """Turn host plans on or off (tests, benchmarks); returns the previous setting."""
+    global _ENABLED
+    previous, _ENABLED = _ENABLED, bool(flag)
+    return previous
+
+
+def _extension():
+    """The compiled ``launch_plan`` extension, built on first use; None (reason in ``_EXT_ERROR``)."""
+    global _EXT, _EXT_ERROR
+    if _EXT is not None or _EXT_ERROR is not None:
+        return _EXT
+    with _EXT_LOCK:
+        if _EXT is None and _EXT_ERROR is None:
+            try:
+                from torch.utils.cpp_extension import load
+
+                source = os.path.join(os.path.dirname(__file__), "csrc", "launch_plan.cpp")
+                _EXT = load(name="turbo_moe_launch_plan", sources=[source], extra_cflags=["-O2"], verbose=False)
+            except Exception as exc:  # no compiler, no ninja, no headers...
+                _EXT_ERROR = f"the launch-plan extension did not build: {type(exc).__name__}: {exc}"
+                warnings.warn(f"turbo_moe: {_EXT_ERROR}; FP8 GEMMs issue their launches from Python "
+                              "(correct, more host time per call)", RuntimeWarning, stacklevel=3)
+    return _EXT
+
+
+def region_stats() -> Dict[str, tuple]:
+    """``{region name: (replays, plans, first refusals)}`` of every region made so far."""
+    return {r.name: (r.replays, sum(p is not _FAILED for p in r._plans.values()), r.refusals[:3]) for r in _REGIONS}
+
+
+def status() -> str:
+    """One line: whether host plans are in use, and if not, why."""
+    if not enabled():
+        return "off (TURBO_MOE_HOST_PLANS=0)"
+    if _EXT is not None:
+        return "on"
+    return _EXT_ERROR or "not built yet (built at the first GPU call)"
+
+
+_RECORDING = threading.local()  # .effects: the list of the region being recorded on this thread
+
+
+def repeat_on_replay(effect: Callable[[], None]) -> None:
+    """While a region is recorded on this thread: call ``effect`` again at every replay of its
+    plan (a host-side record the skipped Python would have made, e.g. a dispatch log entry)."""
+    effects = getattr(_RECORDING, "effects", None)
+    if effects is not None:
+        effects.append(effect)
+
+
+def clear_all() -> None:
+    """Forget every region's plans (after something they were recorded under changed, e.g. the
+    backends' dispatch decisions)."""
+    for region in _REGIONS:
+        region.clear()
+
+
+class RecordingRefused(Exception):
+    """Why one call could not be recorded (the region keeps its Python path for it)."""
+
+
+def _checked(call):
+    """The result of an extension call returning ``(error, result)``; a failure refuses the recording."""
+    error, result = call
+    if error:
+        raise RecordingRefused(error)
+    return result
+
+
+def _fact(t):
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16)
+
+
+class _Plan:
+    __slots__ = ("plan_id", "tensor_positions", "outputs", "ext", "effects")
+
+    def __init__(self, plan_id, tensor_positions, outputs, ext, effects=()):
+        self.plan_id = plan_id
+        self.tensor_positions = tensor_positions  # positions of the non-None inputs
+        self.outputs = outputs  # per output: None, ("input", i) or ("plan", k)
+        self.ext = ext
+        self.effects = effects  # repeat_on_replay's callables
+
+    def replay(self, inputs):
+        for effect in self.effects:
+            effect()
+        tensors = [inputs[i] for i in self.tensor_positions]
+        error, made = self.ext.replay(self.plan_id, tensors, _raw_stream(tensors[0].get_device()))
+        if error:  # the extension returns its errors (csrc/launch_plan.cpp)
+            raise (torch.OutOfMemoryError if "out of memory" in error else RuntimeError)(error)
+        return tuple(None if spec is None else (inputs[spec[1]] if spec[0] == "input" else made[spec[1]])
+                     for spec in self.outputs)
+
+
+_FAILED = object()
+_REGIONS: List["Region"] = []
+_raw_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
+
+
+class Region:
+    """A function of tensors whose GPU work is allocations and lean Triton launches only.
+
+    ``region(static_key, inputs, fn, pure)``: ``fn()`` computes the outputs (a tuple of tensors or
+    None) from ``inputs`` (a tuple of tensors or None: every tensor ``fn`` reads or writes that is
+    not made inside it) and from whatever ``static_key`` determines. ``pure``: ``fn`` writes no
+    input (its plans are then verified by a replay at recording).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        _REGIONS.append(self)
+        self._plans: Dict[tuple, object] = {}
+        self._calls: Dict[tuple, int] = {}
+        self.replays = 0
+        self.refusals: List[str] = []
+
+    def __call__(self, static_key, inputs: Sequence[Optional[torch.Tensor]], fn: Callable[[], tuple],
+                 pure: bool) -> tuple:
+        if not _ENABLED:
+            return fn()
+        key = (static_key, *map(_fact, inputs))
+        plan = self._plans.get(key)
+        if plan is not None:
+            if plan is _FAILED:
+                return fn()
+            self.replays += 1
+            return plan.replay(inputs)
+        calls = self._calls.get(key, 0) + 1
+        if len(self._calls) >= _MAX_SIGNATURES:  # token counts that vary call to call: no plan helps
+            self._calls.clear()
+        self._calls[key] = calls
+        if calls < RECORD_AFTER or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            return fn()
+        ext = _extension()
+        if ext is None:
+            self._plans[key] = _FAILED
+            return fn()
+        outputs, plan, why = _record(ext, inputs, fn, pure)
+        if plan is not None:
+            if len(self._plans) >= _MAX_SIGNATURES:
+                self._plans.clear()
+            self._plans[key] = plan
+        else:
+            if len(self.refusals) < 64:
+                self.refusals.append(f"{self.name}: {why}")
+            if calls - RECORD_AFTER + 1 >= MAX_ATTEMPTS:
+                self._plans[key] = _FAILED
+        return outputs
+
+    def clear(self) -> None:
+        """Forget every plan and count (tests, benchmarks)."""
+        self._plans.clear()
+        self._calls.clear()
+        self.replays = 0
+        self.refusals = []
+
+
+# ----------------------------------------------------------------------------------- recording
+
+_ALLOC_OPS = {"empty.memory_format", "empty_strided.default", "empty.default", "new_empty.default",
+              "new_empty_strided.default", "empty_like.default"}
+_ZERO_ALLOC_OPS = {"zeros.default", "new_zeros.default", "zeros_like.default"}
+_VIEW_OPS = {"view.default", "_unsafe_view.default", "as_strided.default", "t.default", "transpose.int",
+             "permute.default", "select.int", "slice.Tensor", "unsqueeze.default", "squeeze.dim", "squeeze.default",
+             "squeeze.dims", "expand.default", "alias.default", "detach.default", "reshape.default", "unbind.int",
+             "lift_fresh.default",
+             "split.Tensor", "narrow.default", "view_as.default", "diagonal.default"}
+
+
+def _dispatch_mode_type():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _AllocationLog(TorchDispatchMode):
+        """Records allocations; refuses any op that computes (it would not be replayed)."""
+
+        def __init__(self):
+            super().__init__()
+            self.allocs: List[list] = []  # [tensor, zero]
+            self.refused: Optional[str] = None
+
+        def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = f"{func._overloadpacket.__name__}.{func._overloadname}"
+            if name in _ALLOC_OPS:
+                self.allocs.append([out, False])
+            elif name in _ZERO_ALLOC_OPS:
+                self.allocs.append([out, True])
+            elif name not in _VIEW_OPS and self.refused is None:
+                self.refused = f"aten op {name}"
+            return out
+
+    return _AllocationLog
+
+
+_LOG_TYPE = None
+
+
+class _Launch:
+    __slots__ = ("memo", "grid", "args", "scratch")
+
+    def __init__(self, memo, grid, args, scratch):
+        self.memo, self.grid, self.args, self.scratch = memo, grid, args, scratch
+
+
+class _LaunchLog:
+    """The lean launcher's hook while a region is recorded (kernels/triton/launch.py)."""
+
+    def __init__(self):
+        self.launches: List[_Launch] = []
+        self.refused: Optional[str] = None
+
+    def direct(self, memo, grid, args, scratch):
+        self.launches.append(_Launch(memo, grid, tuple(args), scratch))
+
+    def other(self, why: str):
+        if self.refused is None:
+            self.refused = why
+
+
+def _record(ext, inputs, fn, pure) -> Tuple[tuple, Optional[_Plan], str]:
+    """Run ``fn`` once, recorded: ``(its outputs, the plan or None, why not)``. The outputs are
+    always the Python run's (its side effects happened once)."""
+    global _LOG_TYPE
+    from turbo_moe.kernels.triton import launch as lean_launch
+    import triton.runtime.jit as triton_jit
+
+    if _LOG_TYPE is None:
+        _LOG_TYPE = _dispatch_mode_type()
+    alloc_log, launch_log = _LOG_TYPE(), _LaunchLog()
+    original_run = triton_jit.JITFunction.run
+
+    def guarded_run(self, *args, **kwargs):  # any launch through Triton's own path
+        launch_log.other(f"a launch of {getattr(self, '__name__', self)} through Triton's own path")
+        return original_run(self, *args, **kwargs)
+
+    effects = []
+    lean_launch.set_record_hook(launch_log)
+    triton_jit.JITFunction.run = guarded_run
+    _RECORDING.effects = effects
+    try:
+        with alloc_log:
+            outputs = fn()
+    finally:
+        _RECORDING.effects = None
+        triton_jit.JITFunction.run = original_run
+        lean_launch.set_record_hook(None)
+    try:
+        plan = _make_plan(ext, inputs, outputs, alloc_log, launch_log)
+        plan.effects = tuple(effects)
+        if pure:
+            _verify(plan, inputs, outputs)
+    except RecordingRefused as why:
+        return outputs, None, str(why)
+    return outputs, plan, ""
+
+
+def _storage_extent(t: torch.Tensor) -> Tuple[int, int]:
+    """(start address, bytes) of the memory t's elements span."""
+    if t.numel() == 0:
+        return t.data_ptr(), 0
+    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
+    return t.data_ptr(), span * t.element_size()
+
+
+class _Sources:
+    """Maps an address to (source, offset): an input (>= 0) or an allocation of the call (< 0)."""
+
+    def __init__(self, tensors: List[torch.Tensor], allocs: List[torch.Tensor]):
+        self.ranges = []
+        for i, t in enumerate(tensors):
+            start, size = _storage_extent(t)
+            self.ranges.append((start, size, i))
+        for j, a in enumerate(allocs):
+            self.ranges.append((a.data_ptr(), a.untyped_storage().nbytes(), -(j + 1)))
+
+    def find(self, address: int, what: str) -> Tuple[int, int]:
+        found = [(src, address - start) for start, size, src in self.ranges if start <= address < start + max(size, 1)]
+        if len(found) != 1:
+            raise RecordingRefused(f"{what} points {'nowhere known' if not found else 'into several tensors'}")
+        return found[0]
+
+
+_SCALAR_FORMATS = {"i1": "<?", "i8": "<b", "i16": "<h", "i32": "<i", "i64": "<q", "u1": "<?", "u8": "<B",
+                   "u16": "<H", "u32": "<I", "u64": "<Q", "fp32": "<f", "fp64": "<d"}
+_TMA_BYTES = 128
+
+
+def _tensor_map_bytes(obj) -> bytes:
+    """The CUtensorMap inside Triton's PyCUtensorMap object (its last 128 bytes:
+    ``{PyObject_HEAD; _Alignas(...) CUtensorMap tensorMap;}``)."""
+    size = type(obj).__basicsize__
+    if size < _TMA_BYTES + 16:
+        raise RecordingRefused(f"unknown TMA descriptor object {type(obj).__name__}")
+    return ctypes.string_at(id(obj) + size - _TMA_BYTES, _TMA_BYTES)
+
+
+def _descriptor_template(desc, meta, make_arg) -> Tuple[bytes, int, torch.Tensor]:
+    """(the CUtensorMap bytes for desc, the byte offset of its global address, desc's base)."""
+    from turbo_moe.kernels.triton.launch import HostDesc, _tensor_descriptor_type
+
+    if type(desc) is HostDesc:
+        desc = _tensor_descriptor_type()(desc.base, desc.shape, desc.strides, desc.block_shape)
+    base = desc.base
+    address = base.data_ptr()
+    blob = _tensor_map_bytes(make_arg(desc, meta)[0])
+    offsets = [o for o in range(0, _TMA_BYTES - 7, 8) if int.from_bytes(blob[o:o + 8], "little") == address]
+    if len(offsets) != 1:
+        raise RecordingRefused("a TMA descriptor's global address is not one plain field")
+    at = offsets[0]
+    # The field must be all that changes with the address: encode at another address and compare.
+    other = address + (1 << 21)
+    fake = types.SimpleNamespace(**{k: getattr(desc, k) for k in vars(desc)})
+    fake.base = types.SimpleNamespace(data_ptr=lambda: other, dtype=base.dtype)
+    moved = _tensor_map_bytes(make_arg(fake, meta)[0])
+    if blob[:at] + other.to_bytes(8, "little") + blob[at + 8:] != moved:
+        raise RecordingRefused("a TMA descriptor changes beyond its global address when the address moves")
+    return blob, at, base
+
+
+def _launch_spec(ext, launch: _Launch, sources: _Sources):
+    memo = launch.memo
+    kernel = memo.kernel
+    direct = memo.direct
+    if direct is None or direct[1] or direct[2]:
+        raise RecordingRefused("a launch that is not a plain direct launch (cooperative/PDL/unknown launcher)")
+    if getattr(kernel.metadata, "num_ctas", 1) != 1 or getattr(kernel.metadata, "profile_scratch_size", 0):
+        raise RecordingRefused("a kernel with clusters or profile scratch")
+    name = getattr(kernel, "name", "a kernel")
+    signature = list(kernel.src.signature.values())
+    values = list(launch.args) + list(memo.constexpr_values)
+    if len(signature) != len(values):
+        raise RecordingRefused(f"{name}: {len(values)} arguments for {len(signature)} parameters")
+    metas = list(getattr(kernel.metadata, "tensordesc_meta", None) or [])
+    make_arg = direct[4][1] if isinstance(direct[4], tuple) else None
+    params = []  # (kind, value)
+    desc_index = 0
+    for ty, value in zip(signature, values):
+        if ty == "constexpr":
+            continue
+        if isinstance(ty, str) and ty.startswith("tensordesc"):
+            if make_arg is None or desc_index >= len(metas) or metas[desc_index] is None:
+                raise RecordingRefused("a TMA descriptor without Triton's host metadata")
+            meta = metas[desc_index]
+            desc_index += 1
+            if meta.get("fp4_padded"):
+                raise RecordingRefused("an fp4-padded descriptor")
+            params.append(("tma", _descriptor_template(value, meta, make_arg)))
+            params.extend(("i32", int(s)) for s in value.shape)
+            params.extend(("i64", int(s)) for s in value.strides)
+        elif isinstance(ty, str) and ty.startswith("*"):
+            params.append(("ptr", value))
+        elif ty in _SCALAR_FORMATS:
+            params.append((ty, value))
+        else:
+            raise RecordingRefused(f"{name}: parameter type {ty!r}")
+    params.append(("ptr", launch.scratch))  # global scratch
+    params.append(("ptr", None))  # profile scratch
+    info = _checked(ext.param_info(kernel.function))
+    if len(info) != len(params):
+        raise RecordingRefused(f"{name}: the driver reports {len(info)} parameters, the signature {len(params)}")
+    size = max(offset + width for offset, width in info) if info else 0
+    buffer = bytearray(size)
+    patches = []
+    for (kind, value), (offset, width) in zip(params, info):
+        if kind == "ptr":
+            if width != 8:
+                raise RecordingRefused(f"{name}: a pointer parameter of {width} bytes")
+            if value is None:
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise RecordingRefused(f"{name}: a pointer argument of type {type(value).__name__}")
+            source, delta = sources.find(value.data_ptr(), f"{name}'s pointer argument")
+            patches.append((offset, source, delta))
+        elif kind == "tma":
+            blob, at, base = value
+            if width != _TMA_BYTES:
+                raise RecordingRefused(f"{name}: a TMA parameter of {width} bytes")
+            buffer[offset:offset + _TMA_BYTES] = blob
+            source, delta = sources.find(base.data_ptr(), f"{name}'s TMA descriptor")
+            patches.append((offset + at, source, delta))
+        else:
+            fmt = _SCALAR_FORMATS[kind]
+            if struct.calcsize(fmt) != width:
+                raise RecordingRefused(f"{name}: a {kind} parameter of {width} bytes")
+            buffer[offset:offset + width] = struct.pack(fmt, value)
+    grid = list(launch.grid)
+    block = 32 * kernel.metadata.num_warps
+    return (kernel.function, grid, block, kernel.metadata.shared, bytes(buffer), [o for o, _ in info], patches)
+
+
+def _make_plan(ext, inputs, outputs, alloc_log, launch_log) -> _Plan:
+    if alloc_log.refused:
+        raise RecordingRefused(alloc_log.refused)
+    if launch_log.refused:
+        raise RecordingRefused(launch_log.refused)
+    if not isinstance(outputs, tuple):
+        raise RecordingRefused("the region returned no tuple")
+    positions = [i for i, t in enumerate(inputs) if t is not None]
+    if not positions:
+        raise RecordingRefused("a region without tensor inputs")
+    tensors = [inputs[i] for i in positions]
+    device = tensors[0].device
+    if device.type != "cuda" or any(t.device != device for t in tensors):
+        raise RecordingRefused("inputs not all on one CUDA device")
+    allocs = []
+    for tensor, zero in alloc_log.allocs:
+        if not isinstance(tensor, torch.Tensor) or tensor.device != device:
+            raise RecordingRefused("an allocation off the inputs' device")
+        if tensor.storage_offset() != 0 or tensor.data_ptr() != tensor.untyped_storage().data_ptr():
+            raise RecordingRefused("an allocation that is not a fresh storage")
+        allocs.append((tensor, zero))
+    sources = _Sources(tensors, [a for a, _ in allocs])
+    launches = [_launch_spec(ext, launch, sources) for launch in launch_log.launches]
+    if not launches:
+        raise RecordingRefused("no launch to replay")
+    alloc_index = {a.untyped_storage().data_ptr(): j for j, (a, _) in enumerate(allocs)}
+    out_specs, plan_outputs = [], []
+    for out in outputs:
+        if out is None:
+            out_specs.append(None)
+            continue
+        if not isinstance(out, torch.Tensor):
+            raise RecordingRefused(f"an output of type {type(out).__name__}")
+        same = [k for k, i in enumerate(positions) if inputs[i] is out]
+        if same:
+            out_specs.append(("input", positions[same[0]]))
+            continue
+        j = alloc_index.get(out.untyped_storage().data_ptr())
+        if j is None:
+            raise RecordingRefused("an output that is neither an input nor made in the region")
+        out_specs.append(("plan", len(plan_outputs)))
+        plan_outputs.append((-(j + 1), torch.empty(0, dtype=out.dtype), list(out.shape), list(out.stride()),
+                             out.storage_offset()))
+    plan_id = _checked(ext.add_plan(len(tensors), [a.untyped_storage().nbytes() for a, _ in allocs],
+                                    [zero for _, zero in allocs], launches, plan_outputs))
+    return _Plan(plan_id, positions, tuple(out_specs), ext)
+
+
+def _verify(plan: _Plan, inputs, outputs) -> None:
+    """Replay a pure region's new plan on the recording's inputs: every output must equal the
+    Python run's, bit for bit (NaN payloads included)."""
+    again = plan.replay(inputs)
+    for out, replayed in zip(outputs, again):
+        if (out is None) != (replayed is None):
+            raise RecordingRefused("the replay's outputs differ in kind")
+        if out is None:
+            continue
+        if out.shape != replayed.shape or out.dtype != replayed.dtype or out.stride() != replayed.stride():
+            raise RecordingRefused("the replay's outputs differ in shape, dtype or strides")
+        if out.numel() and not torch.equal(out.contiguous().reshape(-1).view(torch.uint8),
+                                           replayed.contiguous().reshape(-1).view(torch.uint8)):
+            raise RecordingRefused("the replay's outputs differ from the Python run's")
