@@ -17,7 +17,7 @@ def test_sources_map_addresses_to_inputs_and_allocations_or_refuse():
     sources = host_plan._Sources([view], [alloc])
     assert sources.find(view.data_ptr(), "x") == (0, 0)
     assert sources.find(view.data_ptr() + 12, "x") == (0, 12)
-    assert sources.find(alloc.data_ptr() + 99, "x") == (-1, 99)
+    assert sources.find(alloc.data_ptr() + 99, "x") == (1, 99)
     with pytest.raises(host_plan.RecordingRefused, match="nowhere known"):
         sources.find(base.data_ptr(), "x")  # before the input's first element: not the input's memory
     with pytest.raises(host_plan.RecordingRefused, match="nowhere known"):
@@ -68,20 +68,19 @@ def test_extension_writes_each_address_into_the_parameter_bytes():
     template[16:20] = struct.pack("<i", 1234)  # a scalar parameter stays as recorded
     template[40:48] = b"\xaa" * 8
     error, plan = ext.add_plan(
-        2, [256, 512], [False, True],
-        [(0, [3, 1, 1], 128, 0, bytes(template), [0, 8, 16, 24, 32],
-          [(0, 0, 0), (8, 1, 32), (24, -2, 16), (32, -1, 0)])],
-        [(-1, torch.empty(0, dtype=torch.float32), [4, 2], [2, 1], 8)])
+        4, [(0, [3, 1, 1], 128, 0, bytes(template), [0, 8, 16, 24, 32],
+             [(0, 0, 0), (8, 1, 32), (24, 3, 16), (32, 2, 0)])])
     assert error == "" and plan >= 0
-    error, (packed,) = ext.packed(plan, [0x1000, 0x2000], [0x9000, 0xA000])
+    error, (packed,) = ext.packed(plan, [0x1000, 0x2000, 0x9000, 0xA000])
     assert error == ""
     words = struct.unpack("<8Q", packed)
     assert words[0] == 0x1000 and words[1] == 0x2000 + 32 and words[3] == 0xA000 + 16 and words[4] == 0x9000
     assert struct.unpack("<i", packed[16:20])[0] == 1234 and packed[40:48] == b"\xaa" * 8
     # Errors come back as text (no C++ exception leaves the extension), naming what is wrong.
-    error, _ = ext.add_plan(1, [16], [False], [(0, [1, 1, 1], 32, 0, bytes(16), [0], [(0, 3, 0)])], [])
-    assert "bad source" in error
-    error, _ = ext.add_plan(1, [16], [False], [(0, [1, 1, 1], 32, 0, bytes(16), [0], [(12, 0, 0)])], [])
+    error, _ = ext.add_plan(1, [(0, [1, 1, 1], 32, 0, bytes(16), [0], [(0, 3, 0)])])
+    assert "bad address slot" in error
+    error, _ = ext.add_plan(1, [(0, [1, 1, 1], 32, 0, bytes(16), [0], [(12, 0, 0)])])
     assert "patch out of range" in error
-    error, _ = ext.packed(10**6, [], [])
+    error, _ = ext.packed(10**6, [])
     assert "no plan" in error
+    assert "takes 4 addresses" in ext.launch(plan, [1, 2], 0)

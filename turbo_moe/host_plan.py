@@ -9,8 +9,9 @@ tensors normally for its first calls of a signature; one call is *recorded*: eve
 (``torch.empty``-like aten ops, seen through a ``TorchDispatchMode``) and every kernel launch
 (through ``kernels/triton/launch.py``'s lean launcher, with each parameter's bytes at the offsets
 the driver reports for the compiled kernel). Later calls of the same signature call
-``replay`` in ``csrc/launch_plan.cpp``: one C++ call allocates, writes the new addresses into
-each launch's parameter bytes (pointers and each TMA descriptor's global address) and launches.
+the plan: its buffers are allocated as the recorded call allocated them, and one C++ call
+(``launch`` in ``csrc/launch_plan.cpp``) writes the new addresses into each launch's parameter
+bytes (pointers and each TMA descriptor's global address) and launches.
 
 What makes a replay equal to the Python path: the signature key holds everything the launches
 derive from -- each input tensor's shape, strides, dtype, device and 16-byte alignment, plus the
@@ -146,12 +147,15 @@ def _fact(t):
 
 
 class _Plan:
-    __slots__ = ("plan_id", "tensor_positions", "outputs", "ext", "effects")
+    """A recorded region: the allocations to make, the launches (in the extension), the outputs."""
 
-    def __init__(self, plan_id, tensor_positions, outputs, ext, effects=()):
+    __slots__ = ("plan_id", "tensor_positions", "allocs", "outputs", "ext", "effects")
+
+    def __init__(self, plan_id, tensor_positions, allocs, outputs, ext, effects=()):
         self.plan_id = plan_id
         self.tensor_positions = tensor_positions  # positions of the non-None inputs
-        self.outputs = outputs  # per output: None, ("input", i) or ("plan", k)
+        self.allocs = allocs  # per allocation: (shape, strides, dtype, zero)
+        self.outputs = outputs  # per output: None, ("input", i), ("alloc", j) or ("view", j, sizes, strides, offset)
         self.ext = ext
         self.effects = effects  # repeat_on_replay's callables
 
@@ -159,11 +163,28 @@ class _Plan:
         for effect in self.effects:
             effect()
         tensors = [inputs[i] for i in self.tensor_positions]
-        error, made = self.ext.replay(self.plan_id, tensors, _raw_stream(tensors[0].get_device()))
-        if error:  # the extension returns its errors (csrc/launch_plan.cpp)
-            raise (torch.OutOfMemoryError if "out of memory" in error else RuntimeError)(error)
-        return tuple(None if spec is None else (inputs[spec[1]] if spec[0] == "input" else made[spec[1]])
-                     for spec in self.outputs)
+        first = tensors[0]
+        device = first.device
+        allocs = [torch.zeros(shape, dtype=dtype, device=device) if zero else
+                  torch.empty_strided(shape, strides, dtype=dtype, device=device)
+                  for shape, strides, dtype, zero in self.allocs]
+        addresses = [t.data_ptr() for t in tensors]
+        addresses.extend(a.data_ptr() for a in allocs)
+        error = self.ext.launch(self.plan_id, addresses, _raw_stream(first.get_device()))
+        if error:  # the extension returns its errors as text (csrc/launch_plan.cpp)
+            raise RuntimeError(error)
+        return tuple(_output(spec, inputs, allocs) for spec in self.outputs)
+
+
+def _output(spec, inputs, allocs):
+    if spec is None:
+        return None
+    kind = spec[0]
+    if kind == "alloc":
+        return allocs[spec[1]]
+    if kind == "input":
+        return inputs[spec[1]]
+    return allocs[spec[1]].as_strided(spec[2], spec[3], spec[4])
 
 
 _FAILED = object()
@@ -337,18 +358,16 @@ def _storage_extent(t: torch.Tensor) -> Tuple[int, int]:
 
 
 class _Sources:
-    """Maps an address to (source, offset): an input (>= 0) or an allocation of the call (< 0)."""
+    """Maps an address to (slot, offset): the slots are the inputs, then the call's allocations."""
 
     def __init__(self, tensors: List[torch.Tensor], allocs: List[torch.Tensor]):
         self.ranges = []
-        for i, t in enumerate(tensors):
+        for slot, t in enumerate(list(tensors) + list(allocs)):
             start, size = _storage_extent(t)
-            self.ranges.append((start, size, i))
-        for j, a in enumerate(allocs):
-            self.ranges.append((a.data_ptr(), a.untyped_storage().nbytes(), -(j + 1)))
+            self.ranges.append((start, size, slot))
 
     def find(self, address: int, what: str) -> Tuple[int, int]:
-        found = [(src, address - start) for start, size, src in self.ranges if start <= address < start + max(size, 1)]
+        found = [(slot, address - start) for start, size, slot in self.ranges if start <= address < start + max(size, 1)]
         if len(found) != 1:
             raise RecordingRefused(f"{what} points {'nowhere known' if not found else 'into several tensors'}")
         return found[0]
@@ -443,15 +462,15 @@ def _launch_spec(ext, launch: _Launch, sources: _Sources):
                 continue
             if not isinstance(value, torch.Tensor):
                 raise RecordingRefused(f"{name}: a pointer argument of type {type(value).__name__}")
-            source, delta = sources.find(value.data_ptr(), f"{name}'s pointer argument")
-            patches.append((offset, source, delta))
+            slot, delta = sources.find(value.data_ptr(), f"{name}'s pointer argument")
+            patches.append((offset, slot, delta))
         elif kind == "tma":
             blob, at, base = value
             if width != _TMA_BYTES:
                 raise RecordingRefused(f"{name}: a TMA parameter of {width} bytes")
             buffer[offset:offset + _TMA_BYTES] = blob
-            source, delta = sources.find(base.data_ptr(), f"{name}'s TMA descriptor")
-            patches.append((offset + at, source, delta))
+            slot, delta = sources.find(base.data_ptr(), f"{name}'s TMA descriptor")
+            patches.append((offset + at, slot, delta))
         else:
             fmt = _SCALAR_FORMATS[kind]
             if struct.calcsize(fmt) != width:
@@ -483,31 +502,36 @@ def _make_plan(ext, inputs, outputs, alloc_log, launch_log) -> _Plan:
         if tensor.storage_offset() != 0 or tensor.data_ptr() != tensor.untyped_storage().data_ptr():
             raise RecordingRefused("an allocation that is not a fresh storage")
         allocs.append((tensor, zero))
-    sources = _Sources(tensors, [a for a, _ in allocs])
+    alloc_tensors = [a for a, _ in allocs]
+    sources = _Sources(tensors, alloc_tensors)
     launches = [_launch_spec(ext, launch, sources) for launch in launch_log.launches]
     if not launches:
         raise RecordingRefused("no launch to replay")
-    alloc_index = {a.untyped_storage().data_ptr(): j for j, (a, _) in enumerate(allocs)}
-    out_specs, plan_outputs = [], []
+    alloc_index = {a.untyped_storage().data_ptr(): j for j, a in enumerate(alloc_tensors)}
+    out_specs = []
     for out in outputs:
         if out is None:
             out_specs.append(None)
             continue
         if not isinstance(out, torch.Tensor):
             raise RecordingRefused(f"an output of type {type(out).__name__}")
-        same = [k for k, i in enumerate(positions) if inputs[i] is out]
+        same = [i for i in positions if inputs[i] is out]
         if same:
-            out_specs.append(("input", positions[same[0]]))
+            out_specs.append(("input", same[0]))
             continue
         j = alloc_index.get(out.untyped_storage().data_ptr())
         if j is None:
             raise RecordingRefused("an output that is neither an input nor made in the region")
-        out_specs.append(("plan", len(plan_outputs)))
-        plan_outputs.append((-(j + 1), torch.empty(0, dtype=out.dtype), list(out.shape), list(out.stride()),
-                             out.storage_offset()))
-    plan_id = _checked(ext.add_plan(len(tensors), [a.untyped_storage().nbytes() for a, _ in allocs],
-                                    [zero for _, zero in allocs], launches, plan_outputs))
-    return _Plan(plan_id, positions, tuple(out_specs), ext)
+        alloc = alloc_tensors[j]
+        if out.dtype != alloc.dtype:
+            raise RecordingRefused("an output viewing its allocation as another dtype")
+        if out is alloc or (out.shape == alloc.shape and out.stride() == alloc.stride() and out.storage_offset() == 0):
+            out_specs.append(("alloc", j))
+        else:
+            out_specs.append(("view", j, tuple(out.shape), tuple(out.stride()), out.storage_offset()))
+    plan_id = _checked(ext.add_plan(len(tensors) + len(allocs), launches))
+    alloc_specs = tuple((tuple(a.shape), tuple(a.stride()), a.dtype, zero) for a, zero in allocs)
+    return _Plan(plan_id, positions, alloc_specs, tuple(out_specs), ext)
 
 
 def _verify(plan: _Plan, inputs, outputs) -> None:
