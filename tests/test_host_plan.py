@@ -84,3 +84,17 @@ def test_extension_writes_each_address_into_the_parameter_bytes():
     error, _ = ext.packed(10**6, [])
     assert "no plan" in error
     assert "takes 4 addresses" in ext.launch(plan, [1, 2], 0)
+
+
+def test_release_schedule_frees_what_the_python_path_frees_between_launches():
+    """A replay makes its allocations before launching: an allocation whose last launch precedes
+    another's first is dropped before that one is made (the rowwise forward: x's rows copy, last
+    read by the GEMM, before the token-major copy is made); outputs are never dropped."""
+    # allocations: 0 x rows copy, 1 x scales, 2 y, 3 x token-major copy, 4 its scales
+    uses = [[0, 1], [0, 1, 2], [3, 4]]  # rowwise cast, GEMM, columnwise cast
+    schedule = host_plan.release_schedule(uses, 5, kept={2, 3, 4})
+    assert schedule == [(), (), (), (0, 1), ()]
+    # Used together to the end: nothing is dropped.
+    assert host_plan.release_schedule([[0, 1, 2]], 3, kept=set()) == [(), (), ()]
+    # An allocation no launch uses (its first use never comes) waits for nothing.
+    assert host_plan.release_schedule([[0]], 2, kept=set()) == [(), (0,)]

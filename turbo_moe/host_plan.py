@@ -154,7 +154,7 @@ class _Plan:
     def __init__(self, plan_id, tensor_positions, allocs, outputs, ext, effects=()):
         self.plan_id = plan_id
         self.tensor_positions = tensor_positions  # positions of the non-None inputs
-        self.allocs = allocs  # per allocation: (shape, strides, dtype, zero)
+        self.allocs = allocs  # per allocation: (shape, strides, dtype, zero, allocations released before it)
         self.outputs = outputs  # per output: None, ("input", i), ("alloc", j) or ("view", j, sizes, strides, offset)
         self.ext = ext
         self.effects = effects  # repeat_on_replay's callables
@@ -165,11 +165,15 @@ class _Plan:
         tensors = [inputs[i] for i in self.tensor_positions]
         first = tensors[0]
         device = first.device
-        allocs = [torch.zeros(shape, dtype=dtype, device=device) if zero else
-                  torch.empty_strided(shape, strides, dtype=dtype, device=device)
-                  for shape, strides, dtype, zero in self.allocs]
         addresses = [t.data_ptr() for t in tensors]
-        addresses.extend(a.data_ptr() for a in allocs)
+        allocs = []
+        for shape, strides, dtype, zero, release in self.allocs:
+            for j in release:  # dead before this one is first used: its block may be reused (stream order)
+                allocs[j] = None
+            alloc = torch.zeros(shape, dtype=dtype, device=device) if zero else \
+                torch.empty_strided(shape, strides, dtype=dtype, device=device)
+            allocs.append(alloc)
+            addresses.append(alloc.data_ptr())
         error = self.ext.launch(self.plan_id, addresses, _raw_stream(first.get_device()))
         if error:  # the extension returns its errors as text (csrc/launch_plan.cpp)
             raise RuntimeError(error)
@@ -298,13 +302,18 @@ class _Launch:
 
 
 class _LaunchLog:
-    """The lean launcher's hook while a region is recorded (kernels/triton/launch.py)."""
+    """The lean launcher's hook while a region is recorded (kernels/triton/launch.py). A launch
+    from another thread meanwhile refuses the recording (it is not the region's)."""
 
     def __init__(self):
         self.launches: List[_Launch] = []
         self.refused: Optional[str] = None
+        self.thread = threading.get_ident()
 
     def direct(self, memo, grid, args, scratch):
+        if threading.get_ident() != self.thread:
+            self.other("a launch from another thread during the recording")
+            return
         self.launches.append(_Launch(memo, grid, tuple(args), scratch))
 
     def other(self, why: str):
@@ -321,6 +330,18 @@ def _record(ext, inputs, fn, pure) -> Tuple[tuple, Optional[_Plan], str]:
 
     if _LOG_TYPE is None:
         _LOG_TYPE = _dispatch_mode_type()
+    if not _RECORD_LOCK.acquire(blocking=False):  # another thread is recording: run, unrecorded
+        return fn(), None, "another recording was in progress"
+    try:
+        return _record_locked(ext, inputs, fn, pure, lean_launch, triton_jit)
+    finally:
+        _RECORD_LOCK.release()
+
+
+_RECORD_LOCK = threading.Lock()
+
+
+def _record_locked(ext, inputs, fn, pure, lean_launch, triton_jit):
     alloc_log, launch_log = _LOG_TYPE(), _LaunchLog()
     original_run = triton_jit.JITFunction.run
 
@@ -530,8 +551,35 @@ def _make_plan(ext, inputs, outputs, alloc_log, launch_log) -> _Plan:
         else:
             out_specs.append(("view", j, tuple(out.shape), tuple(out.stride()), out.storage_offset()))
     plan_id = _checked(ext.add_plan(len(tensors) + len(allocs), launches))
-    alloc_specs = tuple((tuple(a.shape), tuple(a.stride()), a.dtype, zero) for a, zero in allocs)
+    kept = {spec[1] for spec in out_specs if spec is not None and spec[0] in ("alloc", "view")}
+    release = release_schedule([[slot - len(tensors) for _, slot, _ in launch[6] if slot >= len(tensors)]
+                                for launch in launches], len(allocs), kept)
+    alloc_specs = tuple((tuple(a.shape), tuple(a.stride()), a.dtype, zero, release[j])
+                        for j, (a, zero) in enumerate(allocs))
     return _Plan(plan_id, positions, alloc_specs, tuple(out_specs), ext)
+
+
+def release_schedule(uses: List[List[int]], num_allocs: int, kept) -> List[tuple]:
+    """Per allocation j, the earlier allocations to drop just before j is made: those not in
+    ``kept`` (the outputs) whose last launch comes before j's first (``uses[k]``: the allocations
+    launch k reads or writes). A replay makes every allocation before launching anything, so
+    without this it would hold at once buffers the Python path frees between its launches (the
+    rowwise forward frees x's rows copy before making its token-major one); dropped before a later
+    allocation, a block may be handed to it, which is safe because the launches run in the
+    recorded order on one stream."""
+    first = [len(uses)] * num_allocs
+    last = [-1] * num_allocs
+    for k, used in enumerate(uses):
+        for j in used:
+            first[j] = min(first[j], k)
+            last[j] = max(last[j], k)
+    released = set()
+    schedule = []
+    for j in range(num_allocs):
+        drop = tuple(i for i in range(j) if i not in kept and i not in released and last[i] < first[j])
+        released.update(drop)
+        schedule.append(drop)
+    return schedule
 
 
 def _verify(plan: _Plan, inputs, outputs) -> None:
