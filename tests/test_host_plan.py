@@ -3,6 +3,7 @@ refusal rules (turbo_moe/host_plan.py). Replays themselves need a GPU: tests/tes
 
 import shutil
 import struct
+import types
 
 import pytest
 import torch
@@ -98,3 +99,58 @@ def test_release_schedule_frees_what_the_python_path_frees_between_launches():
     assert host_plan.release_schedule([[0, 1, 2]], 3, kept=set()) == [(), (), ()]
     # An allocation no launch uses (its first use never comes) waits for nothing.
     assert host_plan.release_schedule([[0]], 2, kept=set()) == [(), (0,)]
+
+
+class _FakeExt:
+    def __init__(self, info):
+        self.info = info
+
+    def param_info(self, function):
+        return "", self.info
+
+
+def _fake_launch(args, scratch=None):
+    """A recorded launch of a kernel shaped like the casts (Triton 3.6's objects, as seen on the
+    H100: ``src.signature`` with the specialized 1s and constexprs marked, the metadata, the lean
+    launcher's memo with its direct-launch tuple)."""
+    kernel = types.SimpleNamespace(
+        name="cast_kernel", function=1234,
+        src=types.SimpleNamespace(signature={"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "R": "i32",
+                                             "stride_c": "constexpr", "scale": "fp32", "BLOCK": "constexpr"}),
+        metadata=types.SimpleNamespace(num_warps=4, shared=8192, num_ctas=1, profile_scratch_size=0,
+                                       tensordesc_meta=[]))
+    memo = types.SimpleNamespace(kernel=kernel, direct=(None, False, False, 0, None), constexpr_values=(64,))
+    return host_plan._Launch(memo, (7, 1, 1), args, scratch)
+
+
+def test_launch_spec_lays_each_parameter_at_the_drivers_offset():
+    x = torch.empty(100, 8, dtype=torch.bfloat16)
+    out = torch.empty(800, dtype=torch.uint8)
+    sources = host_plan._Sources([x], [out])
+    # x, out, R, scale, then Triton's global and profile scratch pointers (stride_c == 1 and BLOCK
+    # are constexprs: no parameter).
+    info = [(0, 8), (8, 8), (16, 4), (20, 4), (24, 8), (32, 8)]
+    spec = host_plan._launch_spec(_FakeExt(info), _fake_launch((x, out[16:], 100, 1, 0.5)), sources)
+    function, grid, block, shared, params, offsets, patches = spec
+    assert (function, grid, block, shared, offsets) == (1234, [7, 1, 1], 128, 8192, [0, 8, 16, 20, 24, 32])
+    assert struct.unpack_from("<i", params, 16)[0] == 100 and struct.unpack_from("<f", params, 20)[0] == 0.5
+    assert patches == [(0, 0, 0), (8, 1, 16)]  # x: input slot 0; out[16:]: allocation slot 1, 16 bytes in
+    assert params[0:16] == bytes(16) and params[24:40] == bytes(16)  # addresses are written at replay
+
+
+def test_launch_spec_refuses_what_it_cannot_replay():
+    x = torch.empty(100, 8, dtype=torch.bfloat16)
+    out = torch.empty(800, dtype=torch.uint8)
+    sources = host_plan._Sources([x], [out])
+    info = [(0, 8), (8, 8), (16, 4), (20, 4), (24, 8), (32, 8)]
+    with pytest.raises(host_plan.RecordingRefused, match="the driver reports 5 parameters"):
+        host_plan._launch_spec(_FakeExt(info[:5]), _fake_launch((x, out, 100, 1, 0.5)), sources)
+    with pytest.raises(host_plan.RecordingRefused, match="a i32 parameter of 8 bytes"):
+        host_plan._launch_spec(_FakeExt(info[:2] + [(16, 8)] + info[3:]), _fake_launch((x, out, 100, 1, 0.5)), sources)
+    stranger = torch.empty(8, dtype=torch.uint8)  # neither an input nor an allocation of the call
+    with pytest.raises(host_plan.RecordingRefused, match="points nowhere known"):
+        host_plan._launch_spec(_FakeExt(info), _fake_launch((x, stranger, 100, 1, 0.5)), sources)
+    launch = _fake_launch((x, out, 100, 1, 0.5))
+    launch.memo.direct = (None, True, False, 0, None)  # a cooperative launch
+    with pytest.raises(host_plan.RecordingRefused, match="not a plain direct launch"):
+        host_plan._launch_spec(_FakeExt(info), launch, sources)
