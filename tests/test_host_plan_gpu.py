@@ -9,7 +9,6 @@ every output and gradient of every call must be equal bitwise, and the replays m
 import pytest
 import torch
 
-import turbo_moe
 from turbo_moe import Float8Config, GroupedLinearFP8, GroupedSwiGLUMLPFP8, host_plan
 from turbo_moe import autograd as fp8_autograd
 from turbo_moe import swiglu as fp8_swiglu

@@ -28,8 +28,8 @@ import torch
 from .backends import GemmKind, GroupedGemmProblem, select_backend
 from .checks import HIGH_PRECISION_DTYPES, check_group_offs, check_operands, check_wgrad_operands, resolve_group_offs
 from .config import Float8Config, ScalingGranularity
-from .delayed_scaling import AmaxHistory, DelayedScalingState
 from . import host_plan
+from .delayed_scaling import AmaxHistory, DelayedScalingState
 from .quantize import quantize_columnwise, quantize_rowwise, quantize_tensorwise_layouts, row_group_ids
 
 __all__ = [
@@ -302,7 +302,7 @@ def fp8_gemm_backward(ctx, dy, w_nk, w_kn_scale, x_km, x_km_scale, group_offs, n
     dx, dy_t, dy_t_scale = through_plan(_DGRAD_REGION, (config, num_cu, backend, ctx.x_dtype, need_dx, need_dw),
                                         inputs, dgrad, (history,))
     # dgrad's operands are dead: release them before wgrad allocates dW (the peak of the step).
-    del w_kn, dgrad, handed
+    del w_kn, dgrad, handed, inputs
     if not need_dw:
         return dx, None
     target = ctx.wgrad_target

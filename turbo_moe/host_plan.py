@@ -104,7 +104,7 @@ def region_stats() -> Dict[str, tuple]:
 def status() -> str:
     """One line: whether host plans are in use, and if not, why."""
     if not enabled():
-        return "off (TURBO_MOE_HOST_PLANS=0)"
+        return "off (TURBO_MOE_HOST_PLANS=0, or set_enabled(False))"
     if _EXT is not None:
         return "on"
     return _EXT_ERROR or "not built yet (built at the first GPU call)"
@@ -362,9 +362,9 @@ def _record_locked(ext, inputs, fn, pure, lean_launch, triton_jit):
         lean_launch.set_record_hook(None)
     try:
         plan = _make_plan(ext, inputs, outputs, alloc_log, launch_log)
-        plan.effects = tuple(effects)
         if pure:
             _verify(plan, inputs, outputs)
+        plan.effects = tuple(effects)  # after the check: its replay is not a call of the region
     except RecordingRefused as why:
         return outputs, None, str(why)
     return outputs, plan, ""
