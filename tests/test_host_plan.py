@@ -99,6 +99,8 @@ def test_release_schedule_frees_what_the_python_path_frees_between_launches():
     assert host_plan.release_schedule([[0, 1, 2]], 3, kept=set()) == [(), (), ()]
     # An allocation no launch uses (its first use never comes) waits for nothing.
     assert host_plan.release_schedule([[0]], 2, kept=set()) == [(), (0,)]
+    # A zero-filled allocation is filled when made, before any launch: no block is handed on.
+    assert host_plan.release_schedule(uses, 5, kept={2, 3, 4}, zero_filled=True) == [()] * 5
 
 
 class _FakeExt:

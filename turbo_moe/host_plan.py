@@ -553,20 +553,24 @@ def _make_plan(ext, inputs, outputs, alloc_log, launch_log) -> _Plan:
     plan_id = _checked(ext.add_plan(len(tensors) + len(allocs), launches))
     kept = {spec[1] for spec in out_specs if spec is not None and spec[0] in ("alloc", "view")}
     release = release_schedule([[slot - len(tensors) for _, slot, _ in launch[6] if slot >= len(tensors)]
-                                for launch in launches], len(allocs), kept)
+                                for launch in launches], len(allocs), kept, any(zero for _, zero in allocs))
     alloc_specs = tuple((tuple(a.shape), tuple(a.stride()), a.dtype, zero, release[j])
                         for j, (a, zero) in enumerate(allocs))
     return _Plan(plan_id, positions, alloc_specs, tuple(out_specs), ext)
 
 
-def release_schedule(uses: List[List[int]], num_allocs: int, kept) -> List[tuple]:
+def release_schedule(uses: List[List[int]], num_allocs: int, kept, zero_filled: bool = False) -> List[tuple]:
     """Per allocation j, the earlier allocations to drop just before j is made: those not in
     ``kept`` (the outputs) whose last launch comes before j's first (``uses[k]``: the allocations
     launch k reads or writes). A replay makes every allocation before launching anything, so
     without this it would hold at once buffers the Python path frees between its launches (the
     rowwise forward frees x's rows copy before making its token-major one); dropped before a later
     allocation, a block may be handed to it, which is safe because the launches run in the
-    recorded order on one stream."""
+    recorded order on one stream. Not with ``zero_filled`` allocations: their fill runs when they
+    are made, before the launches, so a reused block would be written by its earlier owner's
+    kernels after the fill; then nothing is dropped."""
+    if zero_filled:
+        return [()] * num_allocs
     first = [len(uses)] * num_allocs
     last = [-1] * num_allocs
     for k, used in enumerate(uses):
