@@ -166,7 +166,7 @@ def measure(impl, shape, fmt, granularity, micro_batches, profile_top, compare_p
     if compare_plans and impl == "turbo":
         row["host_us"], row["host_us_python"] = _host_us_with_and_without_plans(step)
     else:
-        row["host_us"] = statistics.median(_issue_us(step) for _ in range(3 if impl == "turbo" else 7))
+        row["host_us"] = statistics.median(_issue_us(step) for _ in range(3))
     row["launches"] = _count_kernels(step, max(micro_batches, 1))
     row["eager_ms"] = _events_ms(step)
     torch.cuda.reset_peak_memory_stats()
