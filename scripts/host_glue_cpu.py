@@ -17,7 +17,7 @@ What it leaves out, so read its numbers as turbo_moe's Python alone:
 Nothing is computed: outputs are uninitialized memory, only time is read.
 
 Usage: ``python scripts/host_glue_cpu.py [--shape tiny|dsv3] [--granularity tensorwise|rowwise|blockwise|mxfp8|tensorwise-delayed]
-[--cache] [--profile N]`` (the fine-grained recipes: their Triton casts and GEMMs, MXFP8 through its
+[--cache] [--host-plans] [--profile N]`` (the fine-grained recipes: their Triton casts and GEMMs, MXFP8 through its
 promotion loop as on Hopper)
 """
 
@@ -89,6 +89,49 @@ def gpu_path_on_cpu():
                     del memos[key]
 
 
+@contextlib.contextmanager
+def replayed_regions():
+    """Host launch plans on CPU tensors (``--host-plans``): every region's call after its first per
+    signature costs what a replay costs in Python -- the signature key, the outputs' allocations
+    (as the first call made them) -- and no C++ launch. What is left is the Python outside the
+    regions, which plans do not remove."""
+    from turbo_moe import host_plan
+
+    made = {}
+    original = host_plan.Region.__call__
+
+    def call(self, static_key, inputs, fn, pure):
+        key = (id(self), static_key, *map(host_plan._fact, inputs))
+        specs = made.get(key)
+        if specs is None:
+            outputs = fn()
+            made[key] = tuple(None if o is None else next((("input", i) for i, t in enumerate(inputs) if t is o),
+                                                          ("new", tuple(o.shape), o.stride(), o.dtype))
+                              for o in outputs)
+            return outputs
+        return tuple(None if spec is None else inputs[spec[1]] if spec[0] == "input" else
+                     torch.empty_strided(spec[1], spec[2], dtype=spec[3]) for spec in specs)
+
+    def through_plan(region, static, inputs, compute, histories=(), writes_inputs=False):  # CPU tensors too
+        live = [h for h in histories if h is not None]
+        if any(h.state is None for h in live):
+            return compute()
+        state = tuple(t for h in live for t in (h.state, h.ticket))
+        return region((static, len(live)), (*inputs, *state), compute, pure=not (live or writes_inputs))
+
+    from turbo_moe import autograd, swiglu
+
+    saved = [(autograd, autograd.through_plan), (swiglu, swiglu.through_plan)]
+    host_plan.Region.__call__ = call
+    autograd.through_plan = swiglu.through_plan = through_plan
+    try:
+        yield
+    finally:
+        host_plan.Region.__call__ = original
+        for module, value in saved:
+            module.through_plan = value
+
+
 def _memoize_stand_in(self, key, grid, args, kwargs):
     from turbo_moe.kernels.triton import launch
 
@@ -119,6 +162,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--profile", type=int, default=0, help="cProfile this many fwd+bwd instead of timing")
+    p.add_argument("--host-plans", action="store_true",
+                   help="the regions replayed as host launch plans replay them (Python cost only: see replayed_regions)")
     p.add_argument("--top", type=int, default=40)
     args = p.parse_args(argv)
     g, t, n, k = {"tiny": (8, 128, 256, 256), "dsv3": (32, 512, 4096, 7168)}[args.shape]
@@ -136,7 +181,7 @@ def main(argv=None):
     def step():
         return torch.autograd.grad(layer(x, lens), (x, layer.weight), dy)
 
-    with gpu_path_on_cpu():
+    with gpu_path_on_cpu(), (replayed_regions() if args.host_plans else contextlib.nullcontext()):
         for _ in range(3):
             step()
         if args.profile:
@@ -153,7 +198,7 @@ def main(argv=None):
         lo, med = _issue_us(step, args.steps, args.reps)
         empty = _empty_function_us(args.steps, args.reps)
     print(f"shape {args.shape} G={g} tokens/expert={t} N={n} K={k} {args.granularity}"
-          f"{' +weight cache' if args.cache else ''}, launches stubbed")
+          f"{' +weight cache' if args.cache else ''}{' +host plans (emulated)' if args.host_plans else ''}, launches stubbed")
     print(f"fwd+bwd turbo_moe Python: min {lo:.1f} us, median {med:.1f} us")
     print(f"empty autograd.Function fwd + autograd.grad (CPU): min {empty[0]:.1f} us, median {empty[1]:.1f} us")
     print("lean launches (hits, misses, direct):",
