@@ -34,6 +34,11 @@ def _run(args=(), *, prelude: str = "", timeout: int = 240) -> subprocess.Comple
             sys.exit(proof.main({list(args)!r}))
     """)
     env = dict(os.environ, PYTHONWARNINGS="ignore")
+    if "--cpu" in args:
+        # The CPU run points torch.cuda.current_device at the CPU; on a GPU machine torch's own
+        # compile checks then query CUDA with it and fail (seen on the H100: dynamo's has_triton).
+        # It is the CPU machine's run: hide the GPUs, as a CPU machine has none.
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
