@@ -13,7 +13,9 @@
 #   pytest    pytest -m gpu (the fuzz cases are left to the fuzz step)
 #   fuzz      scripts/gpu_fuzz.py: the issue-16 failure-mode table (gpu_fuzz.md)
 #   hotpath   scripts/hotpath.py: host us, launches, eager/graph ms, peak MB per fwd+bwd beside bf16;
-#             with .old/before (a checkout of the previous tree) also the same for it (hotpath_before.json)
+#             with .old/before (a checkout of the previous tree) also the same for it (hotpath_before.json);
+#             HOTPATH_ARGS="--shapes ... --compare-host-plans" adds host us without host launch plans
+#             (turbo_moe/host_plan.py), measured alternately with them
 #   megatron  scripts/megatron_gpu_proof.py (distributed optimizer, alltoall, fp32 main_grad fusion)
 #   hostbreak scripts/host_breakdown.py: where the host time of one fwd+bwd goes (hostbreak.log)
 #   hostab    scripts/host_breakdown.py for this tree and .old/before, interleaved twice (hostab.log)
