@@ -190,3 +190,41 @@ def test_train_preset_fine_grained_variants_on_gpu(tmp_path):
         r = by[name]
         assert r["status"] == "ok" and r["step_ms"] > 0 and 0 < r["expert_share"] < 1, r
         assert r["loss_curve"] != bf16 and all(abs(a / b - 1) < 0.02 for a, b in zip(r["loss_curve"], bf16))
+
+
+def test_activation_input_peak_counts_what_each_layer_saves_of_x():
+    """``peak_act_mb`` (x an activation) against ``peak_mb`` (x held by the caller): bf16
+    ``_grouped_mm`` keeps its bf16 input for backward, so its peak grows by the input's copy (2 bytes
+    per element of x); turbo_moe keeps only an FP8 copy, so its peak grows by less than that."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm missing")
+    from turbo_moe.bench.end_to_end import E2EInputs, bf16_step, turbo_step
+
+    g, tokens, n, k = 8, 1024, 512, 2048
+    m = g * tokens
+    sizes = [tokens] * g
+    inputs = E2EInputs(
+        x=torch.randn(m, k, device=CUDA, dtype=torch.bfloat16, requires_grad=True),
+        w=torch.nn.Parameter(torch.randn(g, n, k, device=CUDA, dtype=torch.bfloat16) * k ** -0.5),
+        dy=torch.randn(m, n, device=CUDA, dtype=torch.bfloat16),
+        group_lens=torch.tensor(sizes, device=CUDA),
+        group_ends_int32=torch.tensor([tokens * (i + 1) for i in range(g)], device=CUDA, dtype=torch.int32),
+        offs_host=[tokens * i for i in range(g + 1)],
+    )
+    x_mb = m * k * 2 / 2**20
+    growth = {}
+    for name, step in (("bf16", bf16_step(inputs)), ("turbo", turbo_step(inputs, "triton", "tensorwise", "e4m3", None))):
+        y_held = step()
+        y_act = step.on_activation()
+        for a, b in zip(y_held, y_act):  # the same math: the copy only changes who owns x
+            assert torch.equal(a, b), name
+        del y_held, y_act
+        cli._release_device_memory(CUDA)
+        torch.cuda.reset_peak_memory_stats(CUDA)
+        outs = step()
+        torch.cuda.synchronize()
+        held = torch.cuda.max_memory_allocated(CUDA) / 2**20
+        del outs
+        growth[name] = cli._activation_input_peak_mb(step, CUDA) - held
+    assert growth["bf16"] >= 0.9 * x_mb, (growth, x_mb)
+    assert growth["turbo"] < growth["bf16"] - 0.25 * x_mb, (growth, x_mb)

@@ -304,6 +304,16 @@ def _resolved_turbo_label(name: str) -> str:
     return name.replace(":auto:", ":" + "+".join(chosen) + ":") if chosen else name
 
 
+def _activation_input_peak_mb(step, device: torch.device) -> float:
+    """Peak MB of one fwd+bwd whose input x is an activation (``end_to_end``'s module docstring)."""
+    _release_device_memory(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    outs = step.on_activation()
+    synchronize(device)
+    del outs
+    return torch.cuda.max_memory_allocated(device) / 2**20
+
+
 def _run_e2e_case(case: Case, args, device: torch.device, records: list, label: str) -> None:
     inputs = prepare_e2e(case, device, args.seed)
     flops = 6.0 * case.m * case.n * case.k
@@ -318,7 +328,7 @@ def _run_e2e_case(case: Case, args, device: torch.device, records: list, label: 
             name, step = impls.pop(0)
             _release_device_memory(device)
             rec = dict(case.as_dict(), level="e2e", op="fwd+bwd", impl=name, status="ok", ms=None, tflops=None,
-                       err_y=None, err_dx=None, err_dw=None, peak_mb=None, extra_mb=None, host_us=None,
+                       err_y=None, err_dx=None, err_dw=None, peak_mb=None, peak_act_mb=None, extra_mb=None, host_us=None,
                        launches=None, graph_ms=None, mb4_ms=None, mb1_ms=None, reason="")
             records.append(rec)
             if isinstance(step, Missing):
@@ -339,6 +349,7 @@ def _run_e2e_case(case: Case, args, device: torch.device, records: list, label: 
                 if device.type == "cuda":
                     peak = torch.cuda.max_memory_allocated(device)
                     rec.update(peak_mb=peak / 2**20, extra_mb=(peak - before) / 2**20)
+                    rec["peak_act_mb"] = _activation_input_peak_mb(step, device)
                 if not args.no_check:
                     errs = reference_errors(inputs, y, dx, dw)
                     rec.update(err_y=errs["y"], err_dx=errs["dx"], err_dw=errs["dw"])
@@ -357,7 +368,8 @@ def _run_e2e_case(case: Case, args, device: torch.device, records: list, label: 
                 rec.update(status="error", reason=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
                 _check_device_alive(device)
             timing = f"{rec['ms']:.3f} ms {rec['tflops']:7.1f} TF" if rec["ms"] is not None else rec["reason"][:120]
-            mem = f" peak {rec['peak_mb']:.0f} MB" if rec["peak_mb"] is not None else ""
+            mem = (f" peak {rec['peak_mb']:.0f} MB (input an activation: {rec['peak_act_mb']:.0f})"
+                   if rec["peak_mb"] is not None else "")
             errs = (f" err y/dx/dW {rec['err_y']:.1e}/{rec['err_dx']:.1e}/{rec['err_dw']:.1e}"
                     if rec["err_y"] is not None else "")
             hot = "".join(f" {label_} {rec[key]:{fmt}}" for key, label_, fmt in (

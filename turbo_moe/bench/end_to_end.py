@@ -13,7 +13,14 @@ Implementations:
 
 Each step is ``y = layer(x); dx, dW = autograd.grad(y, (x, W), dy)``: no gradient accumulation
 kernel in the timing. Peak memory is ``torch.cuda.max_memory_allocated`` over one step, reset
-just before it, the inputs (x, W, dy: the same for all) included.
+just before it, the inputs (x, W, dy: the same for all) included, measured two ways:
+
+* ``peak_mb``: x held by the caller through the step (the timed step), so keeping x for backward
+  costs an implementation nothing;
+* ``peak_act_mb``: x an activation, as the permuted tokens entering an expert layer are in a
+  model: made inside the step (a copy of the leaf, whose gradient flows back to it) and owned by
+  nothing but the layer's autograd once the forward returns. What each implementation saves of x
+  for backward then counts: bf16 ``_grouped_mm`` keeps x itself, turbo_moe an FP8 copy of it.
 """
 
 from __future__ import annotations
@@ -67,12 +74,18 @@ def prepare_e2e(case: Case, device: torch.device, seed: int) -> E2EInputs:
 Step = Callable[[], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def _grad_step(inputs: E2EInputs, forward: Callable[[], torch.Tensor]) -> Step:
+def _grad_step(inputs: E2EInputs, forward: Callable[[torch.Tensor], torch.Tensor]) -> Step:
     def step():
-        y = forward()
+        y = forward(inputs.x)
         dx, dw = torch.autograd.grad(y, (inputs.x, inputs.w), inputs.dy)
         return y, dx, dw
 
+    def step_on_activation():
+        y = forward(inputs.x.clone())  # nothing outside autograd holds the copy after this line
+        dx, dw = torch.autograd.grad(y, (inputs.x, inputs.w), inputs.dy)
+        return y, dx, dw
+
+    step.on_activation = step_on_activation
     return step
 
 
@@ -86,14 +99,14 @@ def turbo_step(inputs: E2EInputs, backend: str, granularity: str, fmt: str, num_
     layer = turbo_moe.GroupedLinearFP8(g, k, n, config=config, num_cu=num_cu, backend=backend, device="meta",
                                        dtype=inputs.w.dtype, cache_fp8_weight=option == "wcache")
     layer.weight = inputs.w
-    return _grad_step(inputs, lambda: layer(inputs.x, inputs.group_lens))
+    return _grad_step(inputs, lambda x: layer(x, inputs.group_lens))
 
 
 def bf16_step(inputs: E2EInputs) -> Step:
     if not hasattr(torch, "_grouped_mm"):
         raise Missing(f"torch {torch.__version__} has no torch._grouped_mm")
     ends = inputs.group_ends_int32
-    return _grad_step(inputs, lambda: torch._grouped_mm(inputs.x, inputs.w.transpose(-2, -1), offs=ends))
+    return _grad_step(inputs, lambda x: torch._grouped_mm(x, inputs.w.transpose(-2, -1), offs=ends))
 
 
 def torchao_step(inputs: E2EInputs) -> Step:
@@ -105,10 +118,10 @@ def torchao_step(inputs: E2EInputs) -> Step:
         raise Missing(f"torchao FP8 grouped GEMM not importable: {type(exc).__name__}: {exc}") from None
     ends = inputs.group_ends_int32
 
-    def forward():
+    def forward(x):
         # Groups are already 16-aligned (--align 16); torchao 0.18 asserts when asked to pad.
         return _to_fp8_rowwise_then_scaled_grouped_mm(
-            inputs.x, inputs.w.transpose(-2, -1), ends, out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False
+            x, inputs.w.transpose(-2, -1), ends, out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False
         )
 
     return _grad_step(inputs, forward)

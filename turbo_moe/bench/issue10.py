@@ -74,9 +74,11 @@ def e2e_targets(records: Sequence[dict]) -> List[str]:
             return p["mb4_ms"] / r["mb4_ms"] if p and p.get("mb4_ms") and r.get("mb4_ms") else None
         return ratio
 
-    def peak_vs_bf16(r):
-        p = peer["bf16"].get(r["case"])
-        return r["peak_mb"] / p["peak_mb"] if p and p.get("peak_mb") and r.get("peak_mb") else None
+    def peak_vs_bf16(key: str) -> Callable[[dict], Optional[float]]:
+        def ratio(r):
+            p = peer["bf16"].get(r["case"])
+            return r[key] / p[key] if p and p.get(key) and r.get(key) else None
+        return ratio
 
     cached = lambda r: "+wcache" in r["impl"]  # noqa: E731
     uncached = lambda r: "+wcache" not in r["impl"]  # noqa: E731
@@ -96,7 +98,10 @@ def e2e_targets(records: Sequence[dict]) -> List[str]:
         ("host <= 300 µs per fwd+bwd", uncached, lambda r: r.get("host_us"), 300.0, False),
         ("<= 10 launches per fwd+bwd (tensorwise)", lambda r: uncached(r) and _granularity(r["impl"]) == "tensorwise",
          lambda r: r.get("launches"), 10, False),
-        ("peak memory <= bf16's (no weight cache)", uncached, peak_vs_bf16, 1.0, False),
+        # x an activation (as in a model: end_to_end's docstring), then x held by the caller.
+        ("peak memory <= bf16's (no weight cache)", uncached, peak_vs_bf16("peak_act_mb"), 1.0, False),
+        ("peak memory <= bf16's (no weight cache), x held by the caller", uncached, peak_vs_bf16("peak_mb"), 1.0,
+         False),
     ]
     impls = list(dict.fromkeys(r["impl"] for r in recs if r["impl"].startswith("turbo:")))
     lines = []

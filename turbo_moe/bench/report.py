@@ -15,7 +15,7 @@ __all__ = ["kernel_table", "e2e_table", "e2e_hot_path_table", "train_table", "tr
 CSV_FIELDS = [
     "level", "case", "model", "layer", "num_experts", "tokens_per_expert", "routing", "M", "N", "K",
     "group_sizes_min", "group_sizes_max", "empty_groups", "op", "impl", "status", "ms", "tflops",
-    "rel_err", "err_y", "err_dx", "err_dw", "peak_mb", "extra_mb",
+    "rel_err", "err_y", "err_dx", "err_dw", "peak_mb", "peak_act_mb", "extra_mb",
     "host_us", "launches", "graph_ms", "mb4_ms", "mb1_ms",  # end-to-end hot path
     "gpu_mb4_ms", "quant_mb4_ms", "gemm_mb4_ms", "quant_share_mb4", "gpu_mb1_ms", "quant_mb1_ms", "quant_share_mb1",
     "config", "experts", "steps", "step_ms", "host_ms", "gpu_ms", "expert_gpu_ms", "expert_share",  # train
@@ -167,7 +167,7 @@ def e2e_hot_path_table(records: Sequence[dict]) -> List[str]:
     peers = {name: {r["case"]: r for r in records if r["impl"] == name} for name in ("bf16", "torchao_fp8")}
     rows = [["case", "impl", "ms", "ms/µb of 4", "TF/µb of 4", "ms/µb of 1", "µb of 4 vs bf16", "µb of 4 vs torchao",
              "graph ms", "eager/graph", "host µs", "launches", "GPU ms/µb of 4 (quant/gemm/other)",
-             "quant % µb of 4 / of 1", "peak MB"]]
+             "quant % µb of 4 / of 1", "peak MB", "peak MB, input an activation"]]
     for r in records:
         vs = []
         for name in ("bf16", "torchao_fp8"):
@@ -190,6 +190,7 @@ def e2e_hot_path_table(records: Sequence[dict]) -> List[str]:
             str(r["launches"]) if r.get("launches") is not None else ("n/a" if "launches:" in (r.get("hot_path_notes") or "") else ""),
             _gpu_split(r, "mb4"), share,
             "" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}",
+            "" if r.get("peak_act_mb") is None else f"{r['peak_act_mb']:.0f}",
         ])
     return _align(rows)
 
