@@ -156,3 +156,53 @@ def test_launch_spec_refuses_what_it_cannot_replay():
     launch.memo.direct = (None, True, False, 0, None)  # a cooperative launch
     with pytest.raises(host_plan.RecordingRefused, match="not a plain direct launch"):
         host_plan._launch_spec(_FakeExt(info), launch, sources)
+
+
+class _FakePlan:
+    """What ``_verify`` reads of a plan: output specs and a replay (here a function of the inputs)."""
+
+    def __init__(self, outputs, replay):
+        self.outputs, self._replay = outputs, replay
+
+    def replay(self, inputs):
+        return self._replay(inputs)
+
+
+def test_verify_frees_the_python_outputs_before_the_replay_and_hands_back_the_replays():
+    """The recording check must not hold two sets of a region's outputs at once (a large weight's
+    FP8 copies): the Python run's outputs are gone when the replay runs, and the replay's (the
+    same bits, NaN payloads included) are what the caller gets."""
+    import weakref
+
+    x = torch.randn(4, 8)
+    nan_bits = torch.tensor([float("nan")] * 3)
+    python_out = (x * 2, nan_bits.clone(), None, x)  # an allocation, a NaN tensor, nothing, an input
+    refs = [weakref.ref(python_out[0]), weakref.ref(python_out[1])]
+    seen_alive = []
+
+    def replay(inputs):
+        seen_alive.extend(r() is not None for r in refs)
+        return (inputs[0] * 2, nan_bits.clone(), None, inputs[0])
+
+    plan = _FakePlan((("alloc", 0), ("alloc", 1), None, ("input", 0)), replay)
+    holder = [python_out]
+    del python_out
+    outputs, why = host_plan._verify(plan, (x,), holder)
+    assert why == "" and seen_alive == [False, False]
+    assert torch.equal(outputs[0], x * 2) and outputs[2] is None and outputs[3] is x
+    assert torch.isnan(outputs[1]).all()
+
+
+def test_verify_refuses_a_differing_replay_and_restores_the_python_values():
+    x = torch.randn(6, 5)
+    base = torch.randn(6, 10)
+    python_view = base[:, ::2]  # a strided output: restored with its strides
+    expected = python_view.clone()
+    plan = _FakePlan((("view", 0, (6, 5), (10, 2), 0),), lambda inputs: (torch.zeros(6, 10)[:, ::2],))
+    outputs, why = host_plan._verify(plan, (x,), [(python_view,)])
+    assert "differ from the Python run's" in why
+    assert torch.equal(outputs[0], expected) and outputs[0].stride() == (10, 2)
+    # Different strides are refused before the bytes are compared.
+    plan = _FakePlan((("alloc", 0),), lambda inputs: (torch.zeros(5, 6).t(),))
+    outputs, why = host_plan._verify(plan, (x,), [(x.clone(),)])
+    assert "strides" in why and torch.equal(outputs[0], x) and outputs[0].stride() == x.stride()

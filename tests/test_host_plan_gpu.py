@@ -193,3 +193,35 @@ def test_a_new_token_count_takes_the_python_path_then_its_own_plan():
         assert fp8_autograd._FORWARD_REGION.replays == 2, fp8_autograd._FORWARD_REGION.refusals
     finally:
         host_plan.set_enabled(previous)
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise"])
+def test_recording_call_peaks_no_higher_than_a_python_call(name):
+    """The recording call (a signature's second) must not hold two copies of a region's outputs:
+    its peak memory stays within a small margin of a replayed call's, where the W^T FP8 copy
+    (G*N*K bytes, the largest output here) would show twice. Rowwise's recorded forward keeps x's
+    rows copy alive until the region ends (M*K bytes), which the margin allows."""
+    previous = _plans_on(True)
+    try:
+        G, M, K, N = 4, 1024, 2048, 4096
+        layer = GroupedLinearFP8(G, K, N, config=CONFIGS[name], device="cuda", dtype=torch.bfloat16,
+                                 cache_fp8_weight=False)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        lens = torch.full((G,), M // G, device="cuda", dtype=torch.int64)
+        peaks = []
+        for _ in range(4):  # Python (tunes, compiles), recorded, replayed, replayed
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            layer(x, lens).backward(dy)
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated() - base)
+            x.grad = layer.weight.grad = None
+        assert sum(r.replays for r in LINEAR_REGIONS) >= 4  # two calls replayed
+        margin = M * K + (1 << 20)
+        assert G * N * K > 8 * margin
+        assert peaks[1] <= peaks[2] + margin, peaks
+        assert abs(peaks[3] - peaks[2]) <= (1 << 20), peaks
+    finally:
+        host_plan.set_enabled(previous)

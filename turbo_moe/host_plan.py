@@ -27,7 +27,9 @@ Python path for that signature) when anything in it is not a replayable fact:
   ``RECORD_AFTER - 1`` calls run in Python).
 
 For a region declared pure (no input is written), the plan is replayed once on the recording's
-own inputs and its outputs must equal the Python run's bit for bit, or it is dropped. The GPU tests
+own inputs and its outputs must equal the Python run's bit for bit, or it is dropped. That check
+costs no device memory beyond a call's: the Python run's outputs are compared through host copies
+and freed before the replay allocates (:func:`_verify`). The GPU tests
 compare replayed and Python results for every recipe. ``TURBO_MOE_HOST_PLANS=0`` turns plans off.
 
 The C++ extension is built on first use with ``torch.utils.cpp_extension`` (needs a C++ compiler
@@ -362,11 +364,19 @@ def _record_locked(ext, inputs, fn, pure, lean_launch, triton_jit):
         lean_launch.set_record_hook(None)
     try:
         plan = _make_plan(ext, inputs, outputs, alloc_log, launch_log)
-        if pure:
-            _verify(plan, inputs, outputs)
-        plan.effects = tuple(effects)  # after the check: its replay is not a call of the region
     except RecordingRefused as why:
         return outputs, None, str(why)
+    # The logs hold every allocation of the run alive (so that no address could stand for two
+    # allocations while launches were mapped to slots), intermediates included: release them now,
+    # before the check allocates anything.
+    del alloc_log, launch_log
+    if pure:
+        holder = [outputs]
+        del outputs  # _verify frees the Python run's outputs before its replay allocates new ones
+        outputs, why = _verify(plan, inputs, holder)
+        if why:
+            return outputs, None, why
+    plan.effects = tuple(effects)  # after the check: its replay is not a call of the region
     return outputs, plan, ""
 
 
@@ -586,17 +596,41 @@ def release_schedule(uses: List[List[int]], num_allocs: int, kept, zero_filled: 
     return schedule
 
 
-def _verify(plan: _Plan, inputs, outputs) -> None:
+def _verify(plan: _Plan, inputs, holder: list) -> Tuple[tuple, str]:
     """Replay a pure region's new plan on the recording's inputs: every output must equal the
-    Python run's, bit for bit (NaN payloads included)."""
+    Python run's (``holder[0]``), bit for bit (NaN payloads included). Returns ``(the outputs to
+    hand back, why the plan is refused or "")``.
+
+    Memory: the Python run's outputs are copied to the host and freed before the replay allocates
+    its own, which are handed back when they match (the same bits), so recording costs no more
+    device memory than a call (a region's outputs can be a large weight's FP8 copies). On a
+    mismatch the Python run's values come back from the host copies."""
+    outputs = holder.pop()
+    made = [i for i, spec in enumerate(plan.outputs) if spec is not None and spec[0] != "input"]
+    # A copy even where the outputs are on the host already (tests): the originals must be freed.
+    host = {i: outputs[i].to("cpu", copy=True) for i in made}  # synchronizes: never under capture
+    strides = {i: outputs[i].stride() for i in made}
+    device = next(t.device for t in inputs if t is not None)
+    outputs = tuple(None if i in host else out for i, out in enumerate(outputs))  # the rest are inputs
     again = plan.replay(inputs)
-    for out, replayed in zip(outputs, again):
-        if (out is None) != (replayed is None):
-            raise RecordingRefused("the replay's outputs differ in kind")
-        if out is None:
+    why = ""
+    for i, (out, replayed) in enumerate(zip(outputs, again)):
+        if i not in host:
+            if out is not replayed:
+                why = "the replay's outputs differ in kind"
             continue
-        if out.shape != replayed.shape or out.dtype != replayed.dtype or out.stride() != replayed.stride():
-            raise RecordingRefused("the replay's outputs differ in shape, dtype or strides")
-        if out.numel() and not torch.equal(out.contiguous().reshape(-1).view(torch.uint8),
-                                           replayed.contiguous().reshape(-1).view(torch.uint8)):
-            raise RecordingRefused("the replay's outputs differ from the Python run's")
+        expected = host[i]
+        if expected.shape != replayed.shape or expected.dtype != replayed.dtype or strides[i] != replayed.stride():
+            why = "the replay's outputs differ in shape, dtype or strides"
+        elif expected.numel() and not torch.equal(expected.contiguous().reshape(-1).view(torch.uint8),
+                                                  replayed.to("cpu").contiguous().reshape(-1).view(torch.uint8)):
+            why = "the replay's outputs differ from the Python run's"
+        if why:
+            break
+    if not why:
+        return again, ""
+    restored = tuple(
+        out if i not in host else
+        torch.empty_strided(host[i].shape, strides[i], dtype=host[i].dtype, device=device).copy_(host[i])
+        for i, out in enumerate(outputs))
+    return restored, why
