@@ -14,6 +14,13 @@ measured the same way (the GPU kept busy by a long ``torch.cuda._sleep`` so the 
 Outputs are garbage in the switched-off rows (kernels do not run): only their time is read.
 ``--profile N``: instead, cProfile N fwd+bwd (weight quantized every call, then with the FP8
 weight cache) and print the functions by own time and by cumulative time: where the Python goes.
+Both keep at most 20 fwd+bwd behind one GPU sleep: with hundreds queued, the driver's launch queue
+fills and the launches that block are charged with the GPU's time (an earlier profile showed host
+launch plans' C++ call at 155 us, of which 19 us is the call's own cost).
+
+With host launch plans on (``turbo_moe/host_plan.py``), ``full`` replays them; the switched-off rows
+run with plans off (a replay would launch its kernels on the garbage the switched-off launches
+leave), and one row times a plan's C++ ``launch()`` call alone.
 
 Usage: ``python scripts/host_breakdown.py [--shape tiny|dsv3] [--profile N]``
 """
@@ -44,8 +51,10 @@ def _issue_us(fn, steps=20, reps=11):
     return min(out), statistics.median(out)
 
 
-def _profile(name, fn, steps, top):
-    """cProfile ``steps`` calls of ``fn`` with the GPU kept busy (the host never waits)."""
+def _profile(name, fn, steps, top, chunk=20):
+    """cProfile ``steps`` calls of ``fn`` with the GPU kept busy (the host never waits), ``chunk``
+    calls per busy period: hundreds of calls queued behind one long sleep fill the driver's launch
+    queue, and the launches that then block would be charged with the GPU's time."""
     import cProfile
     import io
     import pstats
@@ -53,15 +62,18 @@ def _profile(name, fn, steps, top):
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    torch.cuda._sleep(int(4e8))
     prof = cProfile.Profile()
-    t0 = time.perf_counter()
-    prof.enable()
-    for _ in range(steps):
-        fn()
-    prof.disable()
-    us = (time.perf_counter() - t0) / steps * 1e6
-    torch.cuda.synchronize()
+    elapsed = 0.0
+    for done in range(0, steps, chunk):
+        torch.cuda._sleep(int(1e8))
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(min(chunk, steps - done)):
+            fn()
+        prof.disable()
+        elapsed += time.perf_counter() - t0
+        torch.cuda.synchronize()
+    us = elapsed / steps * 1e6
     for order in ("tottime", "cumulative"):
         buf = io.StringIO()
         stats = pstats.Stats(prof, stream=buf)
@@ -137,13 +149,50 @@ def main(argv=None):
         return
     rows = [("full fwd+bwd", _issue_us(step)), ("bf16 _grouped_mm fwd+bwd", _issue_us(bf16_step))]
 
+    # Host launch plans replay recorded launches from C++: with them off, the Python path's row.
+    # The switched-off rows below run with plans off: a replayed plan would launch its kernels on
+    # the garbage the switched-off launches leave (offsets never checked: out-of-bounds reads).
+    from turbo_moe import host_plan
+
+    plans_were_on = host_plan.set_enabled(False)
+    rows.append(("full fwd+bwd, host launch plans off", _issue_us(step)))
     # Every lean hit does all its own work (key, memo lookup) but the launch itself (_Memo.run:
     # Triton's launcher, scratch, descriptors' expansion) returns at once.
     if hasattr(lean_launch._Memo, "run"):
         with _patched(lean_launch._Memo, "run", lambda self, grid, device, args: None):
-            rows.append(("no triton launcher call", _issue_us(step)))
+            rows.append(("no triton launcher call (plans off)", _issue_us(step)))
     with _patched(triton_backend._LaunchPlan, "launch", lambda self, problem, out: None):
-        rows.append(("no GEMM launch (plan returns at once)", _issue_us(step)))
+        rows.append(("no GEMM launch (plan returns at once; plans off)", _issue_us(step)))
+    host_plan.set_enabled(plans_were_on)
+    if plans_were_on:
+        ext = host_plan._extension()
+        calls = []
+        real_launch = ext.launch
+
+        def timed_launch(plan, addresses, stream):
+            t0 = time.perf_counter()
+            error = real_launch(plan, addresses, stream)
+            calls.append(time.perf_counter() - t0)
+            return error
+
+        class _Ext:  # the extension's functions are read-only: wrap the module
+            def __getattr__(self, name):
+                return timed_launch if name == "launch" else getattr(ext, name)
+
+        saved = {}
+        for region in host_plan._REGIONS:
+            for key, plan in region._plans.items():
+                if plan is not host_plan._FAILED:
+                    saved[id(plan)] = (plan, plan.ext)
+                    plan.ext = _Ext()
+        try:
+            _issue_us(step)
+        finally:
+            for plan, original in saved.values():
+                plan.ext = original
+        if calls:
+            calls.sort()
+            rows.append(("  of which one plan's C++ launch() call (median)", calls[len(calls) // 2] * 1e6))
 
     def many(fn, n=2000):
         torch.cuda.synchronize()
