@@ -15,7 +15,10 @@ from turbo_moe import swiglu as fp8_swiglu
 
 pytestmark = pytest.mark.gpu
 
-LINEAR_REGIONS = (fp8_autograd._FORWARD_REGION, fp8_autograd._DGRAD_REGION, fp8_autograd._WGRAD_REGION)
+# Forward; dgrad and wgrad apart (W^T's FP8 copy freed between them); the whole backward in one
+# region (W^T kept by the weight cache).
+LINEAR_REGIONS = (fp8_autograd._FORWARD_REGION, fp8_autograd._DGRAD_REGION, fp8_autograd._WGRAD_REGION,
+                  fp8_autograd._BACKWARD_REGION)
 REGIONS = LINEAR_REGIONS + (fp8_swiglu._FORWARD_REGION, fp8_swiglu._BACKWARD_REGION)
 
 
@@ -90,11 +93,15 @@ def test_linear_replay_equals_python_path_bitwise(name, cache):
         for what, ta, tb in zip(("y", "dx", "dW"), a, b):
             _assert_bitwise(ta, tb, f"{name} call {i}: {what}")
     refusals = [r for region in REGIONS for r in region.refusals]
-    # Per-tensor recipes replay all three regions; every recorded call after the first replays.
+    # Per-tensor recipes replay every region they use, each recorded call after the first: the
+    # forward, then dgrad and wgrad apart without the cache, the fused backward with it.
+    forward, dgrad, wgrad, backward = replays[:4]
+    used, unused = ((forward, backward), (dgrad, wgrad)) if cache else ((forward, dgrad, wgrad), (backward,))
     if name != "rowwise":
-        assert all(n >= calls - 3 for n in replays[:3]), (replays, refusals)
+        assert all(n >= calls - 3 for n in used), (replays, refusals)
     else:
-        assert sum(replays) > 0, (replays, refusals)
+        assert sum(used) > 0, (replays, refusals)
+    assert not any(unused), replays
 
 
 @pytest.mark.parametrize("name", ["tensorwise", "delayed"])
@@ -127,21 +134,26 @@ def test_mlp_with_fp8_grad_handoff_replays_bitwise(name):
     replayed, replays = run(True)
     if host_plan.status() != "on":
         pytest.skip(f"host plans unavailable here: {host_plan.status()}")
-    assert all(n > 0 for n in replays), (replays, [r for region in REGIONS for r in region.refusals])
+    # The MLP caches its FP8 weights: both GEMMs' backwards are fused regions (dgrad and wgrad unused).
+    forward, dgrad, wgrad, backward, swiglu_forward, swiglu_backward = replays
+    assert all(n > 0 for n in (forward, backward, swiglu_forward, swiglu_backward)) and dgrad == wgrad == 0, (
+        replays, [r for region in REGIONS for r in region.refusals])
     for i, (a, b) in enumerate(zip(reference, replayed)):
         for j, (ta, tb) in enumerate(zip(a, b)):
             _assert_bitwise(ta, tb, f"call {i} tensor {j}")
 
 
-def test_replayed_step_captures_in_a_cuda_graph_and_follows_new_routing():
+@pytest.mark.parametrize("cache", [False, True], ids=["nocache", "wcache"])
+def test_replayed_step_captures_in_a_cuda_graph_and_follows_new_routing(cache):
     """Plans recorded eagerly, then a capture (the replay path runs inside it): replaying the
-    graph with new routing gives the eager Python path's results."""
+    graph with new routing gives the eager Python path's results. (The weight cache is not used
+    while capturing: the graph re-quantizes, so both cases capture the split backward.)"""
     config = Float8Config()
     G, M, K, N = 4, 256, 256, 128
     previous = _plans_on(True)
     try:
         torch.manual_seed(1)
-        layer = GroupedLinearFP8(G, K, N, config=config, device="cuda", dtype=torch.bfloat16, cache_fp8_weight=False)
+        layer = GroupedLinearFP8(G, K, N, config=config, device="cuda", dtype=torch.bfloat16, cache_fp8_weight=cache)
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         lens = torch.tensor([100, 0, 56, 100], device="cuda")
         dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)

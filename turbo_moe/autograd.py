@@ -266,12 +266,14 @@ def fp8_weight_for(w_nk, w_fp8: Optional[Float8Weight], config: Float8Config, ne
 
 def stash_for_fp8_gemm_backward(ctx, w_kn, config, num_cu, backend, x_dtype, w_dtype, wgrad_target,
                                 grad_handoff: Optional[QuantizedGradHandoff] = None,
-                                grad_history: Optional[AmaxHistory] = None) -> None:
+                                grad_history: Optional[AmaxHistory] = None,
+                                w_fp8: Optional[Float8Weight] = None) -> None:
     """What :func:`fp8_gemm_backward` reads from ``ctx`` besides the saved tensors. W^T in FP8 is
     dgrad's alone: held on ctx (not saved) so backward can drop it before the wgrad output is
-    allocated -- unless it belongs to the caller's cache, which keeps it anyway. ``grad_history``:
-    dy's amax history under delayed scaling."""
+    allocated -- unless it belongs to the caller's cache (``w_fp8``, the forward's cached weight),
+    which keeps it anyway. ``grad_history``: dy's amax history under delayed scaling."""
     ctx.w_kn = w_kn
+    ctx.w_kn_kept = w_kn is not None and w_fp8 is not None and w_kn is w_fp8.data_t
     ctx.grad_history = grad_history
     ctx.config, ctx.num_cu, ctx.backend = config, num_cu, backend
     ctx.x_dtype, ctx.w_dtype = x_dtype, w_dtype
@@ -296,6 +298,11 @@ def fp8_gemm_backward(ctx, dy, w_nk, w_kn_scale, x_km, x_km_scale, group_offs, n
     if handed is None:
         dy = dy.contiguous()
     history = ctx.grad_history
+    target = ctx.wgrad_target
+    if need_dw and (target is None or target.defer is None) and (ctx.w_kn_kept or not need_dx):
+        # Nothing to free between dgrad and wgrad (W^T is the cache's, or there is no dgrad): one
+        # region for both, so one replay issues the whole backward.
+        return _fused_backward(ctx, dy, handed, w_kn, w_kn_scale, x_km, x_km_scale, group_offs, need_dx, history)
     dgrad = functools.partial(_dgrad_tensors, dy, handed, w_kn, w_kn_scale, group_offs, config, num_cu, backend,
                               ctx.x_dtype, need_dx, need_dw, history)
     inputs = (None if handed is not None else dy, *(handed or (None, None, None)), w_kn, w_kn_scale, group_offs)
@@ -305,30 +312,64 @@ def fp8_gemm_backward(ctx, dy, w_nk, w_kn_scale, x_km, x_km_scale, group_offs, n
     del w_kn, dgrad, handed, inputs
     if not need_dw:
         return dx, None
-    target = ctx.wgrad_target
     if target is not None and target.defer is not None:
         if dy_t is None:  # rowwise: made after dgrad's rows copy is freed
             dy_t, dy_t_scale = _token_major_operand(dy, group_offs, config.grad_dtype, config.margin, rowwise=True)
         return dx, finish_wgrad(target, DeferredWgrad(functools.partial(
             _run, GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs,
             num_cu=num_cu, backend=backend, role="wgrad", config=config)))
-    buffer = None if target is None else target.buffer()
-    if buffer is not None and not isinstance(buffer, torch.Tensor):
-        raise TypeError(f"the wgrad buffer must be a tensor, got {type(buffer).__name__}")
-    # A float32 buffer is accumulated into in the wgrad kernel's epilogue; another dtype gets dW
-    # in its dtype, added after.
-    out = buffer if buffer is not None and buffer.dtype == torch.float32 else None
-    dw_dtype = ctx.w_dtype if buffer is None else buffer.dtype
+    buffer, out, dw_dtype = _wgrad_destination(ctx, target)
     wgrad = functools.partial(_wgrad_tensors, dy, dy_t, dy_t_scale, x_km, x_km_scale, group_offs, config, num_cu,
                               backend, dw_dtype, out)
     inputs = (dy if dy_t is None else None, dy_t, dy_t_scale, x_km, x_km_scale, group_offs, out)
     (dw,) = through_plan(_WGRAD_REGION, (config, num_cu, backend, dw_dtype), inputs, wgrad,
                          writes_inputs=out is not None)
+    return dx, _wgrad_result(target, buffer, out, dw)
+
+
+def _wgrad_destination(ctx, target: Optional[WgradTarget]):
+    """``(buffer, out, dW dtype)``: the ``WgradTarget``'s buffer (or None), the float32 buffer the
+    wgrad kernel accumulates into in its epilogue (or None: another dtype gets dW in its dtype,
+    added after), and the dtype the kernel writes."""
+    buffer = None if target is None else target.buffer()
+    if buffer is not None and not isinstance(buffer, torch.Tensor):
+        raise TypeError(f"the wgrad buffer must be a tensor, got {type(buffer).__name__}")
+    out = buffer if buffer is not None and buffer.dtype == torch.float32 else None
+    return buffer, out, ctx.w_dtype if buffer is None else buffer.dtype
+
+
+def _wgrad_result(target: Optional[WgradTarget], buffer, out, dw):
+    """What autograd receives for the weight once the wgrad kernel made ``dw`` (see WgradTarget)."""
     if buffer is None:
-        return dx, dw
+        return dw
     if out is None:
         buffer.add_(dw)
-    return dx, target.placeholder() if target.placeholder is not None else None
+    return target.placeholder() if target.placeholder is not None else None
+
+
+def _fused_backward(ctx, dy, handed, w_kn, w_kn_scale, x_km, x_km_scale, group_offs, need_dx, history):
+    """``fp8_gemm_backward`` when nothing has to be freed between dgrad and wgrad: both in one
+    host-plan region (one signature key, one replay)."""
+    config, num_cu, backend = ctx.config, ctx.num_cu, ctx.backend
+    target = ctx.wgrad_target
+    buffer, out, dw_dtype = _wgrad_destination(ctx, target)
+    both = functools.partial(_backward_tensors, dy, handed, w_kn, w_kn_scale, x_km, x_km_scale, group_offs, config,
+                             num_cu, backend, ctx.x_dtype, need_dx, history, dw_dtype, out)
+    inputs = (None if handed is not None else dy, *(handed or (None, None, None)), w_kn, w_kn_scale, x_km, x_km_scale,
+              group_offs, out)
+    dx, dw = through_plan(_BACKWARD_REGION, (config, num_cu, backend, ctx.x_dtype, need_dx, dw_dtype), inputs, both,
+                          (history,), writes_inputs=out is not None)
+    return dx, _wgrad_result(target, buffer, out, dw)
+
+
+def _backward_tensors(dy, handed, w_kn, w_kn_scale, x_km, x_km_scale, group_offs, config, num_cu, backend, dx_dtype,
+                      need_dx, history, dw_dtype, out):
+    """dgrad then wgrad (``_dgrad_tensors``, ``_wgrad_tensors``): ``(dx or None, dW)``. dy's row-major
+    FP8 copy dies with dgrad, before dW is allocated, as in the split path."""
+    dx, dy_t, dy_t_scale = _dgrad_tensors(dy, handed, w_kn, w_kn_scale, group_offs, config, num_cu, backend, dx_dtype,
+                                          need_dx, True, history)
+    (dw,) = _wgrad_tensors(dy, dy_t, dy_t_scale, x_km, x_km_scale, group_offs, config, num_cu, backend, dw_dtype, out)
+    return dx, dw
 
 
 def _dgrad_tensors(dy, handed, w_kn, w_kn_scale, group_offs, config, num_cu, backend, dx_dtype, need_dx, need_dw,
@@ -389,11 +430,13 @@ def _fp8_forward_tensors(x, w_nk, w_fp8, group_offs, config, num_cu, backend, ou
     return y, w_kn, w_kn_scale, x_km, x_km_scale
 
 
-# The FP8 GEMM's three host-plan regions: forward; dy's quantization + dgrad; wgrad (a region of
-# its own so that W^T's FP8 copy is freed before dW is allocated, as the Python path does).
+# The FP8 GEMM's host-plan regions: forward; dy's quantization + dgrad; wgrad (a region of its own
+# so that W^T's FP8 copy is freed before dW is allocated, as the Python path does); and the whole
+# backward in one region where W^T is not freed (the weight cache keeps it, or there is no dgrad).
 _FORWARD_REGION = host_plan.Region("fp8 gemm forward")
 _DGRAD_REGION = host_plan.Region("fp8 gemm dgrad")
 _WGRAD_REGION = host_plan.Region("fp8 gemm wgrad")
+_BACKWARD_REGION = host_plan.Region("fp8 gemm dgrad + wgrad")
 
 
 def through_plan(region: host_plan.Region, static, inputs, compute, histories=(), writes_inputs=False):
@@ -451,7 +494,7 @@ class GroupedGemmFP8Function(torch.autograd.Function):
         if grad_handoff is not None:
             grad_handoff.expect(config, need_dx, need_dw, grad_history)
         stash_for_fp8_gemm_backward(ctx, w_kn, config, num_cu, backend, x.dtype, w_nk.dtype, wgrad_target,
-                                    grad_handoff, grad_history)
+                                    grad_handoff, grad_history, w_fp8)
         ctx.save_for_backward(w_nk if need_dx else None, w_kn_scale, x_km, x_km_scale, group_offs)
         return y
 

@@ -189,7 +189,7 @@ class GroupedSwiGLUGemmFP8Function(torch.autograd.Function):
             _FORWARD_REGION, (config, num_cu, backend, out_dtype, need_da, need_dw, *cached_weight_key(w_fp8)),
             (h, probs, w_nk, group_offs, *cached_weight_inputs(w_fp8)), compute, (history,))
         stash_for_fp8_gemm_backward(ctx, w_kn, config, num_cu, backend, h.dtype, w_nk.dtype, wgrad_target,
-                                    grad_history=delayed and delayed.grad_output)
+                                    grad_history=delayed and delayed.grad_output, w_fp8=w_fp8)
         ctx.h_grad_handoff = h_grad_handoff
         ctx.h_ref = weakref.ref(h) if h_grad_handoff is not None else None
         ctx.save_for_backward(h if need_da else None, probs if need_da else None, w_nk if need_da else None,
