@@ -16,7 +16,8 @@ from turbo_moe import autograd as fp8_autograd
 _THROUGH_PLAN = fp8_autograd.through_plan
 
 
-def _regions_of_one_step(cache: bool, x_grad: bool, monkeypatch):
+def _spy_regions(monkeypatch) -> list:
+    """The names of the regions ``through_plan`` is called with, from now on, in order."""
     names = []
 
     def spy(region, *args, **kwargs):
@@ -24,6 +25,11 @@ def _regions_of_one_step(cache: bool, x_grad: bool, monkeypatch):
         return _THROUGH_PLAN(region, *args, **kwargs)
 
     monkeypatch.setattr(fp8_autograd, "through_plan", spy)
+    return names
+
+
+def _regions_of_one_step(cache: bool, x_grad: bool, monkeypatch):
+    names = _spy_regions(monkeypatch)
     torch.manual_seed(0)
     g, t, n, k = 3, 40, 48, 64
     layer = turbo_moe.GroupedLinearFP8(g, k, n, cache_fp8_weight=cache)
@@ -58,13 +64,7 @@ def test_fused_and_split_backward_give_the_same_bits(monkeypatch):
 def test_deferred_wgrad_keeps_the_split_path(monkeypatch):
     """A deferred wgrad (``WgradTarget(defer=...)``: Megatron's delay_wgrad_compute) runs dgrad now
     and hands the wgrad over: the backward cannot be one region, even with the weight cached."""
-    names, handed = [], []
-
-    def spy(region, *args, **kwargs):
-        names.append(region.name)
-        return _THROUGH_PLAN(region, *args, **kwargs)
-
-    monkeypatch.setattr(fp8_autograd, "through_plan", spy)
+    names, handed = _spy_regions(monkeypatch), []
     torch.manual_seed(0)
     g, t, n, k = 2, 32, 48, 64
     layer = turbo_moe.GroupedLinearFP8(g, k, n, cache_fp8_weight=True)
