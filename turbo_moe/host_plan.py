@@ -324,8 +324,9 @@ class _LaunchLog:
 
 
 def _record(ext, inputs, fn, pure) -> Tuple[tuple, Optional[_Plan], str]:
-    """Run ``fn`` once, recorded: ``(its outputs, the plan or None, why not)``. The outputs are
-    always the Python run's (its side effects happened once)."""
+    """Run ``fn`` once, recorded: ``(its outputs, the plan or None, why not)``. ``fn`` runs once
+    (its side effects happen once); for a pure region whose plan passed its check, the outputs are
+    the check replay's, bit for bit the Python run's (:func:`_verify`)."""
     global _LOG_TYPE
     from turbo_moe.kernels.triton import launch as lean_launch
     import triton.runtime.jit as triton_jit
@@ -369,7 +370,8 @@ def _record_locked(ext, inputs, fn, pure, lean_launch, triton_jit):
     # The logs hold every allocation of the run alive (so that no address could stand for two
     # allocations while launches were mapped to slots), intermediates included: release them now,
     # before the check allocates anything.
-    del alloc_log, launch_log
+    alloc_log.allocs.clear()
+    launch_log.launches.clear()
     if pure:
         holder = [outputs]
         del outputs  # _verify frees the Python run's outputs before its replay allocates new ones
