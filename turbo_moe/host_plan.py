@@ -422,10 +422,10 @@ def _tensor_map_bytes(obj) -> bytes:
 
 def _descriptor_template(desc, meta, make_arg) -> Tuple[bytes, int, torch.Tensor]:
     """(the CUtensorMap bytes for desc, the byte offset of its global address, desc's base)."""
-    from turbo_moe.kernels.triton.launch import HostDesc, _tensor_descriptor_type
+    from turbo_moe.kernels.triton.launch import HostDesc, to_descriptor
 
     if type(desc) is HostDesc:
-        desc = _tensor_descriptor_type()(desc.base, desc.shape, desc.strides, desc.block_shape)
+        desc = to_descriptor(desc)
     base = desc.base
     address = base.data_ptr()
     blob = _tensor_map_bytes(make_arg(desc, meta)[0])

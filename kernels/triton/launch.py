@@ -63,7 +63,7 @@ def arg_fact(arg):
         return (
             "desc", base.dtype, base.data_ptr() % 16 == 0, tuple(arg.block_shape),
             tuple(s % 16 == 0 for s in arg.shape), tuple(s % 16 == 0 for s in arg.strides),
-            getattr(arg, "padding", None),
+            getattr(arg, "padding", None), getattr(arg, "layout", None),
         )
     return (kind,)
 
@@ -71,13 +71,16 @@ def arg_fact(arg):
 class HostDesc(NamedTuple):
     """A host TMA descriptor argument of ``launch_keyed``: ``TensorDescriptor(base, shape, strides,
     block_shape)`` plus ``cache_key``, which must determine ``base``'s address and dtype, the shape,
-    the strides and the block shape (the descriptor's every input; see the module docstring)."""
+    the strides and the block shape (the descriptor's every input; see the module docstring).
+    ``layout``: for a Gluon kernel, the shared-memory layout of its Gluon ``TensorDescriptor``
+    (fixed by the call site with the block shape); None for a ``@triton.jit`` kernel."""
 
     base: torch.Tensor
     shape: List[int]
     strides: List[int]
     block_shape: List[int]
     cache_key: Hashable
+    layout: object = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,13 +90,22 @@ def _tensor_descriptor_type():
     return TensorDescriptor
 
 
+def to_descriptor(desc: HostDesc):
+    """The Triton descriptor object ``desc`` stands for: a Gluon ``TensorDescriptor`` when it has a
+    layout, else ``triton.tools.tensor_descriptor.TensorDescriptor``."""
+    if desc.layout is not None:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        return TensorDescriptor(desc.base, desc.shape, desc.strides, desc.block_shape, desc.layout)
+    return _tensor_descriptor_type()(desc.base, desc.shape, desc.strides, desc.block_shape)
+
+
 def triton_args(args) -> tuple:
-    """``args`` with every :class:`HostDesc` made a ``triton.tools.tensor_descriptor.TensorDescriptor``
-    (what Triton's own path, its binder and its launcher wrapper take)."""
+    """``args`` with every :class:`HostDesc` made the descriptor object it stands for (what
+    Triton's own path, its binder and its launcher wrapper take)."""
     if not any(type(a) is HostDesc for a in args):
         return args
-    make = _tensor_descriptor_type()
-    return tuple(make(a.base, a.shape, a.strides, a.block_shape) if type(a) is HostDesc else a for a in args)
+    return tuple(to_descriptor(a) if type(a) is HostDesc else a for a in args)
 
 
 _RUNTIME_KNOBS = None
@@ -166,8 +178,7 @@ class _Memo:
                 if parts is None:
                     if len(expanded) >= _MAX_EXPANDED:
                         expanded.clear()
-                    parts = expanded[desc.cache_key] = tuple(make_arg(
-                        _tensor_descriptor_type()(desc.base, desc.shape, desc.strides, desc.block_shape), meta))
+                    parts = expanded[desc.cache_key] = tuple(make_arg(to_descriptor(desc), meta))
             else:  # a TensorDescriptor (an unkeyed launch): no key to cache it under
                 parts = make_arg(desc, meta)
             flat.extend(args[start:pos])
