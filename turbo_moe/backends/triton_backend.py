@@ -22,6 +22,7 @@ first candidate, and does not cache it. So: run one eager step first, capture af
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import os
@@ -56,6 +57,11 @@ class KernelConfig:
     # epilogue (or pipeline fill) run beside another's MMAs on the same SM, for configs whose
     # shared memory and registers fit twice. With a cap, one per SM (the cap counts SMs).
     programs_per_sm: int = 1
+    # K-grouped on sm_90: the Gluon kernel (kernels/triton/grouped_gemm_gluon.py), whose loads run
+    # ahead across tiles and whose epilogue store overlaps the next tile; num_stages is its ring's
+    # depth. Same bits as the Triton TMA kernel. A problem it cannot take (_gluon_reason) runs the
+    # Triton TMA kernel with the same tiles.
+    gluon: bool = False
 
     def __str__(self) -> str:
         return (
@@ -64,6 +70,7 @@ class KernelConfig:
             + ("" if self.tma else " ptr")
             + ("" if (self.tma_store or not self.tma) else " ptr-store")
             + ("" if self.programs_per_sm == 1 else f" x{self.programs_per_sm}/SM")
+            + (" gluon" if self.gluon else "")
         )
 
 
@@ -82,6 +89,15 @@ GPU_CANDIDATES: Dict[GemmKind, Tuple[KernelConfig, ...]] = {
     # program the same work, and group-major keeps concurrent programs on the same group's
     # tokens (L2 reuse).
     GemmKind.K_GROUPED: (
+        # The Gluon kernel, first (the untuned default where a problem can take it): H100, TFLOPS
+        # against the Triton TMA kernel / CUTLASS FP8 (scripts/bench_wgrad.py): DeepSeek-V3 fc1
+        # 32x512 823 / 683 / 748, Qwen3 fc2 32x512 795 / 665 / 693, 128x128 290 / 284 / 288.
+        KernelConfig(128, 256, 128, 8, 8, 3, band_cyclic=False, gluon=True),
+        KernelConfig(128, 128, 128, 8, 8, 4, band_cyclic=False, gluon=True),
+        KernelConfig(128, 128, 128, 8, 4, 4, band_cyclic=False, gluon=True),
+        # Two programs per SM (96 KB of shared memory each): one's epilogue beside the other's
+        # MMAs, for groups of one or two boxes (128 x 128 tokens per expert).
+        KernelConfig(128, 128, 128, 8, 4, 2, band_cyclic=False, programs_per_sm=2, gluon=True),
         KernelConfig(128, 256, 128, 8, 8, 3, band_cyclic=False),
         KernelConfig(128, 256, 128, 8, 8, 3),
         KernelConfig(128, 128, 128, 8, 8, 4, band_cyclic=False),
@@ -105,6 +121,10 @@ GPU_CANDIDATES: Dict[GemmKind, Tuple[KernelConfig, ...]] = {
 # docs/results/h100_wgrad_main_grad.md). Where the output cannot take a descriptor, the same tiles
 # fall back to the pointer epilogue.
 ACCUMULATE_CANDIDATES: Tuple[KernelConfig, ...] = (
+    # The Gluon kernel: its read-modify-write through TMA overlaps the next tile's loads.
+    KernelConfig(128, 128, 128, 8, 8, 4, band_cyclic=False, gluon=True),
+    KernelConfig(128, 128, 128, 8, 4, 4, band_cyclic=False, gluon=True),
+    KernelConfig(128, 64, 128, 8, 4, 3, band_cyclic=False, programs_per_sm=2, gluon=True),
     KernelConfig(128, 128, 128, 8, 8, 4, band_cyclic=False),
     KernelConfig(128, 128, 128, 8, 4, 3, band_cyclic=False),
     KernelConfig(64, 256, 128, 8, 4, 2, band_cyclic=False),
@@ -147,10 +167,44 @@ def _on_rocm(problem: GroupedGemmProblem) -> bool:
 
 
 def candidates_for(problem: GroupedGemmProblem) -> Tuple[KernelConfig, ...]:
-    """The configurations tuning chooses among for ``problem``; the first is the default."""
+    """The configurations tuning chooses among for ``problem``; the first is the default. Gluon
+    configurations only where the problem can take them (``_gluon_reason``)."""
     if _on_rocm(problem):
         return HIP_ACCUMULATE_CANDIDATES if problem.accumulate else HIP_CANDIDATES[problem.kind]
-    return ACCUMULATE_CANDIDATES if problem.accumulate else GPU_CANDIDATES[problem.kind]
+    candidates = ACCUMULATE_CANDIDATES if problem.accumulate else GPU_CANDIDATES[problem.kind]
+    return tuple(c for c in candidates if not c.gluon or not _gluon_reason(problem, c, problem.out))
+
+
+def _gluon_reason(problem: GroupedGemmProblem, config: KernelConfig, out: Optional[torch.Tensor]) -> str:
+    """Empty if the Gluon K-grouped kernel can run ``problem`` with ``config``'s tiles into ``out``
+    (None: a fresh contiguous output), else why not."""
+    if problem.kind is not GemmKind.K_GROUPED:
+        return "the Gluon kernel is the K-grouped one"
+    if not config.tma:
+        return "the configuration asks for pointer loads"
+    if problem.device.type != "cuda" or torch.version.hip or torch.cuda.get_device_capability(problem.device) != (9, 0):
+        return "the Gluon kernel needs sm_90 (wgmma)"
+    if problem.promote_accumulation:
+        return "the Gluon kernel does not promote the accumulator"
+    why = _tma_reason(problem)
+    if why:
+        return why
+    _, N, K = problem.mnk
+    if N % config.block_m:
+        return f"N={N} is not a multiple of the Gluon kernel's BLOCK_M={config.block_m} (one [G*N, K] store descriptor)"
+    if problem.num_groups * N >= 2**31:
+        return "TMA coordinates are 32-bit"
+    item = torch.empty((), dtype=problem.out_dtype).element_size()
+    if problem.out_dtype not in (torch.bfloat16, torch.float16, torch.float32) or (K * item) % 16:
+        return "the output needs a 16-byte row stride and a 16/32-bit float dtype"
+    if out is not None and not (out.is_contiguous() and _tma_store_ok(out)):
+        return "the output must be contiguous and 16-byte aligned"
+    operands = config.num_stages * (config.block_m + config.block_n) * config.block_k
+    if operands + config.block_m * config.block_n * item > _SHARED_MEMORY_BUDGET:
+        return "its ring and store tile do not fit in shared memory"
+    from turbo_moe.kernels.triton import grouped_gemm_gluon
+
+    return grouped_gemm_gluon.GLUON_ERROR
 
 
 # Under the interpreter: small tiles, so that small test shapes still span many tiles.
@@ -171,6 +225,16 @@ class _Kernels:
         for name in ("m_grouped_gemm_kernel", "m_grouped_gemm_tma_kernel", "k_grouped_gemm_kernel",
                      "k_grouped_gemm_tma_kernel"):
             setattr(self, name, lean(getattr(module, name)))
+        self._gluon = None
+
+    @property
+    def k_grouped_gemm_gluon_kernel(self):
+        if self._gluon is None:  # imported on first use: only sm_90 plans launch it
+            from turbo_moe.kernels.triton import grouped_gemm_gluon
+            from turbo_moe.kernels.triton.launch import lean
+
+            self._gluon = lean(grouped_gemm_gluon.k_grouped_gemm_gluon_kernel)
+        return self._gluon
 
 
 def _kernels():
@@ -293,6 +357,10 @@ class TritonBackend(GroupedGemmBackend):
         limit = self.num_programs_limit(problem)
         if problem.num_cu is None:
             limit *= config.programs_per_sm
+        if config.gluon and _gluon_reason(problem, config, out):  # e.g. a config given by a caller
+            config = dataclasses.replace(config, gluon=False)
+        if config.gluon:
+            return self._make_gluon_plan(problem, out, config, limit)
         use_tma = config.tma and not _tma_reason(problem)
         if use_tma:
             config = _fit_shared_memory(config, out.element_size(), problem.accumulate)
@@ -327,6 +395,28 @@ class TritonBackend(GroupedGemmBackend):
             int_args=_int_args(problem, out, use_tma),
         )
 
+    def _make_gluon_plan(self, problem: GroupedGemmProblem, out: torch.Tensor, config: KernelConfig,
+                         limit: int) -> "_LaunchPlan":
+        from turbo_moe.kernels import tile_scheduler as ts
+        from turbo_moe.kernels.triton.grouped_gemm_gluon import shared_layout
+
+        a, b = problem.a, problem.b
+        M, N, K = problem.mnk
+        G = problem.num_groups
+        bm, bn, bk = config.block_m, config.block_n, config.block_k
+        tiles = ts.k_grouped_total_tiles(G, ts.cdiv(N, bm), ts.cdiv(K, bn))
+        flags = dict(A_ROWWISE=problem.a_scale.dim() > 0, B_ROWWISE=problem.b_scale.dim() > 0, GROUP_M=config.group_m,
+                     BAND_CYCLIC=config.band_cyclic, ACCUMULATE=problem.accumulate, STAGES=config.num_stages,
+                     num_warps=config.num_warps)
+        geometry = (([N, M], [a.stride(0), 1], [bm, bk], shared_layout([bm, bk], a.dtype)),
+                    ([K, M], [b.stride(0), 1], [bn, bk], shared_layout([bn, bk], b.dtype)),
+                    ([G * N, K], [K, 1], [bm, bn], shared_layout([bm, bn], out.dtype)))
+        return _LaunchPlan(
+            key=next(_PLAN_IDS), kind=problem.kind, config=config, grid=(ts.persistent_grid_size(tiles, limit),),
+            use_tma=True, tma_store=True, constexprs=flags, descriptor_geometry=geometry,
+            kernel_name="k_grouped_gemm_gluon_kernel", int_args=(N, K, G), gluon=True,
+        )
+
     # ------------------------------------------------------------------ tuning
     def shape_class(self, problem: GroupedGemmProblem) -> tuple:
         M, N, K = problem.mnk
@@ -358,23 +448,32 @@ class TritonBackend(GroupedGemmBackend):
         return self._tuned[key]
 
     def _benchmark(self, problem: GroupedGemmProblem, out: torch.Tensor, candidates) -> KernelConfig:
-        """Time every candidate twice, in two passes, and keep each one's better time: a single
-        pass sometimes caught the GPU mid clock-ramp and crowned a 2x slower config."""
+        """Time every candidate twice, the second pass in reverse order, and rank by the sum of
+        each one's two times. The GPU's clock drifts while it is timed (it ramps up, and FP8 data
+        spread over many binades draws enough power to throttle it): with the best of two passes
+        in one order, whichever candidate came first while the clock was high won (on the H100 the
+        first wgrad candidate was kept at 562 TFLOPS beside another at 688). In mirrored passes a
+        steady drift adds the same to every candidate's sum."""
         import triton.testing
 
-        best_ms: Dict[KernelConfig, float] = {}
+        total_ms: Dict[KernelConfig, float] = {}
         plans: Dict[KernelConfig, _LaunchPlan] = {}  # one plan (one launch key) per candidate
-        for _ in range(2):
-            for config in candidates:
+        failed = set()
+        for order in (list(candidates), list(reversed(candidates))):
+            for config in order:
+                if config in failed:
+                    continue
                 try:
                     plan = plans.get(config) or plans.setdefault(config, self._make_plan(problem, out, config))
                     ms = triton.testing.do_bench(lambda plan=plan: plan.launch(problem, out), warmup=5, rep=20)
                 except Exception:  # e.g. out of shared memory for this block shape on this device
+                    failed.add(config)
+                    total_ms.pop(config, None)
                     continue
-                best_ms[config] = min(ms, best_ms.get(config, float("inf")))
-        if not best_ms:
+                total_ms[config] = total_ms.get(config, 0.0) + ms
+        if not total_ms:
             return candidates[0]
-        return min(best_ms, key=best_ms.get)
+        return min(total_ms, key=total_ms.get)
 
     def tuned_configs(self) -> Dict[tuple, KernelConfig]:
         """The cached choice per shape class (for logs and notes)."""
@@ -414,6 +513,9 @@ class _LaunchPlan:
     # tensors: sizes and strides, all fixed by the signature.
     kernel_name: str = ""
     int_args: tuple = ()
+    # The Gluon K-grouped kernel: descriptor_geometry's entries carry their shared layout, slots a,
+    # b, out (as one [G*N, K] matrix).
+    gluon: bool = False
 
     def launch(self, problem: GroupedGemmProblem, out: torch.Tensor) -> None:
         launcher = getattr(_kernels(), self.kernel_name)
@@ -423,6 +525,13 @@ class _LaunchPlan:
                out.data_ptr() % 16 == 0)
         if not self.use_tma:
             launcher.launch_keyed(self.grid, key, a, b, out, a_scale, b_scale, offs, *self.int_args, **self.constexprs)
+            return
+        if self.gluon:  # host descriptors only: no global scratch to allocate
+            (a_geo, b_geo, out_geo), plan = self.descriptor_geometry, self.key
+            launcher.launch_keyed(self.grid, key, HostDesc(a, *a_geo[:3], (plan, 0, a.data_ptr()), a_geo[3]),
+                                  HostDesc(b, *b_geo[:3], (plan, 1, b.data_ptr()), b_geo[3]),
+                                  HostDesc(out, *out_geo[:3], (plan, 2, out.data_ptr()), out_geo[3]),
+                                  a_scale, b_scale, offs, *self.int_args, **self.constexprs)
             return
         # Device-side TMA descriptors need global scratch memory; hand Triton torch's allocator
         # (stream-ordered, so also legal while a CUDA graph is captured). triton.set_allocator sets
@@ -512,8 +621,6 @@ def _fit_shared_memory(config: KernelConfig, out_bytes: int, accumulate: bool = 
     read shares the staging tile, but converting it to the accumulator's layout took another half
     tile at 128 x 256 (sm_90 compile: 262152 bytes for 2 stages), so half a tile more is counted.
     Every candidate then compiles, whatever the output dtype."""
-    import dataclasses
-
     operands = config.num_stages * (config.block_m + config.block_n) * config.block_k
     staging = config.block_m * config.block_n * out_bytes * (3 if accumulate else 2) // 2
     if config.tma_store and operands + staging > _SHARED_MEMORY_BUDGET:

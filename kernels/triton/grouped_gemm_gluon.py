@@ -1,0 +1,257 @@
+"""The variable-K wgrad (K-grouped FP8 GEMM) in Gluon for Hopper, its load pipeline running ahead across tiles.
+
+Same problem, tile order and bits as ``grouped_gemm.k_grouped_gemm_tma_kernel``:
+``out[g] = a[:, tokens of g] @ b[:, tokens of g]^T`` dequantized, for every group g, with
+a: [N, M] and b: [K, M] token-major FP8 and out: [G, N, K].
+
+Why a second kernel. At 32-128 experts a wgrad output tile runs only 1-4 K steps of 128 tokens.
+Triton's software pipeline fills afresh for every tile of its persistent loop, and its epilogue
+runs while no MMA does: about a third of a tile's time, which kept the Triton kernel at
+0.86-0.92x CUTLASS FP8 (H100). Triton 3.6 could not be made to overlap them: its automatic warp
+specialization gave nothing, and a flattened (tile, chunk) loop whose chunk count comes from data
+is left unpipelined (docs/triton_notes.md). Gluon lets the pipeline be written out. One
+instruction stream, with a producer cursor that walks this program's (tile, box) sequence
+``STAGES - 1`` TMA loads ahead of the MMAs:
+
+* the first loads of a tile are issued while the previous tile's last MMAs and epilogue run;
+* the epilogue's TMA store is waited for only when its shared buffer is written again, one tile
+  later.
+
+Token walk, identical to the Triton TMA kernel's so that the two give the same bits. A group's
+tokens [lo, hi) are read in 128-token boxes from ``start = lo // 16 * 16`` (TMA coordinates along
+the contiguous dimension must be 16-byte aligned). The MMAs run in 32-token slices (the FP8 wgmma's
+K) from ``start`` on, stopping at the first slice at or past ``hi``, in the order the Triton kernel's
+head, full, narrow and tail chunks run them. A box that holds tokens of a neighbouring group
+(``start < lo``, or past ``hi``) is masked in shared memory first: it is read into registers,
+those tokens are set to zero in both operands, and it is written back before its MMAs. That
+happens to at most two boxes a tile.
+
+Limits (the backend checks them, ``turbo_moe.backends.triton_backend._gluon_reason``): sm_90
+(wgmma), N a multiple of BLOCK_M (the output is stored through one [G*N, K] descriptor, which
+clips columns past K but not rows past a group's N), tensorwise or rowwise scales, no promoted
+accumulation.
+
+Importing this module needs Triton's Gluon API for Hopper (Triton >= 3.5; the names of the TMA
+copies changed in 3.7 and both are accepted); without it ``GLUON_ERROR`` says why and the kernel is
+absent.
+"""
+
+from __future__ import annotations
+
+from . import scheduler as S
+
+GLUON_ERROR = ""
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_init, warpgroup_mma_wait)
+except ImportError as exc:  # a Triton without Gluon's Hopper API
+    gluon = None
+    GLUON_ERROR = f"Triton's Gluon API for Hopper does not import: {exc}"
+
+if gluon is not None:
+    # Triton 3.5/3.6 name the TMA copies async_copy_*; 3.7+ async_load / async_store.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    # A CTA-wide barrier: gl.thread_barrier up to 3.6, gl.barrier later.
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+    @gluon.jit
+    def _tile_of(i, pid, num_programs, G, num_m_blocks, num_n_blocks, group_offs_ptr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, BAND_CYCLIC: gl.constexpr):
+        """This program's i-th tile: (group, first row of a, first row of b, lo, hi, first box's
+        token, boxes). An empty group (or one whose offsets are out of order) has no boxes."""
+        tile = pid + i * num_programs
+        if BAND_CYCLIC:
+            group, m_block, n_block = S.k_grouped_band_cyclic(tile, G, num_m_blocks, num_n_blocks, GROUP_M)
+        else:
+            group, m_block, n_block = S.k_grouped_group_major(tile, G, num_m_blocks, num_n_blocks, GROUP_M)
+        lo = gl.load(group_offs_ptr + group).to(gl.int32)
+        hi = gl.load(group_offs_ptr + group + 1).to(gl.int32)
+        start = lo // 16 * 16
+        boxes = gl.where(hi > lo, (hi - start + BLOCK_K - 1) // BLOCK_K, 0)
+        return group, m_block * BLOCK_M, n_block * BLOCK_N, lo, hi, start, boxes
+
+    @gluon.jit
+    def _produce(a_desc, b_desc, a_bufs, b_bufs, ready, issued, p_i, p_box, p_start, p_boxes, p_row_a, p_row_b,
+                 my_tiles, pid, num_programs, G, num_m_blocks, num_n_blocks, group_offs_ptr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                 BAND_CYCLIC: gl.constexpr, STAGES: gl.constexpr):
+        """Issue the producer cursor's next (tile, box) load, if any, into ring slot
+        ``issued % STAGES``; returns the advanced cursor and load count."""
+        # Past finished tiles, and tiles without boxes (empty groups).
+        while (p_box == p_boxes) & (p_i < my_tiles):
+            p_i += 1
+            p_box = 0
+            if p_i < my_tiles:
+                _, p_row_a, p_row_b, _, _, p_start, p_boxes = _tile_of(
+                    p_i, pid, num_programs, G, num_m_blocks, num_n_blocks, group_offs_ptr, BLOCK_M, BLOCK_N,
+                    BLOCK_K, GROUP_M, BAND_CYCLIC)
+        if p_i < my_tiles:
+            slot = issued % STAGES
+            mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            token = p_start + p_box * BLOCK_K
+            _tma_load(a_desc, [p_row_a, token], ready.index(slot), a_bufs.index(slot))
+            _tma_load(b_desc, [p_row_b, token], ready.index(slot), b_bufs.index(slot))
+            p_box += 1
+            issued += 1
+        return issued, p_i, p_box, p_start, p_boxes, p_row_a, p_row_b
+
+    @gluon.jit
+    def _zero_other_groups(buf, first_token, lo, hi, WIDTH: gl.constexpr, layout: gl.constexpr):
+        """Set the tokens of ``buf`` (WIDTH tokens from first_token) outside [lo, hi) to zero, in
+        shared memory."""
+        tile = buf.load(layout)
+        tokens = first_token + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+        inside = (tokens >= lo) & (tokens < hi)
+        buf.store(gl.where(inside[None, :], tile, gl.zeros_like(tile)))
+
+    @gluon.jit
+    def _dequantize(acc, a_scale_ptr, b_scale_ptr, group, row_a, row_b, N, K, mma_layout: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, A_ROWWISE: gl.constexpr, B_ROWWISE: gl.constexpr):
+        """acc * a_scale * b_scale in fp32, in that order (grouped_gemm._dequantize's, bit for bit)."""
+        group_row = group.to(gl.int64)
+        if A_ROWWISE:
+            rows = row_a + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
+            acc = acc * gl.load(a_scale_ptr + group_row * N + rows)[:, None]
+        else:
+            acc = acc * gl.load(a_scale_ptr)
+        if B_ROWWISE:
+            cols = row_b + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+            acc = acc * gl.load(b_scale_ptr + group_row * K + gl.where(cols < K, cols, 0))[None, :]
+        else:
+            acc = acc * gl.load(b_scale_ptr)
+        return acc
+
+    @gluon.jit
+    def k_grouped_gemm_gluon_kernel(
+        a_desc, b_desc, out_desc, a_scale_ptr, b_scale_ptr, group_offs_ptr, N, K, G,
+        A_ROWWISE: gl.constexpr, B_ROWWISE: gl.constexpr, GROUP_M: gl.constexpr, BAND_CYCLIC: gl.constexpr,
+        ACCUMULATE: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """a_desc: a [N, M] with [BLOCK_M, BLOCK_K] boxes; b_desc: b [K, M] with [BLOCK_N, BLOCK_K]
+        boxes; out_desc: out as one [G*N, K] matrix with [BLOCK_M, BLOCK_N] boxes (N a multiple of
+        BLOCK_M). ACCUMULATE (float32 out): out[g] += the result; an empty group's tiles are
+        neither read nor written (adding +0.0 would turn -0.0 into +0.0)."""
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        SLICE_K: gl.constexpr = 32  # the FP8 wgmma's K: the Triton kernel's narrow-chunk width
+        pid = gl.program_id(0)
+        num_programs = gl.num_programs(0)
+        num_m_blocks = gl.cdiv(N, BLOCK_M)
+        num_n_blocks = gl.cdiv(K, BLOCK_N)
+        my_tiles = gl.cdiv(G * num_m_blocks * num_n_blocks - pid, num_programs)
+
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, BLOCK_N, 32])
+        SLICES: gl.constexpr = BLOCK_K // SLICE_K
+        # A [rows, 32] FP8 slice in registers: 16 contiguous tokens a thread.
+        mask_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[16, 2],
+                                                     warps_per_cta=[num_warps, 1], order=[1, 0])
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+        out_buf = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+        if ACCUMULATE:
+            out_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(out_ready, count=1)
+        out_loads = pid * 0
+
+        # The producer cursor starts past a virtual tile -1 without boxes.
+        issued = pid * 0
+        p_i = pid * 0 - 1
+        p_box = pid * 0
+        p_boxes = pid * 0
+        p_start = pid * 0
+        p_row_a = pid * 0
+        p_row_b = pid * 0
+        for _ in gl.static_range(STAGES - 1):
+            issued, p_i, p_box, p_start, p_boxes, p_row_a, p_row_b = _produce(
+                a_desc, b_desc, a_bufs, b_bufs, ready, issued, p_i, p_box, p_start, p_boxes, p_row_a, p_row_b,
+                my_tiles, pid, num_programs, G, num_m_blocks, num_n_blocks, group_offs_ptr, BLOCK_M, BLOCK_N,
+                BLOCK_K, GROUP_M, BAND_CYCLIC, STAGES)
+
+        consumed = pid * 0
+        for i in range(my_tiles):
+            group, row_a, row_b, lo, hi, start, boxes = _tile_of(
+                i, pid, num_programs, G, num_m_blocks, num_n_blocks, group_offs_ptr, BLOCK_M, BLOCK_N, BLOCK_K,
+                GROUP_M, BAND_CYCLIC)
+            acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma_layout)
+            for box in range(boxes):
+                slot = consumed % STAGES
+                mbarrier.wait(ready.index(slot), (consumed // STAGES) & 1)
+                a_buf = a_bufs.index(slot)
+                b_buf = b_bufs.index(slot)
+                box_token = start + box * BLOCK_K
+                acc = warpgroup_mma_init(acc)
+                if (box_token < lo) | (box_token + BLOCK_K > hi):
+                    # A box with a neighbouring group's tokens (at most two a tile): only the slices
+                    # before hi run, and a slice that holds other tokens (the first one when
+                    # start < lo, the one across hi) has them set to zero in both operands first.
+                    straddles = (hi - box_token) % SLICE_K != 0
+                    if (box_token < lo) | (straddles & (box_token + BLOCK_K > hi)):
+                        for j in gl.static_range(SLICES):
+                            first = box_token + j * SLICE_K
+                            if (first < lo) | ((first < hi) & (first + SLICE_K > hi)):
+                                _zero_other_groups(a_buf.slice(j * SLICE_K, SLICE_K, 1), first, lo, hi, SLICE_K,
+                                                   mask_layout)
+                                _zero_other_groups(b_buf.slice(j * SLICE_K, SLICE_K, 1), first, lo, hi, SLICE_K,
+                                                   mask_layout)
+                        fence_async_shared()  # the stores, before the tensor cores read them
+                        _cta_barrier()
+                    for j in gl.static_range(SLICES):
+                        if box_token + j * SLICE_K < hi:
+                            acc = warpgroup_mma(a_buf.slice(j * SLICE_K, SLICE_K, 1),
+                                                b_buf.slice(j * SLICE_K, SLICE_K, 1).permute((1, 0)), acc,
+                                                is_async=True)
+                else:
+                    acc = warpgroup_mma(a_buf, b_buf.permute((1, 0)), acc, is_async=True)
+                # One wgmma group in flight: the previous box's are done, so its slot may be reloaded.
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                consumed += 1
+                issued, p_i, p_box, p_start, p_boxes, p_row_a, p_row_b = _produce(
+                    a_desc, b_desc, a_bufs, b_bufs, ready, issued, p_i, p_box, p_start, p_boxes, p_row_a, p_row_b,
+                    my_tiles, pid, num_programs, G, num_m_blocks, num_n_blocks, group_offs_ptr, BLOCK_M, BLOCK_N,
+                    BLOCK_K, GROUP_M, BAND_CYCLIC, STAGES)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            out_row = group * N + row_a
+            if ACCUMULATE:
+                if hi > lo:
+                    acc = _dequantize(acc, a_scale_ptr, b_scale_ptr, group, row_a, row_b, N, K, mma_layout, BLOCK_M,
+                                      BLOCK_N, A_ROWWISE, B_ROWWISE)
+                    tma.store_wait(pendings=0)  # the previous tile's store has read out_buf
+                    mbarrier.expect(out_ready, out_desc.block_type.nbytes)
+                    _tma_load(out_desc, [out_row, row_b], out_ready, out_buf)
+                    mbarrier.wait(out_ready, out_loads & 1)
+                    out_loads += 1
+                    previous = out_buf.load(mma_layout)
+                    _cta_barrier()  # every thread has read out_buf before any writes it
+                    out_buf.store(previous + acc)
+                    fence_async_shared()
+                    _tma_store(out_desc, [out_row, row_b], out_buf)
+            else:
+                acc = _dequantize(acc, a_scale_ptr, b_scale_ptr, group, row_a, row_b, N, K, mma_layout, BLOCK_M,
+                                  BLOCK_N, A_ROWWISE, B_ROWWISE)
+                tma.store_wait(pendings=0)  # the previous tile's store has read out_buf
+                out_buf.store(acc.to(out_desc.dtype))
+                fence_async_shared()
+                _tma_store(out_desc, [out_row, row_b], out_buf)
+        tma.store_wait(pendings=0)
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(s))
+        if ACCUMULATE:
+            mbarrier.invalidate(out_ready)
+
+
+def shared_layout(block_shape, dtype):
+    """The NVMMA shared-memory layout the kernel's descriptors take for a block of torch ``dtype``
+    (what ``TensorDescriptor.from_tensor`` callers pass: the widest swizzle the block allows)."""
+    import torch
+
+    gl_dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5, torch.bfloat16: gl.bfloat16,
+                torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), gl_dtype)
