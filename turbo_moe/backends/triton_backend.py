@@ -172,7 +172,18 @@ def candidates_for(problem: GroupedGemmProblem) -> Tuple[KernelConfig, ...]:
     if _on_rocm(problem):
         return HIP_ACCUMULATE_CANDIDATES if problem.accumulate else HIP_CANDIDATES[problem.kind]
     candidates = ACCUMULATE_CANDIDATES if problem.accumulate else GPU_CANDIDATES[problem.kind]
-    return tuple(c for c in candidates if not c.gluon or not _gluon_reason(problem, c, problem.out))
+    if not any(c.gluon for c in candidates):
+        return candidates
+    return tuple(c for c in candidates if not c.gluon or not _gluon_reason(problem, c, getattr(problem, "out", None)))
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_device_reason(device: torch.device) -> str:
+    """Empty if ``device`` is an sm_90 GPU (the Gluon kernel's wgmma), else why not."""
+    if device.type != "cuda" or torch.version.hip or not torch.cuda.is_available():
+        return "the Gluon kernel needs an NVIDIA sm_90 GPU (wgmma)"
+    cap = torch.cuda.get_device_capability(device)
+    return "" if cap == (9, 0) else f"the Gluon kernel needs sm_90 (wgmma), not sm_{cap[0]}{cap[1]}"
 
 
 def _gluon_reason(problem: GroupedGemmProblem, config: KernelConfig, out: Optional[torch.Tensor]) -> str:
@@ -182,8 +193,9 @@ def _gluon_reason(problem: GroupedGemmProblem, config: KernelConfig, out: Option
         return "the Gluon kernel is the K-grouped one"
     if not config.tma:
         return "the configuration asks for pointer loads"
-    if problem.device.type != "cuda" or torch.version.hip or torch.cuda.get_device_capability(problem.device) != (9, 0):
-        return "the Gluon kernel needs sm_90 (wgmma)"
+    why = _gluon_device_reason(problem.device)
+    if why:
+        return why
     if problem.promote_accumulation:
         return "the Gluon kernel does not promote the accumulator"
     why = _tma_reason(problem)
