@@ -109,7 +109,8 @@ def test_tma_kernel_bitwise_equal_pointer_kernel(name, kind, lens, monkeypatch):
     problem = _problem(kind, RECIPES[name], lens, n, k, E4M3, torch.Generator().manual_seed(3))
     on_gpu = dataclasses.replace(problem, **{f: getattr(problem, f).cuda() for f in
                                               ("a", "b", "a_scale", "b_scale", "group_offs")})
-    cfg = dataclasses.replace(triton_gemm.default_config(on_gpu), tma=True)  # MXFP8's default: pointers
+    # MXFP8's default: pointers; the Gluon kernel has its own test below.
+    cfg = dataclasses.replace(triton_gemm.default_config(on_gpu), tma=True, gluon=False)
     assert not triton_gemm.tma_declined(on_gpu, cfg)
     outs = []
     for tma in (True, False):
@@ -156,3 +157,33 @@ def test_autograd_triton_matches_torch_backend_and_captures(granularity):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.allclose(y.float(), grads["triton"][0]) and torch.allclose(ww.grad.float(), grads["triton"][2])
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["out", "main_grad"])
+@pytest.mark.parametrize("lens", [[16, 0, 300, 4, 0, 128, 512], [1024], [0, 131, 77, 1, 0, 259, 0, 60, 0]])
+def test_gluon_blockwise_wgrad_bitwise_equal_tma_kernel(lens, accumulate):
+    """The Gluon K-grouped blockwise kernel (sm_90) against the Triton TMA kernel on the same tiles:
+    groups on and off 16-token boundaries (off: each block as five 32-token slices, two ring
+    entries), short last blocks, empty groups (first, middle, last), one token: the same slices
+    and promotions, so the same bits; an fp32 main_grad accumulated into the same way."""
+    from fine_grained_interpreter_cases import _problem
+
+    problem = _problem("k", RECIPES["blockwise"], lens, 256, 264, E5M2, torch.Generator().manual_seed(5),
+                       accumulate=accumulate)
+    on_gpu = dataclasses.replace(problem, **{f: getattr(problem, f).cuda() for f in
+                                              ("a", "b", "a_scale", "b_scale", "group_offs")})
+    cfg = triton_gemm.default_config(on_gpu)
+    if not cfg.gluon:
+        pytest.skip(triton_gemm.gluon_declined(on_gpu, dataclasses.replace(cfg, gluon=True)))
+    outs = []
+    for gluon in (True, False):
+        out = problem.out.cuda() if accumulate else torch.full(problem.out_shape, float("nan"), device="cuda")
+        chosen = dataclasses.replace(cfg, gluon=gluon)
+        assert triton_gemm.plan(dataclasses.replace(on_gpu, out=out), chosen, out).gluon == gluon
+        outs.append(triton_gemm.run(dataclasses.replace(on_gpu, out=out), chosen))
+    assert not torch.isnan(outs[0]).any()
+    same = outs[0].view(torch.int32) == outs[1].view(torch.int32)
+    assert bool(same.all()), f"{int((~same).sum())} elements differ from the TMA kernel"
+    if not accumulate:
+        ref, mag = _reference_and_magnitudes(problem)
+        _assert_within_reference_bound(problem, outs[0].cpu().double(), ref, mag, max(lens))

@@ -374,3 +374,51 @@ def test_tuning_cancels_clock_drift(monkeypatch):
     monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
     assert backend._benchmark(None, None, configs) is configs[2]
     assert len(calls) == 6
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["bf16", "fp32 +="])
+def test_gluon_blockwise_wgrad_compiles_for_hopper(accumulate):
+    """The Gluon K-grouped blockwise kernel compiles for sm_90 on any machine: per warpgroup four
+    K=32 wgmmas for a block on a 16-token boundary, five for one off it; TMA loads and stores;
+    shared memory within Hopper's budget."""
+    import triton
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("compiling needs TRITON_INTERPRET unset")
+    from turbo_moe.kernels.triton import blockwise_gemm_gluon as bg
+    from turbo_moe.kernels.triton import grouped_gemm_gluon as gg
+
+    if gg.GLUON_ERROR:
+        pytest.skip(gg.GLUON_ERROR)
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from turbo_moe.backends.triton_backend import _SHARED_MEMORY_BUDGET
+
+    out_dtype = torch.float32 if accumulate else torch.bfloat16
+
+    def desc(block, dtype):
+        return mangle_type(TensorDescriptor.from_tensor(torch.empty(256, 256, dtype=dtype), block,
+                                                        gg.shared_layout(block, dtype)))
+
+    constexprs = dict(GROUP_M=8, BAND_CYCLIC=False, ACCUMULATE=accumulate, STAGES=4, num_warps=8)
+    signature = {"a_desc": desc([128, 128], torch.float8_e5m2), "b_desc": desc([128, 128], torch.float8_e4m3fn),
+                 "out_desc": desc([128, 128], out_dtype), "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
+                 "group_offs_ptr": "*i64", "N": "i32", "K": "i32", "G": "i32", "stride_san": "i32",
+                 "stride_sas": "i32", "stride_sbk": "i32", "stride_sbs": "i32",
+                 **{name: "constexpr" for name in constexprs}}
+    try:
+        compiled = triton.compile(GluonASTSource(fn=bg.k_grouped_block_scaled_gluon_kernel, signature=signature,
+                                                 constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+    except Exception as exc:
+        if "ptxas" in str(exc).lower() or "cuda" in type(exc).__name__.lower():
+            pytest.skip(f"cannot compile for sm_90 here: {exc}")
+        raise
+    ptx = compiled.asm["ptx"]
+    assert ptx.count("wgmma.mma_async") == 9, ptx.count("wgmma.mma_async")
+    assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx), "no TMA loads"
+    assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx, "no TMA store"
+    assert compiled.metadata.shared <= _SHARED_MEMORY_BUDGET, compiled.metadata.shared

@@ -5,6 +5,7 @@ keyed (``plan``, ``run``; the tensorwise backend's scheme, ``backends/triton_bac
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -14,7 +15,7 @@ import torch
 from ..backends.base import GemmKind
 from ..backends.triton_checks import _tma_reason, _tma_store_ok
 
-__all__ = ["BlockKernelConfig", "plan", "run", "kernels", "tma_declined", "use_dot_scaled"]
+__all__ = ["BlockKernelConfig", "plan", "run", "kernels", "tma_declined", "gluon_declined", "use_dot_scaled"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,10 @@ class BlockKernelConfig:
     tma: bool = True
     # With tma, K-grouped: the output tile leaves through a descriptor where ``out`` allows it.
     tma_store: bool = True
+    # K-grouped blockwise on sm_90: the Gluon kernel (kernels/triton/blockwise_gemm_gluon.py), its
+    # loads running ahead across blocks and tiles; the same bits as the TMA kernel. Where a problem
+    # cannot take it (gluon_declined), the TMA kernel runs.
+    gluon: bool = False
 
 
 # H100 defaults (two warpgroups, 128x128 tiles: DeepGEMM's shape for blockwise), from
@@ -69,6 +74,16 @@ class _Kernels:
         self.m_grouped_tma = lean(blockwise_gemm.m_grouped_block_scaled_tma_kernel)
         self.k_grouped = lean(blockwise_gemm.k_grouped_block_scaled_kernel)
         self.k_grouped_tma = lean(blockwise_gemm.k_grouped_block_scaled_tma_kernel)
+        self._k_grouped_gluon = None
+
+    @property
+    def k_grouped_gluon(self):
+        if self._k_grouped_gluon is None:  # imported on first use: only sm_90 plans launch it
+            from turbo_moe.kernels.triton import blockwise_gemm_gluon
+            from turbo_moe.kernels.triton.launch import lean
+
+            self._k_grouped_gluon = lean(blockwise_gemm_gluon.k_grouped_block_scaled_gluon_kernel)
+        return self._k_grouped_gluon
 
 
 _KERNELS: Optional[_Kernels] = None
@@ -102,7 +117,51 @@ def default_config(problem) -> BlockKernelConfig:
         return BlockKernelConfig(16, 16, 64 if dot_scaled else r.block, group_m=2, num_warps=1, num_stages=1)
     if torch.version.hip:
         return _HIP_DEFAULTS[(r.block, dot_scaled, problem.kind)]
-    return _GPU_DEFAULTS[(r.block, dot_scaled)]
+    config = _GPU_DEFAULTS[(r.block, dot_scaled)]
+    if problem.kind is GemmKind.K_GROUPED:
+        # The Gluon wgrad where it can run. H100, TFLOPS against the TMA kernel, the same bits
+        # (docs/results/h100_fine_grained.md): 128 x 128 tokens per expert 243 / 166, 32 x 512
+        # 437 / 388 (skewed 363 / 290), 8 x 4096 567 / 527 (DeepSeek-V3 fc1) and 574 / 590 (fc2).
+        gluon = dataclasses.replace(config, gluon=True)
+        if not gluon_declined(problem, gluon):
+            return gluon
+    return config
+
+
+def gluon_declined(problem, config: BlockKernelConfig, out: Optional[torch.Tensor] = None) -> str:
+    """Why ``problem`` does not take the Gluon K-grouped blockwise kernel under ``config``; empty
+    when it does. ``out``: the output (None: ``problem.out``, or a fresh contiguous one)."""
+    from ..backends.triton_backend import _SHARED_MEMORY_BUDGET, _gluon_device_reason
+
+    if not config.gluon:
+        return "config.gluon is off"
+    if problem.kind is not GemmKind.K_GROUPED:
+        return "the Gluon kernel is the K-grouped one"
+    r = problem.recipe
+    if r.e8m0 or r.block != 128 or config.block_k != 128:
+        return "the Gluon kernel takes blockwise recipes (128-token blocks, float32 scales)"
+    why = _gluon_device_reason(problem.device) or tma_declined(problem, config)
+    if why:
+        return why
+    _, N, K = problem.mnk
+    if N % config.block_m:
+        return f"N={N} is not a multiple of BLOCK_M={config.block_m} (one [G*N, K] store descriptor)"
+    if problem.num_groups * N >= 2**31:
+        return "TMA coordinates are 32-bit"
+    item = torch.empty((), dtype=problem.out_dtype).element_size()
+    if (K * item) % 16:
+        return "the output's rows must be 16-byte multiples"
+    out = out if out is not None else problem.out
+    if out is not None and not (out.is_contiguous() and _tma_store_ok(out)):
+        return "the output must be contiguous and 16-byte aligned"
+    ring = config.num_stages * (config.block_m + config.block_n) * config.block_k
+    if ring + config.block_m * config.block_n * item > _SHARED_MEMORY_BUDGET:
+        return "its ring and store tile do not fit in shared memory"
+    if config.num_stages < 3:
+        return "a block off a 16-token boundary takes two ring entries: 3 stages at least"
+    from turbo_moe.kernels.triton import blockwise_gemm_gluon
+
+    return blockwise_gemm_gluon.GLUON_ERROR
 
 
 def _num_programs_limit(problem) -> int:
@@ -152,6 +211,7 @@ class _BlockPlan:
     geometry: tuple  # (shape, strides, block shape) per descriptor slot: a, b[, a narrow, b narrow, out]
     int_args: tuple  # the kernel's integer arguments after its tensors
     constexprs: dict
+    gluon: bool = False  # the Gluon kernel: geometry a, b, out (one [G*N, K] matrix), each with its layout
 
     def launch(self, problem, out: torch.Tensor) -> None:
         from turbo_moe.kernels.triton.launch import HostDesc
@@ -164,6 +224,13 @@ class _BlockPlan:
             launcher.launch_keyed(self.grid, key, a, b, out, sa, sb, offs, *self.int_args, **self.constexprs)
             return
         geometry, plan, a_ptr, b_ptr = self.geometry, self.key, a.data_ptr(), b.data_ptr()
+        if self.gluon:
+            (a_geo, b_geo, out_geo) = geometry
+            launcher.launch_keyed(self.grid, key, HostDesc(a, *a_geo[:3], (plan, 0, a_ptr), a_geo[3]),
+                                  HostDesc(b, *b_geo[:3], (plan, 1, b_ptr), b_geo[3]),
+                                  HostDesc(out, *out_geo[:3], (plan, 2, out.data_ptr()), out_geo[3]),
+                                  sa, sb, offs, *self.int_args, **self.constexprs)
+            return
         a_desc = HostDesc(a, *geometry[0], (plan, 0, a_ptr))
         b_desc = HostDesc(b, *geometry[1], (plan, 1, b_ptr))
         if problem.kind is GemmKind.M_GROUPED:
@@ -199,6 +266,21 @@ def plan(problem, config: Optional[BlockKernelConfig] = None, out: Optional[torc
     G = problem.num_groups
     limit = _num_programs_limit(problem)
     extra = {} if k.interpreting else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.gluon and gluon_declined(problem, cfg, None if out.device.type == "meta" else out):
+        cfg = dataclasses.replace(cfg, gluon=False)
+    if cfg.gluon:
+        from turbo_moe.kernels.triton.grouped_gemm_gluon import shared_layout
+
+        bm, bn = cfg.block_m, cfg.block_n
+        geometry = (([N, M], [a.stride(0), 1], [bm, r.block], shared_layout([bm, r.block], a.dtype)),
+                    ([K, M], [b.stride(0), 1], [bn, r.block], shared_layout([bn, r.block], b.dtype)),
+                    ([G * N, K], [K, 1], [bm, bn], shared_layout([bm, bn], problem.out_dtype)))
+        tiles = ts.k_grouped_total_tiles(G, ts.cdiv(N, bm), ts.cdiv(K, bn))
+        constexprs = dict(GROUP_M=cfg.group_m, BAND_CYCLIC=cfg.band_cyclic, ACCUMULATE=problem.accumulate,
+                          STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+        return _BlockPlan(next(_PLAN_IDS), "k_grouped_gluon", (ts.persistent_grid_size(tiles, limit),), True, True,
+                          geometry, (N, K, G, sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1)), constexprs,
+                          gluon=True)
     tma = not tma_declined(problem, cfg)
     tma_store = False
     if problem.kind is GemmKind.M_GROUPED:
