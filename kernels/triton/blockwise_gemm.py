@@ -20,7 +20,8 @@ promotion loop's operands through TMA descriptors (Hopper+; ``turbo_moe.fine_gra
 .tma_declined`` says when not), the other kernels through pointers. The promotion's synchronous
 wgmma leaves no slack for the loads: through pointers fwd/dgrad ran at 0.27-0.47x the tensorwise
 kernels and wgrad at 0.14-0.23x, through TMA at 0.67-0.79x and 0.40-0.50x (H100,
-docs/results/h100_fine_grained.md).
+docs/results/h100_fine_grained.md). On sm_90 the K-grouped blockwise wgrad is the Gluon kernel of
+``blockwise_gemm_gluon`` (loads ahead across blocks and tiles, the same bits).
 
 Tile walk: the shared scheduler (``tile_scheduler`` via ``.scheduler``) and the M-grouped cursor
 of ``grouped_gemm`` -- one scheduler for every kernel. Offsets are read on the device only
