@@ -297,56 +297,70 @@ def test_describe_tuned_reads_the_shape_class_it_was_given():
                      "k_grouped N=256 K=128 M~2^9 rows/group~2^7 -> 128x256x128 gm8 w8 s4"], lines
 
 
-@pytest.mark.parametrize("case", ["bf16 tensorwise 128x256 s3", "fp32 += rowwise 128x128 s4"])
-def test_gluon_wgrad_compiles_for_hopper(case):
-    """The Gluon K-grouped kernel (each GPU candidate's shape) compiles for sm_90 on any machine:
-    wgmma from shared memory (the full box and the 32-token slices), TMA loads and stores, an
-    mbarrier ring, and shared memory within Hopper's budget (which the backend's fit check uses)."""
+def _compile_gluon_for_hopper(kernel_name: str, descriptors: dict, scalars: dict, constexprs: dict):
+    """``kernel_name`` of the Gluon modules compiled for sm_90 (no GPU needed): descriptors
+    {name: (block shape, torch dtype)}, scalars {name: Triton type}. Skips where Gluon or the
+    CUDA backend is missing."""
     import triton
 
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("compiling needs TRITON_INTERPRET unset")
-    from turbo_moe.kernels.triton import grouped_gemm_gluon as gg
+    from turbo_moe.kernels.triton import blockwise_gemm_gluon, grouped_gemm_gluon
 
-    if gg.GLUON_ERROR:
-        pytest.skip(gg.GLUON_ERROR)
+    if grouped_gemm_gluon.GLUON_ERROR:
+        pytest.skip(grouped_gemm_gluon.GLUON_ERROR)
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
-    from turbo_moe.backends.triton_backend import _SHARED_MEMORY_BUDGET
-
-    accumulate = case.startswith("fp32")
-    bm, bn, bk, stages = (128, 128, 128, 4) if accumulate else (128, 256, 128, 3)
-    out_dtype = torch.float32 if accumulate else torch.bfloat16
-
-    def desc(rows, block, dtype):
-        return mangle_type(TensorDescriptor.from_tensor(torch.empty(rows, 256, dtype=dtype), block,
-                                                        gg.shared_layout(block, dtype)))
-
-    constexprs = dict(A_ROWWISE=accumulate, B_ROWWISE=accumulate, GROUP_M=8, BAND_CYCLIC=False, ACCUMULATE=accumulate,
-                      STAGES=stages, num_warps=8)
-    signature = {"a_desc": desc(256, [bm, bk], torch.float8_e5m2), "b_desc": desc(256, [bn, bk], torch.float8_e4m3fn),
-                 "out_desc": desc(256, [bm, bn], out_dtype), "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
-                 "group_offs_ptr": "*i64", "N": "i32", "K": "i32", "G": "i32",
-                 **{name: "constexpr" for name in constexprs}}
+    signature = {name: mangle_type(TensorDescriptor.from_tensor(torch.empty(256, 256, dtype=dtype), block,
+                                                                grouped_gemm_gluon.shared_layout(block, dtype)))
+                 for name, (block, dtype) in descriptors.items()}
+    signature.update(scalars)
+    signature.update({name: "constexpr" for name in constexprs})
+    kernel = getattr(grouped_gemm_gluon, kernel_name, None) or getattr(blockwise_gemm_gluon, kernel_name)
     try:
-        compiled = triton.compile(GluonASTSource(fn=gg.k_grouped_gemm_gluon_kernel, signature=signature,
-                                                 constexprs=constexprs),
-                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+        return triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=constexprs["num_warps"]))
     except Exception as exc:
         if "ptxas" in str(exc).lower() or "cuda" in type(exc).__name__.lower():
             pytest.skip(f"cannot compile for sm_90 here: {exc}")
         raise
+
+
+def _assert_gluon_wgrad_ptx(compiled, wgmmas: int) -> None:
+    """wgmmas from shared memory, TMA loads and stores, an mbarrier ring, shared memory within
+    Hopper's budget (which the backends' fit checks use)."""
+    from turbo_moe.backends.triton_backend import _SHARED_MEMORY_BUDGET
+
     ptx = compiled.asm["ptx"]
-    # 8 warps: per warpgroup, 4 K=32 wgmmas for a full box and 4 for the sliced box.
-    assert ptx.count("wgmma.mma_async") == 8, ptx.count("wgmma.mma_async")
+    assert ptx.count("wgmma.mma_async") == wgmmas, ptx.count("wgmma.mma_async")
     # The TMA copies' spelling differs between PTX versions (shared::cluster / shared::cta).
     assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx), "no TMA loads"
     assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx, "no TMA store"
     assert "mbarrier.try_wait" in ptx
     assert compiled.metadata.shared <= _SHARED_MEMORY_BUDGET, compiled.metadata.shared
+
+
+_GLUON_SCALARS = {"a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "group_offs_ptr": "*i64", "N": "i32", "K": "i32",
+                  "G": "i32"}
+
+
+@pytest.mark.parametrize("case", ["bf16 tensorwise 128x256 s3", "fp32 += rowwise 128x128 s4"])
+def test_gluon_wgrad_compiles_for_hopper(case):
+    """The Gluon K-grouped kernel, each GPU candidate's shape, compiles for sm_90 on any machine.
+    8 warps: per warpgroup four K=32 wgmmas for a full box and four for the sliced box."""
+    accumulate = case.startswith("fp32")
+    bm, bn, bk, stages = (128, 128, 128, 4) if accumulate else (128, 256, 128, 3)
+    out_dtype = torch.float32 if accumulate else torch.bfloat16
+    compiled = _compile_gluon_for_hopper(
+        "k_grouped_gemm_gluon_kernel",
+        {"a_desc": ([bm, bk], torch.float8_e5m2), "b_desc": ([bn, bk], torch.float8_e4m3fn),
+         "out_desc": ([bm, bn], out_dtype)}, _GLUON_SCALARS,
+        dict(A_ROWWISE=accumulate, B_ROWWISE=accumulate, GROUP_M=8, BAND_CYCLIC=False, ACCUMULATE=accumulate,
+             STAGES=stages, num_warps=8))
+    _assert_gluon_wgrad_ptx(compiled, wgmmas=8)
 
 
 def test_tuning_cancels_clock_drift(monkeypatch):
@@ -379,46 +393,11 @@ def test_tuning_cancels_clock_drift(monkeypatch):
 @pytest.mark.parametrize("accumulate", [False, True], ids=["bf16", "fp32 +="])
 def test_gluon_blockwise_wgrad_compiles_for_hopper(accumulate):
     """The Gluon K-grouped blockwise kernel compiles for sm_90 on any machine: per warpgroup four
-    K=32 wgmmas for a block on a 16-token boundary, five for one off it; TMA loads and stores;
-    shared memory within Hopper's budget."""
-    import triton
-
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        pytest.skip("compiling needs TRITON_INTERPRET unset")
-    from turbo_moe.kernels.triton import blockwise_gemm_gluon as bg
-    from turbo_moe.kernels.triton import grouped_gemm_gluon as gg
-
-    if gg.GLUON_ERROR:
-        pytest.skip(gg.GLUON_ERROR)
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.runtime.jit import mangle_type
-
-    from turbo_moe.backends.triton_backend import _SHARED_MEMORY_BUDGET
-
-    out_dtype = torch.float32 if accumulate else torch.bfloat16
-
-    def desc(block, dtype):
-        return mangle_type(TensorDescriptor.from_tensor(torch.empty(256, 256, dtype=dtype), block,
-                                                        gg.shared_layout(block, dtype)))
-
-    constexprs = dict(GROUP_M=8, BAND_CYCLIC=False, ACCUMULATE=accumulate, STAGES=4, num_warps=8)
-    signature = {"a_desc": desc([128, 128], torch.float8_e5m2), "b_desc": desc([128, 128], torch.float8_e4m3fn),
-                 "out_desc": desc([128, 128], out_dtype), "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
-                 "group_offs_ptr": "*i64", "N": "i32", "K": "i32", "G": "i32", "stride_san": "i32",
-                 "stride_sas": "i32", "stride_sbk": "i32", "stride_sbs": "i32",
-                 **{name: "constexpr" for name in constexprs}}
-    try:
-        compiled = triton.compile(GluonASTSource(fn=bg.k_grouped_block_scaled_gluon_kernel, signature=signature,
-                                                 constexprs=constexprs),
-                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
-    except Exception as exc:
-        if "ptxas" in str(exc).lower() or "cuda" in type(exc).__name__.lower():
-            pytest.skip(f"cannot compile for sm_90 here: {exc}")
-        raise
-    ptx = compiled.asm["ptx"]
-    assert ptx.count("wgmma.mma_async") == 9, ptx.count("wgmma.mma_async")
-    assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx), "no TMA loads"
-    assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx, "no TMA store"
-    assert compiled.metadata.shared <= _SHARED_MEMORY_BUDGET, compiled.metadata.shared
+    K=32 wgmmas for a block on a 16-token boundary, five for one off it."""
+    compiled = _compile_gluon_for_hopper(
+        "k_grouped_block_scaled_gluon_kernel",
+        {"a_desc": ([128, 128], torch.float8_e5m2), "b_desc": ([128, 128], torch.float8_e4m3fn),
+         "out_desc": ([128, 128], torch.float32 if accumulate else torch.bfloat16)},
+        {**_GLUON_SCALARS, **{name: "i32" for name in ("stride_san", "stride_sas", "stride_sbk", "stride_sbs")}},
+        dict(GROUP_M=8, BAND_CYCLIC=False, ACCUMULATE=accumulate, STAGES=4, num_warps=8))
+    _assert_gluon_wgrad_ptx(compiled, wgmmas=9)

@@ -37,11 +37,11 @@ from .grouped_gemm_gluon import GLUON_ERROR, gluon  # noqa: F401 (GLUON_ERROR: w
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from . import scheduler as S
-    from .grouped_gemm_gluon import _cta_barrier, _tma_load, _tma_store, _zero_other_groups
+    from .grouped_gemm_gluon import (_allocate, _cta_barrier, _group_tile, _load_slot, _release, _store_tile,
+                                     _zero_other_groups)
 
     @gluon.jit
     def _block_tile_of(i, pid, num_programs, G, num_m_blocks, num_n_blocks, group_offs_ptr, BLOCK_M: gl.constexpr,
@@ -49,13 +49,8 @@ if gluon is not None:
                        BAND_CYCLIC: gl.constexpr):
         """This program's i-th tile: (group, first row of a, first row of b, lo, hi, blocks, ring
         entries per block: 1 for a group starting on a 16-token boundary, else 2)."""
-        tile = pid + i * num_programs
-        if BAND_CYCLIC:
-            group, m_block, n_block = S.k_grouped_band_cyclic(tile, G, num_m_blocks, num_n_blocks, GROUP_M)
-        else:
-            group, m_block, n_block = S.k_grouped_group_major(tile, G, num_m_blocks, num_n_blocks, GROUP_M)
-        lo = gl.load(group_offs_ptr + group).to(gl.int32)
-        hi = gl.load(group_offs_ptr + group + 1).to(gl.int32)
+        group, m_block, n_block, lo, hi = _group_tile(i, pid, num_programs, G, num_m_blocks, num_n_blocks,
+                                                      group_offs_ptr, GROUP_M, BAND_CYCLIC)
         blocks = gl.where(hi > lo, (hi - lo + SCALE_BLOCK - 1) // SCALE_BLOCK, 0)
         per_block = gl.where(lo % 16 == 0, 1, 2)
         return group, m_block * BLOCK_M, n_block * BLOCK_N, lo, hi, blocks, per_block
@@ -76,13 +71,10 @@ if gluon is not None:
                     SCALE_BLOCK, GROUP_M, BAND_CYCLIC)
                 p_entries = blocks * p_per
         if p_i < my_tiles:
-            slot = issued % STAGES
-            mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
             block_token = p_lo + gl.where(p_per == 1, p_k, p_k // 2) * SCALE_BLOCK
             # Aligned: the block's first token. Off 16: that token rounded down to 16, then the box after it.
             token = gl.where(p_per == 1, block_token, block_token // 16 * 16 + (p_k % 2) * SCALE_BLOCK)
-            _tma_load(a_desc, [p_row_a, token], ready.index(slot), a_bufs.index(slot))
-            _tma_load(b_desc, [p_row_b, token], ready.index(slot), b_bufs.index(slot))
+            _load_slot(a_desc, b_desc, a_bufs, b_bufs, ready, issued % STAGES, p_row_a, p_row_b, token)
             p_k += 1
             issued += 1
         return issued, p_i, p_k, p_lo, p_entries, p_per, p_row_a, p_row_b
@@ -112,15 +104,7 @@ if gluon is not None:
                                                              instr_shape=[16, BLOCK_N, 32])
         mask_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8],
                                                      warps_per_cta=[num_warps, 1], order=[1, 0])
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, SCALE_BLOCK], a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, SCALE_BLOCK], b_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-        out_buf = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
-        if ACCUMULATE:
-            out_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            mbarrier.init(out_ready, count=1)
+        a_bufs, b_bufs, ready, out_buf, out_ready = _allocate(a_desc, b_desc, out_desc, STAGES)
         out_loads = pid * 0
         rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
@@ -198,26 +182,6 @@ if gluon is not None:
                         p_row_b, my_tiles, pid, num_programs, G, num_m_blocks, num_n_blocks, group_offs_ptr, BLOCK_M,
                         BLOCK_N, SCALE_BLOCK, GROUP_M, BAND_CYCLIC, STAGES)
                 acc += block * (sa[:, None] * sb[None, :])
-            out_row = group * N + row_a
-            if ACCUMULATE:
-                if hi > lo:
-                    tma.store_wait(pendings=0)  # the previous tile's store has read out_buf
-                    mbarrier.expect(out_ready, out_desc.block_type.nbytes)
-                    _tma_load(out_desc, [out_row, row_b], out_ready, out_buf)
-                    mbarrier.wait(out_ready, out_loads & 1)
-                    out_loads += 1
-                    previous = out_buf.load(mma_layout)
-                    _cta_barrier()  # every thread has read out_buf before any writes it
-                    out_buf.store(previous + acc)
-                    fence_async_shared()
-                    _tma_store(out_desc, [out_row, row_b], out_buf)
-            else:
-                tma.store_wait(pendings=0)
-                out_buf.store(acc.to(out_desc.dtype))
-                fence_async_shared()
-                _tma_store(out_desc, [out_row, row_b], out_buf)
-        tma.store_wait(pendings=0)
-        for s in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(s))
-        if ACCUMULATE:
-            mbarrier.invalidate(out_ready)
+            out_loads = _store_tile(acc, out_desc, out_buf, out_ready, out_loads, group * N + row_a, row_b, hi > lo,
+                                    mma_layout, ACCUMULATE)
+        _release(ready, out_ready, STAGES)

@@ -58,10 +58,10 @@ if gluon is not None:
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
     @gluon.jit
-    def _tile_of(i, pid, num_programs, G, num_m_blocks, num_n_blocks, group_offs_ptr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, BAND_CYCLIC: gl.constexpr):
-        """This program's i-th tile: (group, first row of a, first row of b, lo, hi, first box's
-        token, boxes). An empty group (or one whose offsets are out of order) has no boxes."""
+    def _group_tile(i, pid, num_programs, G, num_m_blocks, num_n_blocks, group_offs_ptr, GROUP_M: gl.constexpr,
+                    BAND_CYCLIC: gl.constexpr):
+        """This program's i-th tile in the shared scheduler's K-grouped order: (group, m_block,
+        n_block, the group's first token lo, its end hi)."""
         tile = pid + i * num_programs
         if BAND_CYCLIC:
             group, m_block, n_block = S.k_grouped_band_cyclic(tile, G, num_m_blocks, num_n_blocks, GROUP_M)
@@ -69,6 +69,22 @@ if gluon is not None:
             group, m_block, n_block = S.k_grouped_group_major(tile, G, num_m_blocks, num_n_blocks, GROUP_M)
         lo = gl.load(group_offs_ptr + group).to(gl.int32)
         hi = gl.load(group_offs_ptr + group + 1).to(gl.int32)
+        return group, m_block, n_block, lo, hi
+
+    @gluon.jit
+    def _load_slot(a_desc, b_desc, a_bufs, b_bufs, ready, slot, row_a, row_b, token):
+        """Both operands' boxes at ``token`` into ring slot ``slot``, completing on its barrier."""
+        mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        _tma_load(a_desc, [row_a, token], ready.index(slot), a_bufs.index(slot))
+        _tma_load(b_desc, [row_b, token], ready.index(slot), b_bufs.index(slot))
+
+    @gluon.jit
+    def _tile_of(i, pid, num_programs, G, num_m_blocks, num_n_blocks, group_offs_ptr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, BAND_CYCLIC: gl.constexpr):
+        """This program's i-th tile: (group, first row of a, first row of b, lo, hi, first box's
+        token, boxes). An empty group (or one whose offsets are out of order) has no boxes."""
+        group, m_block, n_block, lo, hi = _group_tile(i, pid, num_programs, G, num_m_blocks, num_n_blocks,
+                                                      group_offs_ptr, GROUP_M, BAND_CYCLIC)
         start = lo // 16 * 16
         boxes = gl.where(hi > lo, (hi - start + BLOCK_K - 1) // BLOCK_K, 0)
         return group, m_block * BLOCK_M, n_block * BLOCK_N, lo, hi, start, boxes
@@ -89,11 +105,8 @@ if gluon is not None:
                     p_i, pid, num_programs, G, num_m_blocks, num_n_blocks, group_offs_ptr, BLOCK_M, BLOCK_N,
                     BLOCK_K, GROUP_M, BAND_CYCLIC)
         if p_i < my_tiles:
-            slot = issued % STAGES
-            mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            token = p_start + p_box * BLOCK_K
-            _tma_load(a_desc, [p_row_a, token], ready.index(slot), a_bufs.index(slot))
-            _tma_load(b_desc, [p_row_b, token], ready.index(slot), b_bufs.index(slot))
+            _load_slot(a_desc, b_desc, a_bufs, b_bufs, ready, issued % STAGES, p_row_a, p_row_b,
+                       p_start + p_box * BLOCK_K)
             p_box += 1
             issued += 1
         return issued, p_i, p_box, p_start, p_boxes, p_row_a, p_row_b
@@ -125,6 +138,54 @@ if gluon is not None:
         return acc
 
     @gluon.jit
+    def _allocate(a_desc, b_desc, out_desc, STAGES: gl.constexpr):
+        """Shared memory of a Gluon wgrad: the operands' ring of STAGES boxes with a barrier a slot,
+        the output tile, and the barrier of the output tile's reads (ACCUMULATE)."""
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+        out_buf = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+        out_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(out_ready, count=1)
+        return a_bufs, b_bufs, ready, out_buf, out_ready
+
+    @gluon.jit
+    def _store_tile(tile, out_desc, out_buf, out_ready, out_loads, out_row, row_b, has_tokens,
+                    mma_layout: gl.constexpr, ACCUMULATE: gl.constexpr):
+        """The finished float32 tile to out[out_row:, row_b:] through the copy engine (which clips
+        columns past K); ACCUMULATE: added to what is there, and a tile without tokens neither read
+        nor written (adding +0.0 would turn -0.0 into +0.0). The store is waited for only when
+        out_buf is written again, one tile later. Returns the count of out_ready's loads."""
+        if ACCUMULATE:
+            if has_tokens:
+                tma.store_wait(pendings=0)  # the previous tile's store has read out_buf
+                mbarrier.expect(out_ready, out_desc.block_type.nbytes)
+                _tma_load(out_desc, [out_row, row_b], out_ready, out_buf)
+                mbarrier.wait(out_ready, out_loads & 1)
+                out_loads += 1
+                previous = out_buf.load(mma_layout)
+                _cta_barrier()  # every thread has read out_buf before any writes it
+                out_buf.store(previous + tile)
+                fence_async_shared()
+                _tma_store(out_desc, [out_row, row_b], out_buf)
+        else:
+            tma.store_wait(pendings=0)  # the previous tile's store has read out_buf
+            out_buf.store(tile.to(out_desc.dtype))
+            fence_async_shared()
+            _tma_store(out_desc, [out_row, row_b], out_buf)
+        return out_loads
+
+    @gluon.jit
+    def _release(ready, out_ready, STAGES: gl.constexpr):
+        """The kernel's end: its last store read, its barriers invalidated."""
+        tma.store_wait(pendings=0)
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(out_ready)
+
+    @gluon.jit
     def k_grouped_gemm_gluon_kernel(
         a_desc, b_desc, out_desc, a_scale_ptr, b_scale_ptr, group_offs_ptr, N, K, G,
         A_ROWWISE: gl.constexpr, B_ROWWISE: gl.constexpr, GROUP_M: gl.constexpr, BAND_CYCLIC: gl.constexpr,
@@ -150,15 +211,7 @@ if gluon is not None:
         # A [rows, 32] FP8 slice in registers: 16 contiguous tokens a thread.
         mask_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[16, 2],
                                                      warps_per_cta=[num_warps, 1], order=[1, 0])
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-        out_buf = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
-        if ACCUMULATE:
-            out_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            mbarrier.init(out_ready, count=1)
+        a_bufs, b_bufs, ready, out_buf, out_ready = _allocate(a_desc, b_desc, out_desc, STAGES)
         out_loads = pid * 0
 
         # The producer cursor starts past a virtual tile -1 without boxes.
@@ -218,33 +271,11 @@ if gluon is not None:
                     my_tiles, pid, num_programs, G, num_m_blocks, num_n_blocks, group_offs_ptr, BLOCK_M, BLOCK_N,
                     BLOCK_K, GROUP_M, BAND_CYCLIC, STAGES)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            out_row = group * N + row_a
-            if ACCUMULATE:
-                if hi > lo:
-                    acc = _dequantize(acc, a_scale_ptr, b_scale_ptr, group, row_a, row_b, N, K, mma_layout, BLOCK_M,
-                                      BLOCK_N, A_ROWWISE, B_ROWWISE)
-                    tma.store_wait(pendings=0)  # the previous tile's store has read out_buf
-                    mbarrier.expect(out_ready, out_desc.block_type.nbytes)
-                    _tma_load(out_desc, [out_row, row_b], out_ready, out_buf)
-                    mbarrier.wait(out_ready, out_loads & 1)
-                    out_loads += 1
-                    previous = out_buf.load(mma_layout)
-                    _cta_barrier()  # every thread has read out_buf before any writes it
-                    out_buf.store(previous + acc)
-                    fence_async_shared()
-                    _tma_store(out_desc, [out_row, row_b], out_buf)
-            else:
-                acc = _dequantize(acc, a_scale_ptr, b_scale_ptr, group, row_a, row_b, N, K, mma_layout, BLOCK_M,
-                                  BLOCK_N, A_ROWWISE, B_ROWWISE)
-                tma.store_wait(pendings=0)  # the previous tile's store has read out_buf
-                out_buf.store(acc.to(out_desc.dtype))
-                fence_async_shared()
-                _tma_store(out_desc, [out_row, row_b], out_buf)
-        tma.store_wait(pendings=0)
-        for s in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(s))
-        if ACCUMULATE:
-            mbarrier.invalidate(out_ready)
+            acc = _dequantize(acc, a_scale_ptr, b_scale_ptr, group, row_a, row_b, N, K, mma_layout, BLOCK_M, BLOCK_N,
+                              A_ROWWISE, B_ROWWISE)
+            out_loads = _store_tile(acc, out_desc, out_buf, out_ready, out_loads, group * N + row_a, row_b, hi > lo,
+                                    mma_layout, ACCUMULATE)
+        _release(ready, out_ready, STAGES)
 
 
 def shared_layout(block_shape, dtype):

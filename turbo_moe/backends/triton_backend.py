@@ -177,6 +177,26 @@ def candidates_for(problem: GroupedGemmProblem) -> Tuple[KernelConfig, ...]:
     return tuple(c for c in candidates if not c.gluon or not _gluon_reason(problem, c, getattr(problem, "out", None)))
 
 
+def gluon_output_reason(problem, config, out: Optional[torch.Tensor]) -> str:
+    """Empty if a Gluon K-grouped kernel (tensorwise or blockwise) can store ``problem``'s output
+    (``out``, or a fresh contiguous one when None) under ``config``: one [G*N, K] store descriptor,
+    and its operand ring plus the store tile within shared memory."""
+    _, N, K = problem.mnk
+    if N % config.block_m:
+        return f"N={N} is not a multiple of the Gluon kernel's BLOCK_M={config.block_m} (one [G*N, K] store descriptor)"
+    if problem.num_groups * N >= 2**31:
+        return "TMA coordinates are 32-bit"
+    item = torch.empty((), dtype=problem.out_dtype).element_size()
+    if problem.out_dtype not in (torch.bfloat16, torch.float16, torch.float32) or (K * item) % 16:
+        return "the output needs a 16-byte row stride and a 16/32-bit float dtype"
+    if out is not None and not (out.is_contiguous() and _tma_store_ok(out)):
+        return "the output must be contiguous and 16-byte aligned"
+    operands = config.num_stages * (config.block_m + config.block_n) * config.block_k
+    if operands + config.block_m * config.block_n * item > _SHARED_MEMORY_BUDGET:
+        return "its ring and store tile do not fit in shared memory"
+    return ""
+
+
 @functools.lru_cache(maxsize=None)
 def _gluon_device_reason(device: torch.device) -> str:
     """Empty if ``device`` is an sm_90 GPU (the Gluon kernel's wgmma), else why not."""
@@ -201,19 +221,9 @@ def _gluon_reason(problem: GroupedGemmProblem, config: KernelConfig, out: Option
     why = _tma_reason(problem)
     if why:
         return why
-    _, N, K = problem.mnk
-    if N % config.block_m:
-        return f"N={N} is not a multiple of the Gluon kernel's BLOCK_M={config.block_m} (one [G*N, K] store descriptor)"
-    if problem.num_groups * N >= 2**31:
-        return "TMA coordinates are 32-bit"
-    item = torch.empty((), dtype=problem.out_dtype).element_size()
-    if problem.out_dtype not in (torch.bfloat16, torch.float16, torch.float32) or (K * item) % 16:
-        return "the output needs a 16-byte row stride and a 16/32-bit float dtype"
-    if out is not None and not (out.is_contiguous() and _tma_store_ok(out)):
-        return "the output must be contiguous and 16-byte aligned"
-    operands = config.num_stages * (config.block_m + config.block_n) * config.block_k
-    if operands + config.block_m * config.block_n * item > _SHARED_MEMORY_BUDGET:
-        return "its ring and store tile do not fit in shared memory"
+    why = gluon_output_reason(problem, config, out)
+    if why:
+        return why
     from turbo_moe.kernels.triton import grouped_gemm_gluon
 
     return grouped_gemm_gluon.GLUON_ERROR
@@ -237,16 +247,12 @@ class _Kernels:
         for name in ("m_grouped_gemm_kernel", "m_grouped_gemm_tma_kernel", "k_grouped_gemm_kernel",
                      "k_grouped_gemm_tma_kernel"):
             setattr(self, name, lean(getattr(module, name)))
-        self._gluon = None
 
-    @property
-    def k_grouped_gemm_gluon_kernel(self):
-        if self._gluon is None:  # imported on first use: only sm_90 plans launch it
-            from turbo_moe.kernels.triton import grouped_gemm_gluon
-            from turbo_moe.kernels.triton.launch import lean
+    @functools.cached_property
+    def k_grouped_gemm_gluon_kernel(self):  # imported on first use: only sm_90 plans launch it
+        from turbo_moe.kernels.triton import grouped_gemm_gluon, launch
 
-            self._gluon = lean(grouped_gemm_gluon.k_grouped_gemm_gluon_kernel)
-        return self._gluon
+        return launch.lean(grouped_gemm_gluon.k_grouped_gemm_gluon_kernel)
 
 
 def _kernels():

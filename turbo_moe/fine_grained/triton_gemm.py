@@ -6,6 +6,7 @@ keyed (``plan``, ``run``; the tensorwise backend's scheme, ``backends/triton_bac
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -74,16 +75,12 @@ class _Kernels:
         self.m_grouped_tma = lean(blockwise_gemm.m_grouped_block_scaled_tma_kernel)
         self.k_grouped = lean(blockwise_gemm.k_grouped_block_scaled_kernel)
         self.k_grouped_tma = lean(blockwise_gemm.k_grouped_block_scaled_tma_kernel)
-        self._k_grouped_gluon = None
 
-    @property
-    def k_grouped_gluon(self):
-        if self._k_grouped_gluon is None:  # imported on first use: only sm_90 plans launch it
-            from turbo_moe.kernels.triton import blockwise_gemm_gluon
-            from turbo_moe.kernels.triton.launch import lean
+    @functools.cached_property
+    def k_grouped_gluon(self):  # imported on first use: only sm_90 plans launch it
+        from turbo_moe.kernels.triton import blockwise_gemm_gluon, launch
 
-            self._k_grouped_gluon = lean(blockwise_gemm_gluon.k_grouped_block_scaled_gluon_kernel)
-        return self._k_grouped_gluon
+        return launch.lean(blockwise_gemm_gluon.k_grouped_block_scaled_gluon_kernel)
 
 
 _KERNELS: Optional[_Kernels] = None
@@ -131,7 +128,7 @@ def default_config(problem) -> BlockKernelConfig:
 def gluon_declined(problem, config: BlockKernelConfig, out: Optional[torch.Tensor] = None) -> str:
     """Why ``problem`` does not take the Gluon K-grouped blockwise kernel under ``config``; empty
     when it does. ``out``: the output (None: ``problem.out``, or a fresh contiguous one)."""
-    from ..backends.triton_backend import _SHARED_MEMORY_BUDGET, _gluon_device_reason
+    from ..backends.triton_backend import _gluon_device_reason, gluon_output_reason
 
     if not config.gluon:
         return "config.gluon is off"
@@ -143,20 +140,9 @@ def gluon_declined(problem, config: BlockKernelConfig, out: Optional[torch.Tenso
     why = _gluon_device_reason(problem.device) or tma_declined(problem, config)
     if why:
         return why
-    _, N, K = problem.mnk
-    if N % config.block_m:
-        return f"N={N} is not a multiple of BLOCK_M={config.block_m} (one [G*N, K] store descriptor)"
-    if problem.num_groups * N >= 2**31:
-        return "TMA coordinates are 32-bit"
-    item = torch.empty((), dtype=problem.out_dtype).element_size()
-    if (K * item) % 16:
-        return "the output's rows must be 16-byte multiples"
-    out = out if out is not None else problem.out
-    if out is not None and not (out.is_contiguous() and _tma_store_ok(out)):
-        return "the output must be contiguous and 16-byte aligned"
-    ring = config.num_stages * (config.block_m + config.block_n) * config.block_k
-    if ring + config.block_m * config.block_n * item > _SHARED_MEMORY_BUDGET:
-        return "its ring and store tile do not fit in shared memory"
+    why = gluon_output_reason(problem, config, out if out is not None else problem.out)
+    if why:
+        return why
     if config.num_stages < 3:
         return "a block off a 16-token boundary takes two ring entries: 3 stages at least"
     from turbo_moe.kernels.triton import blockwise_gemm_gluon
