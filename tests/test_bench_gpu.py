@@ -145,14 +145,16 @@ def test_gpu_time_breakdown_names_every_turbo_kernel(granularity):
     (none of turbo_moe's Triton kernels lands in "other"), and the three GEMMs are there."""
     from torch.profiler import ProfilerActivity, profile
 
-    from kernels.triton import amax_history, blockwise_cast, blockwise_gemm, fp8_cast, grouped_gemm, group_offsets
+    from kernels.triton import (amax_history, blockwise_cast, blockwise_gemm, blockwise_gemm_gluon, fp8_cast,
+                                grouped_gemm, grouped_gemm_gluon, group_offsets)
 
     _, step = _turbo_step(granularity)
     split = step_metrics.gpu_time_breakdown(step)
     assert split["gemm_launches"] >= 3 and split["quant_launches"] >= 2, split
     assert 0 < split["quant_share"] < 1 and split["gemm_ms"] > 0, split
     assert split["total_ms"] == pytest.approx(split["quant_ms"] + split["gemm_ms"] + split["other_ms"])
-    ours = {n for mod in (fp8_cast, blockwise_cast, group_offsets, grouped_gemm, blockwise_gemm, amax_history)
+    ours = {n for mod in (fp8_cast, blockwise_cast, group_offsets, grouped_gemm, blockwise_gemm, amax_history,
+                          grouped_gemm_gluon, blockwise_gemm_gluon)
             for n in dir(mod) if n.endswith("_kernel")}
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -124,9 +124,10 @@ QUANT_KERNELS = (
     "resolve_group_offs_kernel", "fp8_cast_delayed_kernel",
     "block_cast_rows_kernel", "block_cast_weight_kernel", "block_cast_tokens_kernel",
 )
-# GEMM kernels: turbo_moe's Triton grouped GEMMs (kernels/triton/grouped_gemm.py, blockwise_gemm.py)
-# and the library GEMMs of the peers and of torch (CUTLASS, cuBLAS/cuBLASLt incl. Hopper's nvjet).
-_GEMM_MARKERS = ("gemm", "grouped_mm", "block_scaled_kernel", "block_scaled_tma_kernel", "cutlass", "cublas", "nvjet", "xmma", "wgmma")
+# GEMM kernels: turbo_moe's Triton and Gluon grouped GEMMs (kernels/triton/grouped_gemm*.py,
+# blockwise_gemm*.py: "block_scaled" names the blockwise ones) and the library GEMMs of the peers and
+# of torch (CUTLASS, cuBLAS/cuBLASLt incl. Hopper's nvjet).
+_GEMM_MARKERS = ("gemm", "grouped_mm", "block_scaled", "cutlass", "cublas", "nvjet", "xmma", "wgmma")
 _QUANT_NAME = re.compile(r"(?<![A-Za-z0-9_])(" + "|".join(QUANT_KERNELS) + r")(?![A-Za-z0-9_])")
 
 # What classify_gpu_activity returns; "kernel" is any kernel that is neither quantization nor a GEMM.
