@@ -89,9 +89,10 @@ GPU_CANDIDATES: Dict[GemmKind, Tuple[KernelConfig, ...]] = {
     # program the same work, and group-major keeps concurrent programs on the same group's
     # tokens (L2 reuse).
     GemmKind.K_GROUPED: (
-        # The Gluon kernel, first (the untuned default where a problem can take it): H100, TFLOPS
-        # against the Triton TMA kernel / CUTLASS FP8 (scripts/bench_wgrad.py): DeepSeek-V3 fc1
-        # 32x512 823 / 683 / 748, Qwen3 fc2 32x512 795 / 665 / 693, 128x128 290 / 284 / 288.
+        # The Gluon kernel, first (the untuned default where a problem can take it). H100, TFLOPS of
+        # its best config / the Triton kernel's best / CUTLASS FP8 on the kernel bench's data
+        # (docs/results/h100_gluon_wgrad.md): DeepSeek-V3 fc1 32x512 749 / 665 / 795, 128x128
+        # 272 / 248 / 283, Qwen3 fc2 32x512 701 / 612 / 662.
         KernelConfig(128, 256, 128, 8, 8, 3, band_cyclic=False, gluon=True),
         KernelConfig(128, 128, 128, 8, 8, 4, band_cyclic=False, gluon=True),
         KernelConfig(128, 128, 128, 8, 4, 4, band_cyclic=False, gluon=True),
