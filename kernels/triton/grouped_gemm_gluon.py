@@ -21,10 +21,11 @@ Token walk, identical to the Triton TMA kernel's so that the two give the same b
 tokens [lo, hi) are read in 128-token boxes from ``start = lo // 16 * 16`` (TMA coordinates along
 the contiguous dimension must be 16-byte aligned). The MMAs run in 32-token slices (the FP8 wgmma's
 K) from ``start`` on, stopping at the first slice at or past ``hi``, in the order the Triton kernel's
-head, full, narrow and tail chunks run them. A box that holds tokens of a neighbouring group
-(``start < lo``, or past ``hi``) is masked in shared memory first: it is read into registers,
-those tokens are set to zero in both operands, and it is written back before its MMAs. That
-happens to at most two boxes a tile.
+head, full, narrow and tail chunks run them. A slice that holds tokens of a neighbouring group
+(the first one when ``start < lo``, the one across ``hi``) is masked in shared memory first: it is
+read into registers, those tokens are set to zero in both operands, and it is written back before
+its MMA. That happens in at most two boxes a tile; a box ending past ``hi`` on a slice boundary
+only skips its last slices.
 
 Limits (the backend checks them, ``turbo_moe.backends.triton_backend._gluon_reason``): sm_90
 (wgmma), N a multiple of BLOCK_M (the output is stored through one [G*N, K] descriptor, which
