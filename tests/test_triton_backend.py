@@ -401,3 +401,64 @@ def test_gluon_blockwise_wgrad_compiles_for_hopper(accumulate):
         {**_GLUON_SCALARS, **{name: "i32" for name in ("stride_san", "stride_sas", "stride_sbk", "stride_sbs")}},
         dict(GROUP_M=8, BAND_CYCLIC=False, ACCUMULATE=accumulate, STAGES=4, num_warps=8))
     _assert_gluon_wgrad_ptx(compiled, wgmmas=9)
+
+
+def test_gluon_wgrads_decline_what_they_cannot_take(monkeypatch):
+    """Which K-grouped problems the Gluon wgrads take, with the device taken as an sm_90 (CPU
+    tensors here): each reason names what is wrong, a declined config runs the Triton kernel with
+    the same tiles, and the blockwise kernel takes only 128-token float32-scale recipes."""
+    import dataclasses
+
+    pytest.importorskip("triton")
+    from turbo_moe.backends import triton_backend as tb
+    from turbo_moe.fine_grained import quantize as Q
+    from turbo_moe.fine_grained import triton_gemm
+    from turbo_moe.kernels.triton import grouped_gemm_gluon
+
+    if grouped_gemm_gluon.GLUON_ERROR:
+        pytest.skip(grouped_gemm_gluon.GLUON_ERROR)
+    monkeypatch.setattr(tb, "_gluon_device_reason", lambda device: "")
+    e4m3 = torch.float8_e4m3fn
+    offs = torch.tensor([0, 48, 48, 160])
+    one = torch.tensor(1.0)
+
+    def wgrad(n=256, k=264, out_dtype=torch.bfloat16, **fields):
+        problem = GroupedGemmProblem(GemmKind.K_GROUPED, torch.zeros(n, 160, dtype=e4m3), torch.zeros(k, 160, dtype=e4m3),
+                                     one, one, offs, out_dtype)
+        return dataclasses.replace(problem, **fields)
+
+    wide, narrow = (next(c for c in tb.GPU_CANDIDATES[GemmKind.K_GROUPED] if c.gluon and c.block_n == bn)
+                    for bn in (256, 128))
+    assert tb._gluon_reason(wgrad(), wide, None) == ""
+    assert "BLOCK_M=128" in tb._gluon_reason(wgrad(n=200), wide, None)
+    assert "16-byte row stride" in tb._gluon_reason(wgrad(k=260), wide, None)
+    assert "shared memory" in tb._gluon_reason(wgrad(out_dtype=torch.float32), wide, None)
+    assert tb._gluon_reason(wgrad(out_dtype=torch.float32), narrow, None) == ""
+    assert "promote" in tb._gluon_reason(wgrad(promote_accumulation=True), wide, None)
+    assert "pointer loads" in tb._gluon_reason(wgrad(), dataclasses.replace(wide, tma=False), None)
+    strided = torch.empty(3, 256, 272)[:, :, :264]
+    assert "contiguous" in tb._gluon_reason(wgrad(), wide, strided)
+    fwd = GroupedGemmProblem(GemmKind.M_GROUPED, torch.zeros(160, 256, dtype=e4m3), torch.zeros(3, 128, 256, dtype=e4m3),
+                             one, one, offs, torch.bfloat16)
+    assert "K-grouped" in tb._gluon_reason(fwd, wide, None)
+    # The candidates a problem is tuned among: the Gluon ones only where they can run.
+    assert [c for c in tb.candidates_for(wgrad(n=200)) if c.gluon] == []
+    assert any(c.gluon for c in tb.candidates_for(wgrad()))
+
+    def blockwise(recipe, n=256):
+        lens = [48, 0, 112]
+        x = torch.randn(160, n)
+        a, sa = Q.quantize_tokens(x, torch.tensor([0] + lens).cumsum(0), recipe, e4m3)
+        b, sb = Q.quantize_tokens(torch.randn(160, 264), torch.tensor([0] + lens).cumsum(0), recipe, e4m3)
+        from turbo_moe.fine_grained import BlockScaledProblem
+
+        return BlockScaledProblem(GemmKind.K_GROUPED, a, b, sa, sb, torch.tensor([0] + lens).cumsum(0),
+                                  torch.bfloat16, recipe)
+
+    config = dataclasses.replace(triton_gemm._GPU_DEFAULTS[(128, False)], gluon=True)
+    assert triton_gemm.gluon_declined(blockwise(Q.BLOCKWISE), config) == ""
+    assert "BLOCK_M" in triton_gemm.gluon_declined(blockwise(Q.BLOCKWISE, n=200), config)
+    assert "blockwise recipes" in triton_gemm.gluon_declined(blockwise(Q.MXFP8), dataclasses.replace(config, block_k=32))
+    assert "3 stages" in triton_gemm.gluon_declined(blockwise(Q.BLOCKWISE), dataclasses.replace(config, num_stages=2))
+    assert "config.gluon is off" in triton_gemm.gluon_declined(blockwise(Q.BLOCKWISE), dataclasses.replace(config,
+                                                                                                        gluon=False))
