@@ -462,3 +462,83 @@ def test_gluon_wgrads_decline_what_they_cannot_take(monkeypatch):
     assert "3 stages" in triton_gemm.gluon_declined(blockwise(Q.BLOCKWISE), dataclasses.replace(config, num_stages=2))
     assert "config.gluon is off" in triton_gemm.gluon_declined(blockwise(Q.BLOCKWISE), dataclasses.replace(config,
                                                                                                         gluon=False))
+
+
+def test_a_gluon_wgrad_that_does_not_compile_falls_back_to_the_triton_kernel(monkeypatch):
+    """Under a Triton whose Gluon API differs, the Gluon wgrad's first compile fails: the call still
+    runs (the Triton kernel, same tiles), a warning says why, the plan cached for the signature is
+    the Triton one, and no Gluon configuration is offered again in the process. Launches are
+    stubbed (CPU tensors); the device is taken as an sm_90."""
+    import dataclasses
+
+    pytest.importorskip("triton")
+    from triton.runtime.errors import PTXASError
+
+    from turbo_moe.backends import triton_backend as tb
+    from turbo_moe.kernels.triton import grouped_gemm_gluon
+
+    if grouped_gemm_gluon.GLUON_ERROR:
+        pytest.skip(grouped_gemm_gluon.GLUON_ERROR)
+    monkeypatch.setattr(tb, "_gluon_device_reason", lambda device: "")
+    monkeypatch.setattr(tb, "_GLUON_OFF", "")
+    launched = []
+
+    def launch(plan, problem, out):
+        if plan.gluon:
+            raise PTXASError("ptxas fatal: unsupported instruction (a stand-in)")
+        launched.append(plan.kernel_name)
+
+    monkeypatch.setattr(tb._LaunchPlan, "launch", launch)
+    backend = tb.TritonBackend()
+    monkeypatch.setattr(backend, "can_handle", lambda problem: (True, ""))
+    e4m3 = torch.float8_e4m3fn
+    problem = GroupedGemmProblem(GemmKind.K_GROUPED, torch.zeros(256, 160, dtype=e4m3), torch.zeros(264, 160, dtype=e4m3),
+                                 torch.tensor(1.0), torch.tensor(1.0), torch.tensor([0, 48, 48, 160]), torch.bfloat16)
+    gluon = next(c for c in tb.GPU_CANDIDATES[GemmKind.K_GROUPED] if c.gluon)
+    monkeypatch.setattr(backend, "_choose_config", lambda problem, out: gluon)
+    with pytest.warns(RuntimeWarning, match="did not compile here"):
+        out = backend.run(problem)
+    assert out.shape == (3, 256, 264) and launched == ["k_grouped_gemm_tma_kernel"]
+    cached = backend._plans[problem.signature()]
+    assert not cached.gluon and cached.config == dataclasses.replace(gluon, gluon=False)
+    assert "PTXASError" in tb._gluon_reason(problem, gluon, None)
+    assert not any(c.gluon for c in tb.candidates_for(problem))
+    backend.run(problem)  # the cached Triton plan, no warning
+    assert launched == ["k_grouped_gemm_tma_kernel"] * 2
+
+
+def test_a_gluon_blockwise_wgrad_that_does_not_compile_falls_back_to_the_tma_kernel(monkeypatch):
+    """The blockwise wgrad's Gluon plan, the same way: its failed compile runs the TMA kernel with
+    the same tiles and turns the Gluon kernels off (launches stubbed, the device taken as sm_90)."""
+    import dataclasses
+
+    pytest.importorskip("triton")
+    from triton.runtime.errors import PTXASError
+
+    from turbo_moe.backends import triton_backend as tb
+    from turbo_moe.fine_grained import BlockScaledProblem, triton_gemm
+    from turbo_moe.fine_grained import quantize as Q
+    from turbo_moe.kernels.triton import grouped_gemm_gluon
+
+    if grouped_gemm_gluon.GLUON_ERROR:
+        pytest.skip(grouped_gemm_gluon.GLUON_ERROR)
+    monkeypatch.setattr(tb, "_gluon_device_reason", lambda device: "")
+    monkeypatch.setattr(tb, "_GLUON_OFF", "")
+    launched = []
+
+    def launch(plan, problem, out):
+        if plan.gluon:
+            raise PTXASError("ptxas fatal: unsupported instruction (a stand-in)")
+        launched.append(plan.kernel_name)
+
+    monkeypatch.setattr(triton_gemm._BlockPlan, "launch", launch)
+    offs = torch.tensor([0, 48, 48, 160])
+    a, sa = Q.quantize_tokens(torch.randn(160, 256), offs, Q.BLOCKWISE, torch.float8_e4m3fn)
+    b, sb = Q.quantize_tokens(torch.randn(160, 264), offs, Q.BLOCKWISE, torch.float8_e4m3fn)
+    problem = BlockScaledProblem(GemmKind.K_GROUPED, a, b, sa, sb, offs, torch.bfloat16, Q.BLOCKWISE)
+    config = dataclasses.replace(triton_gemm._GPU_DEFAULTS[(128, False)], gluon=True)
+    assert triton_gemm.plan(problem, config).gluon
+    with pytest.warns(RuntimeWarning, match="did not compile here"):
+        triton_gemm.run(problem, config)
+    assert launched == ["k_grouped_tma"]
+    assert "PTXASError" in triton_gemm.gluon_declined(problem, config)

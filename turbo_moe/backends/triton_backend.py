@@ -207,6 +207,40 @@ def _gluon_device_reason(device: torch.device) -> str:
     return "" if cap == (9, 0) else f"the Gluon kernel needs sm_90 (wgmma), not sm_{cap[0]}{cap[1]}"
 
 
+# Why the Gluon wgrads are off in this process ("" while they are on): the first compile of one
+# failed here, e.g. under a Triton whose Gluon API differs from the 3.6 and 3.9 they compile with.
+_GLUON_OFF = ""
+
+
+def gluon_unavailable(device: torch.device) -> str:
+    """Empty if the Gluon wgrads may run on ``device``, else why not (the device, or a failed compile)."""
+    return _GLUON_OFF or _gluon_device_reason(device)
+
+
+def launch_gluon_or_fall_back(plan, launch, fallback):
+    """``launch(plan)`` for a new Gluon plan, whose first launch compiles its kernel. If that compile
+    fails, the Gluon wgrads are turned off for the process (a warning says why) and
+    ``launch(fallback())`` runs the Triton kernel instead. Returns the plan that ran. Only compile
+    errors are caught: they come before anything is launched, so nothing runs twice (an fp32
+    main_grad is never added into twice)."""
+    global _GLUON_OFF
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    try:
+        launch(plan)
+        return plan
+    except (CompilationError, OutOfResources, PTXASError) as exc:
+        first_line = (str(exc).strip().splitlines() or [""])[-1][:300]
+        _GLUON_OFF = f"the Gluon wgrad did not compile here ({type(exc).__name__}: {first_line})"
+    import warnings
+
+    warnings.warn(f"turbo_moe: {_GLUON_OFF}; the Triton wgrad kernels run instead", RuntimeWarning, stacklevel=3)
+    plan = fallback()
+    launch(plan)
+    return plan
+
+
 def _gluon_reason(problem: GroupedGemmProblem, config: KernelConfig, out: Optional[torch.Tensor]) -> str:
     """Empty if the Gluon K-grouped kernel can run ``problem`` with ``config``'s tiles into ``out``
     (None: a fresh contiguous output), else why not."""
@@ -214,7 +248,7 @@ def _gluon_reason(problem: GroupedGemmProblem, config: KernelConfig, out: Option
         return "the Gluon kernel is the K-grouped one"
     if not config.tma:
         return "the configuration asks for pointer loads"
-    why = _gluon_device_reason(problem.device)
+    why = gluon_unavailable(problem.device)
     if why:
         return why
     if problem.promote_accumulation:
@@ -350,8 +384,15 @@ class TritonBackend(GroupedGemmBackend):
                 return out
             tuned_or_given = config is not None or self._is_tuned(problem)
             plan = self._make_plan(problem, out, config or self._choose_config(problem, out))
+            launched = plan.gluon
+            if launched:  # its first launch compiles the Gluon kernel, which may fail under another Triton
+                same_tiles = dataclasses.replace(plan.config, gluon=False)
+                plan = launch_gluon_or_fall_back(plan, lambda p: p.launch(problem, out),
+                                                 lambda: self._make_plan(problem, out, same_tiles))
             if key is not None and (tuned_or_given or not torch.cuda.is_current_stream_capturing()):
                 self._plans[key] = plan
+            if launched:
+                return out
         else:
             out = _output(problem)
         plan.launch(problem, out)

@@ -128,7 +128,7 @@ def default_config(problem) -> BlockKernelConfig:
 def gluon_declined(problem, config: BlockKernelConfig, out: Optional[torch.Tensor] = None) -> str:
     """Why ``problem`` does not take the Gluon K-grouped blockwise kernel under ``config``; empty
     when it does. ``out``: the output (None: ``problem.out``, or a fresh contiguous one)."""
-    from ..backends.triton_backend import _gluon_device_reason, gluon_output_reason
+    from ..backends.triton_backend import gluon_output_reason, gluon_unavailable
 
     if not config.gluon:
         return "config.gluon is off"
@@ -137,7 +137,7 @@ def gluon_declined(problem, config: BlockKernelConfig, out: Optional[torch.Tenso
     r = problem.recipe
     if r.e8m0 or r.block != 128 or config.block_k != 128:
         return "the Gluon kernel takes blockwise recipes (128-token blocks, float32 scales)"
-    why = _gluon_device_reason(problem.device) or tma_declined(problem, config)
+    why = gluon_unavailable(problem.device) or tma_declined(problem, config)
     if why:
         return why
     why = gluon_output_reason(problem, config, out if out is not None else problem.out)
@@ -324,7 +324,7 @@ def run(problem, config: Optional[BlockKernelConfig] = None, signature: Optional
     if out.numel() == 0:
         return out
     if config is not None:
-        plan(problem, config, out).launch(problem, out)
+        _launch_new(plan(problem, config, out), problem, out, config)
         return out
     if signature is None:
         signature = problem.signature()
@@ -332,6 +332,20 @@ def run(problem, config: Optional[BlockKernelConfig] = None, signature: Optional
     if cached is None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        cached = _PLANS[signature] = plan(problem, None, out)
+        _PLANS[signature] = _launch_new(plan(problem, None, out), problem, out, None)
+        return out
     cached.launch(problem, out)
     return out
+
+
+def _launch_new(new: _BlockPlan, problem, out: torch.Tensor, config: Optional[BlockKernelConfig]) -> _BlockPlan:
+    """The first launch of ``new`` (made from ``config``, None: the default); a Gluon plan whose
+    kernel does not compile here is replaced by the TMA kernel's, same tiles
+    (``triton_backend.launch_gluon_or_fall_back``). Returns the plan that ran."""
+    if not new.gluon:
+        new.launch(problem, out)
+        return new
+    from ..backends.triton_backend import launch_gluon_or_fall_back
+
+    return launch_gluon_or_fall_back(new, lambda p: p.launch(problem, out), lambda: plan(
+        problem, dataclasses.replace(config or default_config(problem), gluon=False), out))
