@@ -464,13 +464,10 @@ def test_gluon_wgrads_decline_what_they_cannot_take(monkeypatch):
                                                                                                         gluon=False))
 
 
-def test_a_gluon_wgrad_that_does_not_compile_falls_back_to_the_triton_kernel(monkeypatch):
-    """Under a Triton whose Gluon API differs, the Gluon wgrad's first compile fails: the call still
-    runs (the Triton kernel, same tiles), a warning says why, the plan cached for the signature is
-    the Triton one, and no Gluon configuration is offered again in the process. Launches are
-    stubbed (CPU tensors); the device is taken as an sm_90."""
-    import dataclasses
-
+def _gluon_compile_fails(monkeypatch, plan_class) -> list:
+    """The device taken as an sm_90 with the Gluon wgrads on, and ``plan_class.launch`` stubbed: a
+    Gluon plan raises the compile error a Triton with another Gluon API would, any other plan
+    appends its kernel's name to the list returned."""
     pytest.importorskip("triton")
     from triton.runtime.errors import PTXASError
 
@@ -488,7 +485,20 @@ def test_a_gluon_wgrad_that_does_not_compile_falls_back_to_the_triton_kernel(mon
             raise PTXASError("ptxas fatal: unsupported instruction (a stand-in)")
         launched.append(plan.kernel_name)
 
-    monkeypatch.setattr(tb._LaunchPlan, "launch", launch)
+    monkeypatch.setattr(plan_class, "launch", launch)
+    return launched
+
+
+def test_a_gluon_wgrad_that_does_not_compile_falls_back_to_the_triton_kernel(monkeypatch):
+    """Under a Triton whose Gluon API differs, the Gluon wgrad's first compile fails: the call still
+    runs (the Triton kernel, same tiles), a warning says why, the plan cached for the signature is
+    the Triton one, and no Gluon configuration is offered again in the process. Launches are
+    stubbed (CPU tensors); the device is taken as an sm_90."""
+    import dataclasses
+
+    from turbo_moe.backends import triton_backend as tb
+
+    launched = _gluon_compile_fails(monkeypatch, tb._LaunchPlan)
     backend = tb.TritonBackend()
     monkeypatch.setattr(backend, "can_handle", lambda problem: (True, ""))
     e4m3 = torch.float8_e4m3fn
@@ -512,26 +522,10 @@ def test_a_gluon_blockwise_wgrad_that_does_not_compile_falls_back_to_the_tma_ker
     the same tiles and turns the Gluon kernels off (launches stubbed, the device taken as sm_90)."""
     import dataclasses
 
-    pytest.importorskip("triton")
-    from triton.runtime.errors import PTXASError
-
-    from turbo_moe.backends import triton_backend as tb
     from turbo_moe.fine_grained import BlockScaledProblem, triton_gemm
     from turbo_moe.fine_grained import quantize as Q
-    from turbo_moe.kernels.triton import grouped_gemm_gluon
 
-    if grouped_gemm_gluon.GLUON_ERROR:
-        pytest.skip(grouped_gemm_gluon.GLUON_ERROR)
-    monkeypatch.setattr(tb, "_gluon_device_reason", lambda device: "")
-    monkeypatch.setattr(tb, "_GLUON_OFF", "")
-    launched = []
-
-    def launch(plan, problem, out):
-        if plan.gluon:
-            raise PTXASError("ptxas fatal: unsupported instruction (a stand-in)")
-        launched.append(plan.kernel_name)
-
-    monkeypatch.setattr(triton_gemm._BlockPlan, "launch", launch)
+    launched = _gluon_compile_fails(monkeypatch, triton_gemm._BlockPlan)
     offs = torch.tensor([0, 48, 48, 160])
     a, sa = Q.quantize_tokens(torch.randn(160, 256), offs, Q.BLOCKWISE, torch.float8_e4m3fn)
     b, sb = Q.quantize_tokens(torch.randn(160, 264), offs, Q.BLOCKWISE, torch.float8_e4m3fn)
