@@ -175,7 +175,7 @@ def candidates_for(problem: GroupedGemmProblem) -> Tuple[KernelConfig, ...]:
     candidates = ACCUMULATE_CANDIDATES if problem.accumulate else GPU_CANDIDATES[problem.kind]
     if not any(c.gluon for c in candidates):
         return candidates
-    return tuple(c for c in candidates if not c.gluon or not _gluon_reason(problem, c, getattr(problem, "out", None)))
+    return tuple(c for c in candidates if not c.gluon or not _gluon_reason(problem, c, problem.out))
 
 
 def gluon_output_reason(problem, config, out: Optional[torch.Tensor]) -> str:
