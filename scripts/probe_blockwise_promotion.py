@@ -14,6 +14,10 @@ One dense 32768 x 4096 x 7168 GEMM (plain tile grid, TMA loads, 128 x 128 x 128 
   (``prev = cur``) made ptxas serialize the wgmmas (warning C7514: an in-flight accumulator
   copied); the pair-unrolled loop never copies one.
 
+* Gluon, warp-specialized (``gl_ws_blockwise_kernel``, ``gl.warp_specialize``): persistent, a
+  one-warp TMA partition filling the ring and the 8-warp math partition releasing each slot on an
+  mbarrier, with one block accumulator or two in turn.
+
 Then the library's own M-grouped blockwise problem at the bench's DeepSeek-V3 expert shapes:
 ``triton_gemm.run`` (the TMA promotion loop) against ``gl_grouped_blockwise_kernel`` (the
 overlapped loop, one tile per program, tiles found with the shared scheduler's functions).
@@ -252,6 +256,125 @@ if gluon is not None:
             gl.store(ptrs, acc.to(gl.bfloat16), mask=mask)
 
 
+    @gluon.jit
+    def _ws_tile(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+        """(pid_m, pid_n) of a dense tile id, GROUP_M-swizzled (the shared scheduler's swizzle)."""
+        return S.swizzle_group_m(tile, num_pid_m, num_pid_n, GROUP_M)
+
+
+    @gluon.jit
+    def _ws_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M: gl.constexpr,
+                     STAGES: gl.constexpr):
+        """The one-warp load partition: every (tile, block) of this program into the ring, a slot
+        reloaded once the math partition has released it on ``empty``."""
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        kb = gl.cdiv(K, BLOCK_K)
+        n = 0
+        for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+            pid_m, pid_n = _ws_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+            for k in range(kb):
+                s = n % STAGES
+                mbarrier.wait(empty.index(s), ((n // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
+                mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, k * BLOCK_K], ready.index(s), a_bufs.index(s))
+                tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), b_bufs.index(s))
+                n += 1
+
+
+    @gluon.jit
+    def _ws_block(a_bufs, b_bufs, ready, n, zero, sa_rows, sb_row, k, M, STAGES: gl.constexpr):
+        """Ring entry n (block k of the tile): its wgmma in flight on return, and its scales."""
+        s = n % STAGES
+        mbarrier.wait(ready.index(s), (n // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        return acc, gl.load(sa_rows + k * M) * gl.load(sb_row + k)
+
+
+    @gluon.jit
+    def _ws_promote(acc, done, scale, empty, n, STAGES: gl.constexpr):
+        """Release ring entry n (its wgmma is done) and promote its block into acc."""
+        mbarrier.arrive(empty.index(n % STAGES), count=1)
+        return acc + done * gl.expand_dims(scale, 1)
+
+
+    @gluon.jit
+    def _ws_math(a_bufs, b_bufs, ready, empty, c_desc, c_smem, sa_ptr, sb_ptr, M, N, K, GROUP_M: gl.constexpr,
+                 STAGES: gl.constexpr, TWO_ACC: gl.constexpr, num_warps: gl.constexpr):
+        """The math partition (two warpgroups, 64 rows each): per tile, every block's wgmma and
+        promotion -- with TWO_ACC, two block accumulators in turn as in ``_overlapped_blocks``
+        -- then the epilogue's TMA store, waited for one tile later."""
+        BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+        BLOCK_K: gl.constexpr = 128
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, BLOCK_N, 32])
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        kb = gl.cdiv(K, BLOCK_K)
+        zero = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma_layout)
+        n = 0
+        for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+            pid_m, pid_n = _ws_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+            sa_rows = sa_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
+            sb_row = sb_ptr + (pid_n * BLOCK_N // 128) * kb
+            acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma_layout)
+            if TWO_ACC:
+                x, x_scale = _ws_block(a_bufs, b_bufs, ready, n, zero, sa_rows, sb_row, 0, M, STAGES)
+                for k in range(1, kb - 1, 2):
+                    y, y_scale = _ws_block(a_bufs, b_bufs, ready, n + k, zero, sa_rows, sb_row, k, M, STAGES)
+                    acc = _ws_promote(acc, warpgroup_mma_wait(num_outstanding=1, deps=(x,)), x_scale, empty, n + k - 1,
+                                      STAGES)
+                    x, x_scale = _ws_block(a_bufs, b_bufs, ready, n + k + 1, zero, sa_rows, sb_row, k + 1, M, STAGES)
+                    acc = _ws_promote(acc, warpgroup_mma_wait(num_outstanding=1, deps=(y,)), y_scale, empty, n + k,
+                                      STAGES)
+                if kb % 2 == 0:
+                    y, y_scale = _ws_block(a_bufs, b_bufs, ready, n + kb - 1, zero, sa_rows, sb_row, kb - 1, M, STAGES)
+                    acc = _ws_promote(acc, warpgroup_mma_wait(num_outstanding=1, deps=(x,)), x_scale, empty, n + kb - 2,
+                                      STAGES)
+                    acc = _ws_promote(acc, warpgroup_mma_wait(num_outstanding=0, deps=(y,)), y_scale, empty, n + kb - 1,
+                                      STAGES)
+                else:
+                    acc = _ws_promote(acc, warpgroup_mma_wait(num_outstanding=0, deps=(x,)), x_scale, empty, n + kb - 1,
+                                      STAGES)
+            else:
+                for k in range(kb):
+                    cur, scale = _ws_block(a_bufs, b_bufs, ready, n + k, zero, sa_rows, sb_row, k, M, STAGES)
+                    acc = _ws_promote(acc, warpgroup_mma_wait(num_outstanding=0, deps=(cur,)), scale, empty, n + k,
+                                      STAGES)
+            n += kb
+            tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
+            c_smem.store(acc.to(c_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], c_smem)
+        tma.store_wait(pendings=0)
+
+
+    @gluon.jit
+    def gl_ws_blockwise_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, M, N, K, GROUP_M: gl.constexpr,
+                               STAGES: gl.constexpr, TWO_ACC: gl.constexpr, num_warps: gl.constexpr):
+        """The dense blockwise problem, persistent and warp-specialized (``gl.warp_specialize``): a
+        one-warp TMA partition fills the ring while the math partition (num_warps warps) runs the
+        wgmmas and promotions, each slot released on its own mbarrier (no CTA-wide barrier
+        between loads and MMAs)."""
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+        gl.warp_specialize([
+            (_ws_math, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, sa_ptr, sb_ptr, M, N, K, GROUP_M, STAGES,
+                        TWO_ACC, num_warps)),
+            (_ws_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M, STAGES)),
+        ], [1], [40])
+
+
 def _operands(M, N, K, bk):
     """Random e4m3 operands, 1 x bk activation scales [K // bk, M] (block-major), 128 x bk weight
     scales [N // 128, K // bk], and a bf16 output."""
@@ -301,6 +424,22 @@ def run_gluon(M, N, K, stages, overlap, warps=8, bm=128, bn=128, bk=128):
     launch = lambda: gl_blockwise_kernel[grid](  # noqa: E731
         ad, bd, cd, sa, sb, M, N, K, STAGES=stages, OVERLAP=overlap, GROUP_M=8, num_warps=warps)
     _measure(f"gluon stages={stages} overlap={overlap} w={warps}", launch, operands, bk, True)
+
+
+def run_gluon_ws(M, N, K, stages, two_acc, warps=8, bm=128, bn=128, bk=128):
+    """The warp-specialized kernel, one program per SM (persistent), output NaN-poisoned first."""
+    operands = a, b, sa, sb, out = _operands(M, N, K, bk)
+    out.fill_(float("nan"))
+    layout = gl.NVMMASharedLayout.get_default_for
+    ad = TensorDescriptor(a, list(a.shape), list(a.stride()), [bm, bk], layout([bm, bk], gl.float8e4nv))
+    bd = TensorDescriptor(b, list(b.shape), list(b.stride()), [bn, bk], layout([bn, bk], gl.float8e4nv))
+    cd = TensorDescriptor(out, list(out.shape), list(out.stride()), [bm, bn], layout([bm, bn], gl.bfloat16))
+    grid = (min(triton.cdiv(M, bm) * triton.cdiv(N, bn), torch.cuda.get_device_properties(0).multi_processor_count),)
+    launch = lambda: gl_ws_blockwise_kernel[grid](  # noqa: E731
+        ad, bd, cd, sa, sb, M, N, K, GROUP_M=8, STAGES=stages, TWO_ACC=two_acc, num_warps=warps)
+    _measure(f"gluon warp-specialized stages={stages} two_acc={two_acc} w={warps}", launch, operands, bk, True)
+    if torch.isnan(out).any():
+        print("   NaN left in the output: a tile was not written")
 
 
 def run_grouped(G, T, K, N, stages=4, warps=8):
@@ -357,6 +496,12 @@ def main() -> int:
             run_gluon(M, N, K, stages, overlap)
         except Exception as exc:  # Gluon's API moves between Triton releases
             print(f"gluon stages={stages} overlap={overlap}: fails {type(exc).__name__}: {str(exc)[:300]}")
+    for stages, two_acc in ((4, True), (5, True), (4, False)):
+        try:
+            run_gluon_ws(M, N, K, stages, two_acc)
+        except Exception as exc:  # gl.warp_specialize's spelling moves between Triton releases
+            print(f"gluon warp-specialized stages={stages} two_acc={two_acc}: fails {type(exc).__name__}: "
+                  f"{str(exc)[:300]}")
     for shape in ((8, 4096, 7168, 4096), (32, 512, 7168, 4096)):  # the bench's DeepSeek-V3 expert shapes
         try:
             run_grouped(*shape)
