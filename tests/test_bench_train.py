@@ -410,3 +410,39 @@ def test_train_table_ratios_and_targets():
     assert "- PASS expert-dominated fp8-tensorwise: step 0.80x bf16 (<= 0.85x)" in targets
     assert "- MISS expert-dominated fp8-rowwise: step 0.90x bf16 (<= 0.85x)" in targets
     assert any(t.startswith("- MISS expert-dominated fp8-rowwise: held-out loss +2.50%") for t in targets)
+
+
+def test_loss_summary_averages_the_tail_of_the_run():
+    from turbo_moe.bench.train_step import loss_summary
+
+    curve = [float(i) for i in range(200)]  # step i's loss is i
+    val = [[50, 5.0], [100, 4.0], [150, 3.0], [200, 9.0]]
+    s = loss_summary(curve, val)
+    assert s["train_loss"] == sum(range(190, 200)) / 10  # the last 10 steps, as printed during the run
+    assert s["train_loss_tail"] == sum(range(180, 200)) / 20  # the last 10% of 200 steps
+    assert s["val_loss"] == 9.0 and s["val_loss_tail"] == (4.0 + 3.0 + 9.0) / 3
+    short = loss_summary([3.0, 1.0], [[2, 7.0]])  # fewer steps than the windows: all of them
+    assert short == dict(train_loss=2.0, val_loss=7.0, train_loss_tail=2.0, val_loss_tail=7.0)
+    assert loss_summary([], []) == dict(train_loss=None, val_loss=None, train_loss_tail=None, val_loss_tail=None)
+
+
+def test_train_loss_targets_read_the_averages():
+    """A last held-out point off by 14% (a spike) does not decide the 1% line when the averages
+    over the run's tail hold; a variant whose averages are off is a MISS on each."""
+    base = dict(level="train", op="step", status="ok", reason="", experts="X", steps=1000, config="moderate",
+                case="train moderate", peak_mb=1.0, host_ms=1.0, step_ms=10.0, train_loss=1.25)
+    records = [
+        dict(base, impl="turbo-bf16", val_loss=1.0, train_loss_tail=1.25, val_loss_tail=1.06),
+        dict(base, impl="fp8-tensorwise", val_loss=1.146, train_loss_tail=1.26, val_loss_tail=1.0653),
+        dict(base, impl="fp8-blockwise", val_loss=1.005, train_loss_tail=1.28, val_loss_tail=1.09),
+        dict(base, impl="fp8-rowwise", val_loss=1.005, train_loss_tail=1.26, val_loss_tail=1.06, steps=900),
+    ]
+    text = "\n".join(report.train_table(records))
+    assert "+14.60%" in text and "+0.80%" in text and "+0.50%" in text  # last point, train tail, held-out tail
+    targets = report.train_targets(records)
+    assert "- PASS moderate fp8-tensorwise: training loss over the last 10% of steps +0.80% vs bf16 (within 1%)" in targets
+    assert "- PASS moderate fp8-tensorwise: held-out loss over the last 3 evaluations +0.50% vs bf16 (within 1%)" in targets
+    assert not any("fp8-tensorwise: held-out loss +" in t for t in targets)  # the spiky last point is not a target
+    assert "- MISS moderate fp8-blockwise: training loss over the last 10% of steps +2.40% vs bf16 (within 1%)" in targets
+    assert "- MISS moderate fp8-blockwise: held-out loss over the last 3 evaluations +2.83% vs bf16 (within 1%)" in targets
+    assert not any("fp8-rowwise" in t and "loss" in t for t in targets)  # other step counts: no comparison

@@ -19,7 +19,7 @@ CSV_FIELDS = [
     "host_us", "launches", "graph_ms", "mb4_ms", "mb1_ms",  # end-to-end hot path
     "gpu_mb4_ms", "quant_mb4_ms", "gemm_mb4_ms", "quant_share_mb4", "gpu_mb1_ms", "quant_mb1_ms", "quant_share_mb1",
     "config", "experts", "steps", "step_ms", "host_ms", "gpu_ms", "expert_gpu_ms", "expert_share",  # train
-    "train_loss", "val_loss", "reason",
+    "train_loss", "val_loss", "train_loss_tail", "val_loss_tail", "reason",
 ]
 
 
@@ -203,6 +203,18 @@ def _time_ratio(value, base) -> Optional[float]:
     return value / base if value is not None and base else None
 
 
+def _loss_ratio(r: dict, b: dict, key: str) -> Optional[float]:
+    """r's loss over the same-config bf16 baseline's, minus one, when both ran the same steps."""
+    if r.get(key) is None or not b.get(key) or r.get("steps") != b.get("steps"):
+        return None
+    return r[key] / b[key] - 1
+
+
+def _loss_delta(r: dict, b: dict, key: str) -> str:
+    delta = _loss_ratio(r, b, key)
+    return "" if delta is None else f"{100 * delta:+.2f}%"
+
+
 def train_table(records: Sequence[dict]) -> List[str]:
     """The training-step preset: one row per (config, variant); ratios are time / turbo-bf16's time."""
     records = [r for r in records if r["level"] == "train"]
@@ -211,15 +223,15 @@ def train_table(records: Sequence[dict]) -> List[str]:
     base = _train_baseline(records)
     rows = [["config", "variant", "experts", "steps", "step ms", "step / bf16", "host ms", "GPU ms", "GPU idle ms",
              "expert GPU ms", "expert share", "expert / bf16", "launches (experts)", "peak MB", "train loss",
-             "held-out loss", "held-out vs bf16"]]
+             "held-out loss", "held-out vs bf16", "train vs bf16, last 10%", "held-out vs bf16, last 3"]]
     for r in records:
         if r["status"] != "ok":
             rows.append([r["config"], r["impl"], r.get("experts") or "", "", {"skipped": "skip"}.get(r["status"], r["status"])]
-                        + [""] * 12)
+                        + [""] * 14)
             continue
         b = base.get(r["config"], {})
-        val_delta = (f"{100 * (r['val_loss'] / b['val_loss'] - 1):+.2f}%"
-                     if r.get("val_loss") is not None and b.get("val_loss") else "")
+        val_delta, train_tail_delta, val_tail_delta = (_loss_delta(r, b, key)
+                                                       for key in ("val_loss", "train_loss_tail", "val_loss_tail"))
         share = r.get("expert_share")
         rows.append([
             r["config"], r["impl"], r.get("experts") or "", str(r["steps"]), _ms(r.get("step_ms")),
@@ -230,7 +242,7 @@ def train_table(records: Sequence[dict]) -> List[str]:
             "" if r.get("launches") is None else f"{r['launches']} ({r.get('expert_launches')})",
             "" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}",
             "" if r.get("train_loss") is None else f"{r['train_loss']:.4f}",
-            "" if r.get("val_loss") is None else f"{r['val_loss']:.4f}", val_delta,
+            "" if r.get("val_loss") is None else f"{r['val_loss']:.4f}", val_delta, train_tail_delta, val_tail_delta,
         ])
     return _align(rows)
 
@@ -260,9 +272,16 @@ def train_targets(records: Sequence[dict]) -> List[str]:
         step = _time_ratio(r.get("step_ms"), b.get("step_ms"))
         if step is not None and r["config"] in _STEP_BOUND:
             checks.append((step <= _STEP_BOUND[r["config"]], f"step {step:.2f}x bf16 (<= {_STEP_BOUND[r['config']]:.2f}x)"))
-        if r.get("val_loss") is not None and b.get("val_loss") and r["steps"] == b["steps"]:
-            delta = r["val_loss"] / b["val_loss"] - 1
-            checks.append((abs(delta) <= 0.01, f"held-out loss {100 * delta:+.2f}% vs bf16 (within 1%)"))
+        # The loss targets read averages (train_step.loss_summary): one held-out point is too noisy
+        # for a 1% line. Records from before the averages fall back to the last held-out point.
+        loss_checks = (("train_loss_tail", "training loss over the last 10% of steps"),
+                       ("val_loss_tail", "held-out loss over the last 3 evaluations"))
+        if r.get("val_loss_tail") is None:
+            loss_checks = (("val_loss", "held-out loss"),)
+        for key, what in loss_checks:
+            delta = _loss_ratio(r, b, key)
+            if delta is not None:
+                checks.append((abs(delta) <= 0.01, f"{what} {100 * delta:+.2f}% vs bf16 (within 1%)"))
         for ok, text in checks:
             lines.append(f"- {'PASS' if ok else 'MISS'} {r['config']} {r['impl']}: {text}")
     return lines
