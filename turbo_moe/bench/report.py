@@ -249,6 +249,11 @@ def train_table(records: Sequence[dict]) -> List[str]:
 
 # issue 10's targets for the FP8 variants, as (what, config or None for every config, key, bound)
 _STEP_BOUND = {"expert-dominated": 0.85, "moderate": 1.0}
+# Below this many steps the loss gap to bf16 is not judged against 1%: 100-240-step runs moved it by
+# 3-6 points between seeds, as bf16's own held-out loss moved by 3.8% (H100); at 1000 steps the
+# training loss over the last 100 steps stayed within 1% for tensorwise, rowwise and delayed in
+# every run (docs/results/h100_loss_1000.md).
+MIN_LOSS_STEPS = 1000
 
 
 def train_targets(records: Sequence[dict]) -> List[str]:
@@ -278,12 +283,16 @@ def train_targets(records: Sequence[dict]) -> List[str]:
                        ("val_loss_tail", "held-out loss over the last 3 evaluations"))
         if r.get("val_loss_tail") is None:
             loss_checks = (("val_loss", "held-out loss"),)
+        judged = r["steps"] >= MIN_LOSS_STEPS
         for key, what in loss_checks:
             delta = _loss_ratio(r, b, key)
-            if delta is not None:
+            if delta is not None and judged:
                 checks.append((abs(delta) <= 0.01, f"{what} {100 * delta:+.2f}% vs bf16 (within 1%)"))
+            elif delta is not None:
+                checks.append((None, f"{what} {100 * delta:+.2f}% vs bf16, not judged: {r['steps']} steps, the 1% "
+                                     f"line wants >= {MIN_LOSS_STEPS} (docs/results/h100_loss_1000.md)"))
         for ok, text in checks:
-            lines.append(f"- {'PASS' if ok else 'MISS'} {r['config']} {r['impl']}: {text}")
+            lines.append(f"- {'n/a' if ok is None else 'PASS' if ok else 'MISS'} {r['config']} {r['impl']}: {text}")
     return lines
 
 
