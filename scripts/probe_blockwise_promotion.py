@@ -257,12 +257,6 @@ if gluon is not None:
 
 
     @gluon.jit
-    def _ws_tile(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
-        """(pid_m, pid_n) of a dense tile id, GROUP_M-swizzled (the shared scheduler's swizzle)."""
-        return S.swizzle_group_m(tile, num_pid_m, num_pid_n, GROUP_M)
-
-
-    @gluon.jit
     def _ws_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M: gl.constexpr,
                      STAGES: gl.constexpr):
         """The one-warp load partition: every (tile, block) of this program into the ring, a slot
@@ -275,7 +269,7 @@ if gluon is not None:
         kb = gl.cdiv(K, BLOCK_K)
         n = 0
         for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-            pid_m, pid_n = _ws_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+            pid_m, pid_n = S.swizzle_group_m(tile, num_pid_m, num_pid_n, GROUP_M)
             for k in range(kb):
                 s = n % STAGES
                 mbarrier.wait(empty.index(s), ((n // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
@@ -318,7 +312,7 @@ if gluon is not None:
         zero = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma_layout)
         n = 0
         for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-            pid_m, pid_n = _ws_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+            pid_m, pid_n = S.swizzle_group_m(tile, num_pid_m, num_pid_n, GROUP_M)
             sa_rows = sa_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
             sb_row = sb_ptr + (pid_n * BLOCK_N // 128) * kb
             acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma_layout)
