@@ -31,13 +31,9 @@ WATCHED = ("embedding", "linear_qkv", "linear_proj", "router", "linear_fc1", "li
 
 
 def _gradients(model) -> dict:
-    """Gradients by canonical name (per-expert weights stacked as turbo_moe's [E, out, in])."""
-    by_name: dict = {}
-    for name, p in model.named_parameters():
-        key, expert = TM._canonical_name(name)
-        grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        by_name.setdefault(key, {})[expert] = grad.detach().float().clone()
-    return {k: v[None] if None in v else torch.stack([v[e] for e in sorted(v)]) for k, v in by_name.items()}
+    """Gradients by canonical name, float32 on the CPU (a parameter without one counts as zero)."""
+    return TM.canonical_state(
+        model, value=lambda p: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float())
 
 
 def main() -> int:

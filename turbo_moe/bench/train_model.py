@@ -243,16 +243,17 @@ def _canonical_name(name: str):
     return f"{m['pre']}.{m['fc']}.{m['kind']}", int(m["e"])
 
 
-def canonical_state(model) -> Dict[str, torch.Tensor]:
-    """Every parameter, on the CPU, by name; per-expert weights stacked into turbo_moe's ``[E, out, in]``."""
+def canonical_state(model, value=lambda p: p.detach()) -> Dict[str, torch.Tensor]:
+    """Every parameter (or ``value(parameter)``, e.g. its gradient), on the CPU, by name; per-expert
+    weights stacked into turbo_moe's ``[E, out, in]``."""
     state: Dict[str, torch.Tensor] = {}
     stacks: Dict[str, Dict[int, torch.Tensor]] = {}
     for name, p in model.named_parameters():
         key, expert = _canonical_name(name)
         if expert is None:
-            state[key] = p.detach().to("cpu", copy=True)
+            state[key] = value(p).to("cpu", copy=True)
         else:
-            stacks.setdefault(key, {})[expert] = p.detach()
+            stacks.setdefault(key, {})[expert] = value(p)
     for key, by_expert in stacks.items():
         state[key] = torch.stack([by_expert[e] for e in sorted(by_expert)]).to("cpu")
     return state
