@@ -139,6 +139,33 @@ def test_gluon_wgrad_accumulates_into_main_grad(config):
     assert torch.signbit(results[0][2, 0, 0])
 
 
+@pytest.mark.parametrize("config", GLUON_ACCUMULATE_CONFIGS[:1], ids=str)
+def test_gluon_wgrad_accumulation_keeps_subnormals(config):
+    """out += dW adds subnormals as IEEE fp32 does: a flush to zero (an ftz add, or the copy
+    engine's reduce-add if the epilogue ever used it) would change main_grad where the wgrad adds
+    0 to a subnormal. Columns of b set to zero make those dW columns exactly +0."""
+    backend = _backend_or_skip()
+    lens = LENS
+    N, K = 256, 384 + 16
+    a, b, sa, sb = _operands(lens, N, K, E4M3, False, seed=3, integer=False)
+    zero_cols = [0, 5, 129, 390]
+    b[zero_cols] = 0
+    problem = GroupedGemmProblem(GemmKind.K_GROUPED, a, b, sa, sb, _offs(lens), torch.float32)
+    start = torch.randn(problem.out_shape, device="cuda")
+    tiny = torch.finfo(torch.float32).tiny
+    start[:, :, zero_cols] = torch.rand(len(lens), N, len(zero_cols), device="cuda") * tiny * 0.9  # subnormal
+    start[:, 1::2, zero_cols] *= -1
+    assert bool((start[:, :, zero_cols].abs() < tiny).all()) and bool((start[:, :, zero_cols] != 0).any())
+    main_grad = start.clone()
+    _run(backend, dataclasses.replace(problem, out=main_grad, accumulate=True), config, main_grad)
+    kept = main_grad[:, :, zero_cols].view(torch.int32) == start[:, :, zero_cols].view(torch.int32)
+    assert bool(kept.all()), f"{int((~kept).sum())} subnormal main_grad values changed by adding +0"
+    reference = start.clone()
+    _run(backend, dataclasses.replace(problem, out=reference, accumulate=True),
+         dataclasses.replace(config, gluon=False), reference)
+    assert torch.equal(main_grad.view(torch.int32), reference.view(torch.int32))
+
+
 def test_gluon_is_the_default_wgrad_and_declines_what_it_cannot_take():
     """The default K-grouped plan on sm_90 is the Gluon kernel; N off BLOCK_M, promoted
     accumulation and a strided output take the Triton TMA kernel (and give its bits)."""
