@@ -1,7 +1,7 @@
 """Per-parameter gradient error of each FP8 recipe in a Megatron-core MoE GPT, against the same model
 without FP8 (turbo_moe's unquantized experts), at one trained checkpoint and one batch.
 
-    python scripts/recipe_gradients.py [--steps 60] [--device cpu|cuda]
+    python scripts/recipe_gradients.py [--steps 60] [--device cpu|cuda] [--dispatcher alltoall|allgather]
 
 Trains the unquantized model for ``--steps`` Adam steps on Python's stdlib source (the training
 bench's corpus), then loads that state into one model per recipe and compares one micro-batch's
@@ -40,11 +40,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=60, help="Adam steps of the unquantized model first")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dispatcher", choices=("alltoall", "allgather"), default=None,
+                   help="Megatron's token dispatcher (default: alltoall on a GPU, allgather on the CPU, which "
+                        "cannot build the alltoall one)")
     args = p.parse_args()
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
     cfg = TM.TrainConfig("gradients", layers=2, hidden=256, heads=4, ffn=512, experts=8, topk=2, seq=128, mbs=4,
-                         loss_curve=True, dispatcher="alltoall" if on_gpu else "allgather")
+                         loss_curve=True, dispatcher=args.dispatcher or ("alltoall" if on_gpu else "allgather"))
     with TM.megatron_world(device):
         torch.manual_seed(0)
         sampler = BatchSampler(load_corpus(1 << 20), cfg.seq, cfg.mbs, args.steps + 2, 1, 1, device, seed=0)
