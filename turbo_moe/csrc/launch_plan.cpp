@@ -13,7 +13,8 @@
 // address slots. The CUDA driver is reached through dlopen (no CUDA headers or link at build
 // time). No C++ exception is thrown or leaves this module: each entry point returns its error as
 // text beside its result and the Python side raises (an exception unwinding through an
-// extension built on the sandboxed GPU machines was seen crashing the process with SIGSEGV).
+// extension built on the sandboxed GPU machines was seen crashing the process with SIGSEGV once;
+// scripts/cpp_exception_probe.py no longer reproduces it there, docs/results/h100_host_plans.md).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
