@@ -3,7 +3,9 @@
 For each shape and implementation, in one process on one GPU:
 
 * host us: CPU time to *issue* one fwd+bwd (with ``--compare-host-plans``, also ``host_us_python``:
-  the same with turbo_moe's host launch plans off, measured alternately with them). A loop of steps runs without synchronizing while the
+  the same with turbo_moe's host launch plans off, measured alternately with them; with
+  ``--compare-plan-allocations``, ``host_us_python_allocations``: plans replayed with their
+  allocations made from Python instead of inside the extension). A loop of steps runs without synchronizing while the
   GPU is kept busy by a long kernel queued first (``torch.cuda._sleep``), so the host never waits
   on the GPU and the loop's wall time is pure issue cost;
 * launches: GPU kernels of one fwd+bwd (torch.profiler, CUDA activity, after warm-up; with
@@ -139,32 +141,43 @@ def build(impl, shape, fmt, granularity, micro_batches):
     return step
 
 
-def _host_us_with_and_without_plans(step, rounds=7):
-    """(median host us with host launch plans, the same with every call through Python),
-    measured alternately so that the machine's drift hits both alike."""
-    from turbo_moe import host_plan
-
-    previous = host_plan.enabled()
-    with_plans, python = [], []
+def _host_us_alternating(step, switch, rounds=7):
+    """(median host us with ``switch(True)``, the same with ``switch(False)``), measured alternately
+    so that the machine's drift hits both alike; ``switch`` returns the previous setting."""
+    previous = switch(True)
+    on, off = [], []
     try:
         for _ in range(rounds):
-            host_plan.set_enabled(False)
-            python.append(_issue_us(step))
-            host_plan.set_enabled(True)
-            with_plans.append(_issue_us(step))
+            switch(False)
+            off.append(_issue_us(step))
+            switch(True)
+            on.append(_issue_us(step))
     finally:
-        host_plan.set_enabled(previous)
-    return statistics.median(with_plans), statistics.median(python)
+        switch(previous)
+    return statistics.median(on), statistics.median(off)
 
 
-def measure(impl, shape, fmt, granularity, micro_batches, profile_top, compare_plans=False):
+def _plan_allocations_in_cpp(flag):
+    """Replays make their allocations in the extension (True) or in Python (False)."""
+    from turbo_moe import host_plan
+
+    previous, host_plan.CPP_ALLOCATIONS = host_plan.CPP_ALLOCATIONS, flag
+    return previous
+
+
+def measure(impl, shape, fmt, granularity, micro_batches, profile_top, compare_plans=False,
+            compare_allocations=False):
     step = build(impl, shape, fmt, granularity, micro_batches)
     for _ in range(3 * max(micro_batches, 1)):
         step()
     torch.cuda.synchronize()
     row = {"impl": impl, "shape": shape, "mb": micro_batches}
     if compare_plans and impl == "turbo":
-        row["host_us"], row["host_us_python"] = _host_us_with_and_without_plans(step)
+        from turbo_moe import host_plan
+
+        row["host_us"], row["host_us_python"] = _host_us_alternating(step, host_plan.set_enabled)
+    elif compare_allocations and impl == "turbo":
+        row["host_us"], row["host_us_python_allocations"] = _host_us_alternating(step, _plan_allocations_in_cpp)
     else:
         row["host_us"] = statistics.median(_issue_us(step) for _ in range(3))
     row["launches"] = _count_kernels(step, max(micro_batches, 1))
@@ -201,6 +214,9 @@ def main(argv=None):
     p.add_argument("--profile-top", type=int, default=0, help="cProfile the issue loop of the first shape")
     p.add_argument("--compare-host-plans", action="store_true",
                    help="turbo rows: host us with host launch plans (turbo_moe.host_plan) and without, interleaved")
+    p.add_argument("--compare-plan-allocations", action="store_true",
+                   help="turbo rows: host us with host-plan replays allocating in C++ (the default) and in "
+                        "Python (host_us_python_allocations), interleaved")
     p.add_argument("--label", default="")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
@@ -214,7 +230,7 @@ def main(argv=None):
                 try:
                     row = measure(impl, shape, args.format, granularity, mb,
                                   args.profile_top if (si == 0 and impl == "turbo" and mb == 1) else 0,
-                                  args.compare_host_plans)
+                                  args.compare_host_plans, args.compare_plan_allocations)
                 except Exception as exc:
                     row = {"impl": impl, "shape": shape, "mb": mb, "error": f"{type(exc).__name__}: {exc}"}
                 row["granularity"], row["label"] = granularity, args.label

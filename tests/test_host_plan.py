@@ -87,6 +87,36 @@ def test_extension_writes_each_address_into_the_parameter_bytes():
     assert "takes 4 addresses" in ext.launch(plan, [1, 2], 0)
 
 
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no C++ compiler")
+def test_extension_replay_makes_the_registered_allocations_then_launches():
+    """replay() makes a plan's allocations as set_allocs registered them (shape, strides, dtype,
+    zero fill, each dropped one undefined) before its launches; on a machine without a GPU the
+    launch then reports the missing driver as text, with the allocations still returned."""
+    if torch.cuda.is_available():
+        pytest.skip("a CPU-only check: the plan's kernel handle is a stand-in")
+    ext = host_plan._extension()
+    if ext is None:
+        pytest.skip(host_plan.status())
+    error, plan = ext.add_plan(4, [(0, [1, 1, 1], 32, 0, bytes(32), [0, 8, 16, 24],
+                                    [(0, 0, 0), (8, 1, 0), (16, 2, 0), (24, 3, 0)])])
+    assert error == ""
+    error, allocs = ext.replay(plan, [torch.empty(8)], 0)
+    assert "has no allocations set" in error and allocs == []
+    specs = [([4, 3], [3, 1], torch.empty(0), False, []),
+             ([2, 5], [1, 2], torch.empty(0, dtype=torch.float8_e4m3fn), False, [0]),  # drops the first
+             ([6], [1], torch.empty(0, dtype=torch.int32), True, [])]
+    assert ext.set_allocs(plan, specs) == ""
+    error, allocs = ext.replay(plan, [torch.empty(8)], 0)
+    assert "libcuda" in error or "cuLaunchKernel" in error, error
+    assert allocs[0] is None
+    assert allocs[1].shape == (2, 5) and allocs[1].stride() == (1, 2) and allocs[1].dtype == torch.float8_e4m3fn
+    assert allocs[2].dtype == torch.int32 and torch.equal(allocs[2], torch.zeros(6, dtype=torch.int32))
+    # Refusals come back as text, naming what is wrong.
+    assert "released before it is made" in ext.set_allocs(plan, [([1], [1], torch.empty(0), False, [0])])
+    assert "more allocations than address slots" in ext.set_allocs(plan, specs + specs)
+    assert "no plan" in ext.set_allocs(10**6, [])
+
+
 def test_release_schedule_frees_what_the_python_path_frees_between_launches():
     """A replay makes its allocations before launching: an allocation whose last launch precedes
     another's first is dropped before that one is made (the rowwise forward: x's rows copy, last

@@ -9,9 +9,9 @@ tensors normally for its first calls of a signature; one call is *recorded*: eve
 (``torch.empty``-like aten ops, seen through a ``TorchDispatchMode``) and every kernel launch
 (through ``kernels/triton/launch.py``'s lean launcher, with each parameter's bytes at the offsets
 the driver reports for the compiled kernel). Later calls of the same signature call
-the plan: its buffers are allocated as the recorded call allocated them, and one C++ call
-(``launch`` in ``csrc/launch_plan.cpp``) writes the new addresses into each launch's parameter
-bytes (pointers and each TMA descriptor's global address) and launches.
+the plan: one C++ call (``replay`` in ``csrc/launch_plan.cpp``) allocates its buffers as the
+recorded call allocated them, writes the new addresses into each launch's parameter bytes
+(pointers and each TMA descriptor's global address) and launches.
 
 What makes a replay equal to the Python path: the signature key holds everything the launches
 derive from -- each input tensor's shape, strides, dtype, device and 16-byte alignment, plus the
@@ -33,7 +33,7 @@ and freed before the replay allocates (:func:`_verify`). The GPU tests
 compare replayed and Python results for every recipe. ``TURBO_MOE_HOST_PLANS=0`` turns plans off.
 
 The C++ extension is built on first use with ``torch.utils.cpp_extension`` (needs a C++ compiler
-and ninja; about 20 s, cached in torch's extension directory). Where it cannot be built, regions
+and ninja; 25-60 s, cached in torch's extension directory). Where it cannot be built, regions
 run their Python path and :func:`status` says why.
 """
 
@@ -56,6 +56,10 @@ __all__ = ["Region", "status", "enabled", "set_enabled"]
 RECORD_AFTER = 2
 # Recording attempts per signature before its Python path is kept for good.
 MAX_ATTEMPTS = 3
+# A replay's allocations are made inside the extension's replay() (ATen, one C++ call with the
+# launches) rather than one torch call each from Python; TURBO_MOE_PLAN_CPP_ALLOCATIONS=0 makes
+# them in Python. Same buffers, same order, same release schedule either way.
+CPP_ALLOCATIONS = os.environ.get("TURBO_MOE_PLAN_CPP_ALLOCATIONS", "1") != "0"
 
 _EXT = None
 _EXT_ERROR: Optional[str] = None
@@ -165,8 +169,18 @@ class _Plan:
         for effect in self.effects:
             effect()
         tensors = [inputs[i] for i in self.tensor_positions]
-        first = tensors[0]
-        device = first.device
+        stream = _raw_stream(tensors[0].get_device())
+        if CPP_ALLOCATIONS:  # allocations and launches in one C++ call
+            error, allocs = self.ext.replay(self.plan_id, tensors, stream)
+        else:
+            error, allocs = self._replay_allocating_in_python(tensors, stream)
+        if error:  # the extension returns its errors as text (csrc/launch_plan.cpp)
+            raise RuntimeError(error)
+        return tuple(_output(spec, inputs, allocs) for spec in self.outputs)
+
+    def _replay_allocating_in_python(self, tensors, stream):
+        """What the extension's replay() does, with the allocations made here (CPP_ALLOCATIONS off)."""
+        device = tensors[0].device
         addresses = [t.data_ptr() for t in tensors]
         allocs = []
         for shape, strides, dtype, zero, release in self.allocs:
@@ -176,10 +190,7 @@ class _Plan:
                 torch.empty_strided(shape, strides, dtype=dtype, device=device)
             allocs.append(alloc)
             addresses.append(alloc.data_ptr())
-        error = self.ext.launch(self.plan_id, addresses, _raw_stream(first.get_device()))
-        if error:  # the extension returns its errors as text (csrc/launch_plan.cpp)
-            raise RuntimeError(error)
-        return tuple(_output(spec, inputs, allocs) for spec in self.outputs)
+        return self.ext.launch(self.plan_id, addresses, stream), allocs
 
 
 def _output(spec, inputs, allocs):
@@ -568,6 +579,10 @@ def _make_plan(ext, inputs, outputs, alloc_log, launch_log) -> _Plan:
                                 for launch in launches], len(allocs), kept, any(zero for _, zero in allocs))
     alloc_specs = tuple((tuple(a.shape), tuple(a.stride()), a.dtype, zero, release[j])
                         for j, (a, zero) in enumerate(allocs))
+    error = ext.set_allocs(plan_id, [(list(shape), list(strides), torch.empty(0, dtype=dtype, device=device), zero,
+                                      list(drop)) for shape, strides, dtype, zero, drop in alloc_specs])
+    if error:
+        raise RecordingRefused(error)
     return _Plan(plan_id, positions, alloc_specs, tuple(out_specs), ext)
 
 

@@ -3,20 +3,20 @@
 // turbo_moe/host_plan.py records what one call of a hot region (an FP8 GEMM's forward or
 // backward) launches on the GPU -- every kernel with the exact bytes of each parameter -- and
 // registers that as a plan. A later call with the same signature (shapes, strides, dtypes,
-// alignment, recipe) allocates the region's buffers from torch and calls launch() with the
-// addresses of its inputs and buffers: one C++ call copies each launch's parameter template,
+// alignment, recipe) calls replay(): one C++ call makes the region's buffers as the recorded call
+// made them (ATen's allocator, on the current stream), copies each launch's parameter template,
 // writes the addresses into it (pointers, and the global-address field of each TMA descriptor)
 // and calls cuLaunchKernel. The Python between the launches, which cost most of a layer's host
 // time, is skipped; the kernels, their order, grids and parameters are the recorded ones.
 //
-// This file knows nothing of turbo_moe's kernels, nor of torch: a plan is bytes, offsets and
-// address slots. The CUDA driver is reached through dlopen (no CUDA headers or link at build
-// time). No C++ exception is thrown or leaves this module: each entry point returns its error as
-// text beside its result and the Python side raises (an exception unwinding through an
-// extension built on the sandboxed GPU machines was seen crashing the process with SIGSEGV once;
-// scripts/cpp_exception_probe.py no longer reproduces it there, docs/results/h100_host_plans.md).
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
+// This file knows nothing of turbo_moe's kernels: a plan is bytes, offsets, address slots and
+// allocation shapes. The CUDA driver is reached through dlopen (no CUDA headers or link at build
+// time). The entry points return their own errors as text beside their results and the Python
+// side raises; what ATen throws (an out-of-memory in replay) reaches Python as an exception.
+// (Stop 28 kept this file torch-free and exception-free after an exception unwinding through an
+// extension crashed a GPU machine's process; scripts/cpp_exception_probe.py no longer reproduces
+// that there, docs/results/h100_host_plans.md.)
+#include <torch/extension.h>
 
 #include <dlfcn.h>
 
@@ -87,8 +87,20 @@ struct Plan {
   std::vector<Launch> launches;
 };
 
+// One allocation of a replay: made as the recorded call made it, after dropping the earlier
+// allocations whose last launch comes before this one's first (`release`).
+struct Alloc {
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+  at::TensorOptions options;
+  bool zero;
+  std::vector<int64_t> release;
+};
+using Allocs = std::vector<Alloc>;
+
 std::mutex plans_mutex;
 std::vector<std::shared_ptr<const Plan>> plans;
+std::vector<std::shared_ptr<const Allocs>> plan_allocs;  // by plan id; null until set_allocs
 
 const std::string kPrefix = "turbo_moe launch plans: ";
 
@@ -146,7 +158,32 @@ std::tuple<std::string, int64_t> add_plan(int64_t num_slots, const std::vector<L
   }
   std::lock_guard<std::mutex> lock(plans_mutex);
   plans.push_back(std::move(plan));
+  plan_allocs.emplace_back();
   return {std::string(), static_cast<int64_t>(plans.size()) - 1};
+}
+
+using AllocSpec = std::tuple<std::vector<int64_t>, std::vector<int64_t>, at::Tensor, bool, std::vector<int64_t>>;
+
+// A plan's allocations, for replay(): (shape, strides, a tensor of their dtype and device, zero
+// filled, the earlier allocations to drop first). The plan's address slots are its inputs, then these.
+std::string set_allocs(int64_t id, const std::vector<AllocSpec>& specs) {
+  auto plan = plan_at(id);
+  if (plan == nullptr) return kPrefix + "no plan " + std::to_string(id);
+  const int64_t inputs = plan->num_slots - static_cast<int64_t>(specs.size());
+  if (inputs < 1) return kPrefix + "more allocations than address slots";
+  auto allocs = std::make_shared<Allocs>();
+  for (size_t j = 0; j < specs.size(); ++j) {
+    const auto& spec = specs[j];
+    Alloc alloc{std::get<0>(spec), std::get<1>(spec), std::get<2>(spec).options(), std::get<3>(spec), std::get<4>(spec)};
+    if (alloc.shape.size() != alloc.strides.size()) return kPrefix + "shape and strides differ in length";
+    for (int64_t k : alloc.release) {
+      if (k < 0 || k >= static_cast<int64_t>(j)) return kPrefix + "an allocation released before it is made";
+    }
+    allocs->push_back(std::move(alloc));
+  }
+  std::lock_guard<std::mutex> lock(plans_mutex);
+  plan_allocs[id] = std::move(allocs);
+  return std::string();
 }
 
 // Writes the addresses into a copy of one launch's template at `buffer`.
@@ -203,6 +240,31 @@ std::string launch(int64_t id, const std::vector<int64_t>& addresses, int64_t st
   return std::string();
 }
 
+// A replay in one call: the plan's allocations (as set_allocs registered them), then its
+// launches with the inputs' and allocations' addresses. Returns (error, the allocations; a
+// released one is undefined, None in Python).
+std::tuple<std::string, std::vector<at::Tensor>> replay(int64_t id, const std::vector<at::Tensor>& inputs,
+                                                        int64_t stream) {
+  std::vector<at::Tensor> made;
+  std::shared_ptr<const Allocs> allocs;
+  {
+    std::lock_guard<std::mutex> lock(plans_mutex);
+    if (id >= 0 && id < static_cast<int64_t>(plan_allocs.size())) allocs = plan_allocs[id];
+  }
+  if (allocs == nullptr) return {kPrefix + "plan " + std::to_string(id) + " has no allocations set", made};
+  std::vector<int64_t> addresses;
+  addresses.reserve(inputs.size() + allocs->size());
+  for (const at::Tensor& t : inputs) addresses.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
+  made.reserve(allocs->size());
+  for (const Alloc& alloc : *allocs) {
+    for (int64_t j : alloc.release) made[j] = at::Tensor();  // dead before this one is first used
+    made.push_back(alloc.zero ? at::zeros(alloc.shape, alloc.options)
+                              : at::empty_strided(alloc.shape, alloc.strides, alloc.options));
+    addresses.push_back(reinterpret_cast<int64_t>(made.back().data_ptr()));
+  }
+  return {launch(id, addresses, stream), made};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -212,4 +274,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed", &packed, "(error, each launch's parameter bytes with the given addresses written in)");
   m.def("launch", &launch, "run a plan's launches with these addresses on this stream; returns the error or ''",
         py::arg("plan"), py::arg("addresses"), py::arg("stream"));
+  m.def("set_allocs", &set_allocs, "register a plan's allocations for replay(); returns the error or ''");
+  m.def("replay", &replay, "(error, allocations): make a plan's allocations and run its launches",
+        py::arg("plan"), py::arg("inputs"), py::arg("stream"));
 }
