@@ -94,7 +94,8 @@ def replayed_regions():
     """Host launch plans on CPU tensors (``--host-plans``): every region's call after its first per
     signature costs what a replay costs in Python -- the signature key, the outputs' allocations
     (as the first call made them) -- and no C++ launch. What is left is the Python outside the
-    regions, which plans do not remove."""
+    regions, which plans do not remove. (A GPU replay now makes its allocations inside its C++
+    call, so the outputs' ``torch.empty_strided`` calls here slightly overstate it.)"""
     from turbo_moe import host_plan
 
     made = {}
