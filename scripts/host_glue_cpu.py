@@ -102,7 +102,7 @@ def replayed_regions():
     original = host_plan.Region.__call__
 
     def call(self, static_key, inputs, fn, pure):
-        key = (id(self), static_key, *map(host_plan._fact, inputs))
+        key = (id(self), static_key, *map(host_plan.fact, inputs))
         specs = made.get(key)
         if specs is None:
             outputs = fn()

@@ -32,6 +32,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from . import host_plan
 from ._triton_kernels import triton_kernels
 
 __all__ = ["HIGH_PRECISION_DTYPES", "check_operands", "check_wgrad_operands", "check_group_offs", "resolve_group_offs"]
@@ -103,7 +104,7 @@ def resolve_group_offs(
     _check_index_tensor(name, group_lens, num_groups, device, f"w has {num_groups} groups")
     kernel = _offsets_kernel(group_lens)
     if kernel is not None:  # one launch: prefix sum, device asserts, clamp (the torch path below in one)
-        return _remember(kernel.resolve_group_offs(group_lens, num_rows, from_lens=True), num_rows)
+        return _remember(_offsets_from_kernel(kernel, group_lens, num_rows, True), num_rows)
     t = group_lens.to(torch.int64)
     offs = torch.cat([t.new_zeros(1), torch.cumsum(t, 0)])
     if device.type == "meta":
@@ -132,7 +133,7 @@ def check_group_offs(
         return offs
     kernel = _offsets_kernel(offs)
     if kernel is not None:
-        return _remember(kernel.resolve_group_offs(offs, num_rows, from_lens=False), num_rows)
+        return _remember(_offsets_from_kernel(kernel, offs, num_rows, False), num_rows)
     offs = offs.to(torch.int64)
     if device.type == "meta":
         return offs  # shape inference only: no values to check
@@ -172,6 +173,21 @@ def _offsets_kernel(t: torch.Tensor):
     if module is None or t.shape[0] > module.MAX_GROUPS:
         return None
     return module
+
+
+# The offsets kernel's launch as a host-plan region: replayed from C++ like the GEMM's regions,
+# and a step of a planned layer (turbo_moe.planned_layer) when group_lens come with the call.
+OFFSETS_REGION = host_plan.Region("group offsets")
+
+
+def offsets_region_key(num_rows: int, from_lens: bool) -> tuple:
+    return ("group offsets", num_rows, from_lens)  # M is a kernel argument (and specializes it)
+
+
+def _offsets_from_kernel(kernel, src: torch.Tensor, num_rows: int, from_lens: bool) -> torch.Tensor:
+    (offs,) = OFFSETS_REGION(offsets_region_key(num_rows, from_lens), (src,),
+                             lambda: (kernel.resolve_group_offs(src, num_rows, from_lens=from_lens),), pure=True)
+    return offs
 
 
 def _assert_total_and_clamp(offs: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -49,7 +49,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["Region", "status", "enabled", "set_enabled"]
+__all__ = ["Region", "status", "enabled", "set_enabled", "fact"]
 
 # Calls of a signature before one is recorded: the first runs tuning and compiles; the second is
 # the first settled one.
@@ -127,9 +127,18 @@ def repeat_on_replay(effect: Callable[[], None]) -> None:
         effects.append(effect)
 
 
+_GENERATION = 0  # bumped by clear_all: whatever was built on the plans before is stale
+
+
+def generation() -> int:
+    return _GENERATION
+
+
 def clear_all() -> None:
     """Forget every region's plans (after something they were recorded under changed, e.g. the
-    backends' dispatch decisions)."""
+    backends' dispatch decisions), and so every planned layer built on them."""
+    global _GENERATION
+    _GENERATION += 1
     for region in _REGIONS:
         region.clear()
 
@@ -146,7 +155,9 @@ def _checked(call):
     return result
 
 
-def _fact(t):
+def fact(t):
+    """What a signature key holds of one input: shape, strides, dtype, device index and 16-byte
+    alignment (None for an absent input)."""
     if t is None:
         return None
     return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16)
@@ -206,6 +217,30 @@ def _output(spec, inputs, allocs):
 
 _FAILED = object()
 _REGIONS: List["Region"] = []
+_BY_ID: Dict[int, Tuple["Region", _Plan]] = {}  # every kept plan by its extension id
+_LAYERS_USED = False  # set by planned layers (turbo_moe.planned_layer): their backwards replay in C++
+
+
+def note_layer_use() -> None:
+    """A planned layer ran: from now on :func:`flush_layer_replays` asks the extension."""
+    global _LAYERS_USED
+    _LAYERS_USED = True
+
+
+def flush_layer_replays() -> None:
+    """Account for the plans that planned layers' C++ backwards replayed since the last call: each
+    counts as a replay of its region and repeats its host-side records (``repeat_on_replay``), in
+    order. Called before anything reads or adds such records."""
+    if not _LAYERS_USED or _EXT is None:
+        return
+    for plan_id in _EXT.take_replayed():
+        found = _BY_ID.get(plan_id)
+        if found is None:  # cleared since
+            continue
+        region, plan = found
+        region._replays += 1
+        for effect in plan.effects:
+            effect()
 _raw_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
 
 
@@ -223,19 +258,29 @@ class Region:
         _REGIONS.append(self)
         self._plans: Dict[tuple, object] = {}
         self._calls: Dict[tuple, int] = {}
-        self.replays = 0
+        self._replays = 0
         self.refusals: List[str] = []
+
+    @property
+    def replays(self) -> int:
+        """Calls replayed from a plan (planned layers' C++ backwards included)."""
+        flush_layer_replays()
+        return self._replays
+
+    @replays.setter
+    def replays(self, value: int) -> None:
+        self._replays = value
 
     def __call__(self, static_key, inputs: Sequence[Optional[torch.Tensor]], fn: Callable[[], tuple],
                  pure: bool) -> tuple:
         if not _ENABLED:
             return fn()
-        key = (static_key, *map(_fact, inputs))
+        key = (static_key, *map(fact, inputs))
         plan = self._plans.get(key)
         if plan is not None:
             if plan is _FAILED:
                 return fn()
-            self.replays += 1
+            self._replays += 1
             return plan.replay(inputs)
         calls = self._calls.get(key, 0) + 1
         if len(self._calls) >= _MAX_SIGNATURES:  # token counts that vary call to call: no plan helps
@@ -252,6 +297,7 @@ class Region:
             if len(self._plans) >= _MAX_SIGNATURES:
                 self._plans.clear()
             self._plans[key] = plan
+            _BY_ID[plan.plan_id] = (self, plan)
         else:
             if len(self.refusals) < 64:
                 self.refusals.append(f"{self.name}: {why}")
@@ -259,11 +305,24 @@ class Region:
                 self._plans[key] = _FAILED
         return outputs
 
+    def plan_for(self, key: tuple) -> Optional[_Plan]:
+        """The recorded plan for a signature ``(static_key, *facts of the inputs)`` (see :func:`fact`),
+        or None (not recorded yet, or refused)."""
+        plan = self._plans.get(key)
+        return None if plan is _FAILED else plan
+
+    def refused(self, key: tuple) -> bool:
+        """Whether this signature keeps its Python path for good."""
+        return self._plans.get(key) is _FAILED
+
     def clear(self) -> None:
         """Forget every plan and count (tests, benchmarks)."""
+        for plan in self._plans.values():
+            if plan is not _FAILED:
+                _BY_ID.pop(plan.plan_id, None)
         self._plans.clear()
         self._calls.clear()
-        self.replays = 0
+        self._replays = 0
         self.refusals = []
 
 
@@ -581,9 +640,22 @@ def _make_plan(ext, inputs, outputs, alloc_log, launch_log) -> _Plan:
                         for j, (a, zero) in enumerate(allocs))
     error = ext.set_allocs(plan_id, [(list(shape), list(strides), torch.empty(0, dtype=dtype, device=device), zero,
                                       list(drop)) for shape, strides, dtype, zero, drop in alloc_specs])
+    error = error or ext.set_outputs(plan_id, [_cpp_output_spec(spec, positions) for spec in out_specs])
     if error:
         raise RecordingRefused(error)
     return _Plan(plan_id, positions, alloc_specs, tuple(out_specs), ext)
+
+
+def _cpp_output_spec(spec, positions):
+    """An output spec as the extension's set_outputs takes it (kind, index, sizes, strides, offset);
+    an input is named by its place among the tensor inputs (the non-None ones)."""
+    if spec is None:
+        return (0, 0, [], [], 0)
+    if spec[0] == "input":
+        return (1, positions.index(spec[1]), [], [], 0)
+    if spec[0] == "alloc":
+        return (2, spec[1], [], [], 0)
+    return (3, spec[1], list(spec[2]), list(spec[3]), spec[4])
 
 
 def release_schedule(uses: List[List[int]], num_allocs: int, kept, zero_filled: bool = False) -> List[tuple]:

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from . import host_plan, planned_layer
 from .autograd import _grouped_gemm_fp8_resolved, add_group_bias, quantize_weight
 from .checks import check_operands, resolve_group_offs
 from .config import Float8Config
@@ -74,6 +75,7 @@ class GroupedLinearFP8(nn.Module):
         self.backend = backend
         self.cache_fp8_weight = bool(cache_fp8_weight)
         self._fp8_weight_cache = None  # (key, Float8Weight)
+        self._planned_layers = {}  # call signature -> ((config, num_cu, backend), PlannedLayer or NOT_PLANNABLE)
         self.fp8_delayed = delayed_state_for(self.config)
         self.register_state_dict_post_hook(GroupedLinearFP8._save_delayed_histories)
         self.register_load_state_dict_pre_hook(GroupedLinearFP8._load_delayed_histories)
@@ -101,9 +103,19 @@ class GroupedLinearFP8(nn.Module):
         *,
         group_offs: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        if type(x) is torch.Tensor and x.is_cuda and planned_layer.enabled() and self.fp8_delayed is None \
+                and not self.config.fine_grained and not torch.compiler.is_compiling():
+            y, offs = self._forward_planned(x, group_lens, group_offs)
+            if y is not None:
+                return y
+            if offs is not None:  # checked and resolved there
+                return self._forward_python(x, offs)
         check_operands(x, self.weight, trans_b=True)  # first: every error names the argument
         # Resolve the offsets once: the GEMM and the bias gather share them.
-        offs = resolve_group_offs(group_lens, group_offs, self.num_groups, x.shape[0], x.device)
+        return self._forward_python(x, resolve_group_offs(group_lens, group_offs, self.num_groups, x.shape[0],
+                                                          x.device))
+
+    def _forward_python(self, x, offs):
         y = _grouped_gemm_fp8_resolved(
             x,
             self.weight,
@@ -117,6 +129,47 @@ class GroupedLinearFP8(nn.Module):
         if self.bias is not None:
             y = add_group_bias(y, self.bias, offs)
         return y
+
+    def _forward_planned(self, x, group_lens, group_offs):
+        """The forward as one C++ call with a C++ backward node (``turbo_moe.planned_layer``) once this
+        call signature's host plans all exist. Returns ``(y, offs)``: y None means the Python path,
+        with the offsets resolved here if offs is not None. A signature is
+        everything the Python path's checks and launches derive from (the inputs' facts, grad
+        requirements, the output dtype, the recipe), so a hit skips the checks: they passed for
+        this signature before, and the offsets' values are checked on the device as always."""
+        w = self.weight
+        lens_given = group_offs is None
+        src = group_lens if lens_given else group_offs
+        if not isinstance(src, torch.Tensor) or (group_lens is not None and group_offs is not None):
+            return None, None
+        w_fp8 = self._fp8_weight_now() if self.cache_fp8_weight else None  # not compiling: no wrapper needed
+        out_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype  # as F.linear
+        offsets_step = lens_given and self.bias is None  # else the offsets are needed here too (bias)
+        offs = None
+        if not offsets_step:
+            check_operands(x, w, trans_b=True)
+            offs = src = resolve_group_offs(group_lens, group_offs, self.num_groups, x.shape[0], x.device)
+        # requires_grad whatever the grad mode: the Python Function's needs_input_grad, which decides
+        # what its forward makes for backward, does not look at the grad mode either.
+        key = (offsets_step, host_plan.fact(x), host_plan.fact(w), host_plan.fact(src), w_fp8 is None,
+               x.requires_grad, w.requires_grad, out_dtype, torch.is_grad_enabled())
+        static = (self.config, self.num_cu, self.backend, host_plan.generation())
+        found = self._planned_layers.get(key)
+        if found is None or found[0] != static:
+            layer = planned_layer.plan_layer(x, w, src, offsets_step, w_fp8, self.config, self.num_cu, self.backend,
+                                             out_dtype, key[5], key[6], forward_only=not key[8])
+            if layer is None:  # not all recorded yet
+                return None, offs
+            if len(self._planned_layers) >= 64:
+                self._planned_layers.clear()
+            found = self._planned_layers[key] = (static, layer)
+        layer = found[1]
+        if layer is planned_layer.NOT_PLANNABLE:
+            return None, offs
+        y = planned_layer.apply_layer(layer, x, w, src, w_fp8)
+        if self.bias is not None:
+            y = add_group_bias(y, self.bias, offs)
+        return y, offs
 
     # Delayed scaling's amax histories travel in the state dict as ``_extra_state`` (only then: a
     # current-scaling layer's state dict is just its parameters), so that a resumed run casts with
@@ -143,7 +196,12 @@ class GroupedLinearFP8(nn.Module):
         # pickle, deepcopy and torch.save leave it out, and the first forward rebuilds it.
         state = super().__getstate__()  # a copy of __dict__
         state["_fp8_weight_cache"] = None
+        state["_planned_layers"] = {}  # extension ids of this process
         return state
+
+    def __setstate__(self, state):
+        state.setdefault("_planned_layers", {})  # pickled before planned layers
+        super().__setstate__(state)
 
     def invalidate_fp8_weight_cache(self) -> None:
         """Drop the cached FP8 weight (after changing ``weight.data`` behind autograd's back)."""
@@ -151,6 +209,9 @@ class GroupedLinearFP8(nn.Module):
 
     @torch.compiler.disable
     def _cached_fp8_weight(self):
+        return self._fp8_weight_now()
+
+    def _fp8_weight_now(self):
         w = self.weight
         if w.is_cuda and torch.cuda.is_current_stream_capturing():
             return None  # the quantization must be part of the captured graph

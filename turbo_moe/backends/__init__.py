@@ -74,11 +74,13 @@ _recent: "collections.deque[DispatchRecord]" = collections.deque(maxlen=256)
 
 def recent_dispatches() -> List[DispatchRecord]:
     """The most recent dispatch decisions, oldest first (at most 256)."""
+    host_plan.flush_layer_replays()  # planned layers' C++ backwards (turbo_moe.planned_layer)
     return list(_recent)
 
 
 def clear_recent_dispatches() -> None:
     """Forget the recorded dispatch decisions (e.g. before a step whose GEMMs you want to see)."""
+    host_plan.flush_layer_replays()
     _recent.clear()
 
 
@@ -158,6 +160,7 @@ def select_backend(problem: GroupedGemmProblem, backend: str = "auto") -> Groupe
 def _log(record: DispatchRecord) -> None:
     """Keep ``record`` in :func:`recent_dispatches` (and the debug log). A host plan replaying a
     GEMM's launches repeats this for it (``host_plan.repeat_on_replay``)."""
+    host_plan.flush_layer_replays()  # earlier GEMMs first: those a planned layer's backward replayed
     _recent.append(record)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("%s", record)

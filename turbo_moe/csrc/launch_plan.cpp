@@ -218,7 +218,7 @@ std::string launch(int64_t id, const std::vector<int64_t>& addresses, int64_t st
            std::to_string(addresses.size());
   }
   const Driver& d = driver();
-  if (!d.error.empty()) return kPrefix + d.error;
+  if (!d.error.empty() && !plan->launches.empty()) return kPrefix + d.error;
   // 128-byte aligned parameter buffer (TMA descriptors are 64-byte aligned parameters).
   thread_local std::vector<uint8_t> storage;
   thread_local std::vector<void*> pointers;
@@ -265,6 +265,271 @@ std::tuple<std::string, std::vector<at::Tensor>> replay(int64_t id, const std::v
   return {launch(id, addresses, stream), made};
 }
 
+
+// ----------------------------------------------------------------------- a plan's outputs
+
+// Where each output of a plan's region comes from: nothing (kind 0), one of its tensor inputs
+// (1: `index` into replay()'s inputs), an allocation (2) or a view of one (3: sizes, strides,
+// storage offset in elements).
+struct OutputSpec {
+  int64_t kind;
+  int64_t index;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+  int64_t offset;
+};
+using OutputSpecs = std::vector<OutputSpec>;
+std::vector<std::shared_ptr<const OutputSpecs>> plan_outputs;  // by plan id; null until set_outputs
+
+using OutputSpecTuple = std::tuple<int64_t, int64_t, std::vector<int64_t>, std::vector<int64_t>, int64_t>;
+
+std::string set_outputs(int64_t id, const std::vector<OutputSpecTuple>& specs) {
+  auto plan = plan_at(id);
+  if (plan == nullptr) return kPrefix + "no plan " + std::to_string(id);
+  auto outputs = std::make_shared<OutputSpecs>();
+  for (const auto& t : specs) {
+    OutputSpec spec{std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t), std::get<4>(t)};
+    if (spec.kind < 0 || spec.kind > 3) return kPrefix + "an output of unknown kind";
+    if (spec.kind != 0 && (spec.index < 0 || spec.index >= plan->num_slots)) return kPrefix + "an output out of range";
+    if (spec.kind == 3 && spec.sizes.size() != spec.strides.size()) return kPrefix + "a view's sizes and strides differ in length";
+    outputs->push_back(std::move(spec));
+  }
+  std::lock_guard<std::mutex> lock(plans_mutex);
+  if (plan_outputs.size() < plans.size()) plan_outputs.resize(plans.size());
+  plan_outputs[id] = std::move(outputs);
+  return std::string();
+}
+
+// replay() and the region's outputs as set_outputs registered them; throws (as torch's
+// RuntimeError) on any error.
+std::vector<at::Tensor> run_plan(int64_t id, const std::vector<at::Tensor>& inputs, int64_t stream) {
+  std::shared_ptr<const OutputSpecs> specs;
+  {
+    std::lock_guard<std::mutex> lock(plans_mutex);
+    if (id >= 0 && id < static_cast<int64_t>(plan_outputs.size())) specs = plan_outputs[id];
+  }
+  TORCH_CHECK(specs != nullptr, kPrefix, "plan ", id, " has no outputs set");
+  auto [error, allocs] = replay(id, inputs, stream);
+  TORCH_CHECK(error.empty(), error);
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(specs->size());
+  for (const OutputSpec& spec : *specs) {
+    if (spec.kind == 0) {
+      outputs.emplace_back();
+    } else if (spec.kind == 1) {
+      outputs.push_back(inputs.at(spec.index));
+    } else if (spec.kind == 2) {
+      outputs.push_back(allocs.at(spec.index));
+    } else {
+      outputs.push_back(allocs.at(spec.index).as_strided(spec.sizes, spec.strides, spec.offset));
+    }
+  }
+  return outputs;
+}
+
+// ------------------------------------------------------------- a layer as one autograd node
+//
+// A *layer* is a differentiable function y = f(x, w; a0..a4) whose forward and backward are
+// recorded plans, wired by a table of values: 0 x, 1 w, 2-6 the optional tensors a0..a4 (for
+// turbo_moe: the offsets or group_lens, the weight's FP8 copies), then each step's outputs where
+// the layer says (turbo_moe/planned_layer.py lays the table out). PlannedLayer's forward
+// runs the forward step and saves what the backward steps read; its backward (a C++ node, so the
+// autograd engine runs it without Python) replays the backward steps on the incoming gradient.
+// Anything a plan does not cover -- a second backward after its held value was released, a
+// gradient whose layout differs from the recorded one, double backward -- goes to the Python
+// fallback registered by set_layer_fallback, which runs the Python path's backward.
+
+struct Step {
+  int64_t plan;
+  std::vector<int64_t> inputs;   // value index of each tensor input of the plan, in order
+  std::vector<int64_t> outputs;  // value index receiving each plan output (-1: not kept)
+  std::vector<int64_t> release;  // values dropped after the step (dead: freed before the next step allocates)
+};
+
+struct Layer {
+  int64_t num_values;
+  std::vector<Step> forward;
+  std::vector<Step> backward;
+  std::vector<int64_t> saved;  // values saved for backward (with autograd's version checks)
+  int64_t held;                // a value held for the first backward only and released by it (-1: none)
+  int64_t y, dy, dx, dw;       // value indices (dx/dw -1: not computed)
+};
+
+std::vector<std::shared_ptr<const Layer>> layers;
+py::object* layer_fallback = nullptr;  // leaked on purpose: never destroyed after the interpreter
+std::vector<int64_t> replayed_in_backward;  // plan ids, for the Python side's dispatch records
+
+using StepTuple = std::tuple<int64_t, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>>;
+
+std::tuple<std::string, int64_t> add_layer(int64_t num_values, const std::vector<StepTuple>& forward,
+                                           const std::vector<StepTuple>& backward, const std::vector<int64_t>& saved,
+                                           int64_t held, int64_t y, int64_t dy, int64_t dx, int64_t dw) {
+  auto layer = std::make_shared<Layer>();
+  if (num_values < 7) return {kPrefix + "a layer's value table holds at least x, w and a0..a4 (7 values)", -1};
+  layer->num_values = num_values;
+  auto in_range = [&](int64_t v) { return v >= 0 && v < num_values; };
+  auto make_step = [&](const StepTuple& t, Step& step) -> std::string {
+    step.plan = std::get<0>(t);
+    step.inputs = std::get<1>(t);
+    step.outputs = std::get<2>(t);
+    step.release = std::get<3>(t);
+    if (plan_at(step.plan) == nullptr) return kPrefix + "no plan " + std::to_string(step.plan);
+    for (int64_t v : step.inputs) if (!in_range(v)) return kPrefix + "a step input out of range";
+    for (int64_t v : step.outputs) if (v != -1 && !in_range(v)) return kPrefix + "a step output out of range";
+    for (int64_t v : step.release) if (!in_range(v)) return kPrefix + "a released value out of range";
+    return std::string();
+  };
+  std::string error;
+  for (const auto& t : forward) {
+    if (!error.empty()) break;
+    layer->forward.emplace_back();
+    error = make_step(t, layer->forward.back());
+  }
+  for (const auto& t : backward) {
+    if (!error.empty()) break;
+    layer->backward.emplace_back();
+    error = make_step(t, layer->backward.back());
+  }
+  if (error.empty() && layer->forward.empty()) error = kPrefix + "a layer without forward steps";
+  if (!error.empty()) return {error, -1};
+  layer->saved = saved;
+  for (int64_t v : saved) if (!in_range(v)) return {kPrefix + "a saved value out of range", -1};
+  layer->held = held;
+  layer->y = y;
+  layer->dy = dy;
+  layer->dx = dx;
+  layer->dw = dw;
+  if (!in_range(y) || !in_range(dy) || (held != -1 && !in_range(held)) || (dx != -1 && !in_range(dx)) ||
+      (dw != -1 && !in_range(dw)))
+    return {kPrefix + "a layer value index out of range", -1};
+  std::lock_guard<std::mutex> lock(plans_mutex);
+  layers.push_back(std::move(layer));
+  return {std::string(), static_cast<int64_t>(layers.size()) - 1};
+}
+
+std::shared_ptr<const Layer> layer_at(int64_t id) {
+  std::lock_guard<std::mutex> lock(plans_mutex);
+  if (id < 0 || id >= static_cast<int64_t>(layers.size())) return nullptr;
+  return layers[id];
+}
+
+void run_step(const Step& step, std::vector<at::Tensor>& values, int64_t stream) {
+  std::vector<at::Tensor> inputs;
+  inputs.reserve(step.inputs.size());
+  for (int64_t v : step.inputs) {
+    TORCH_CHECK(values[v].defined(), kPrefix, "a step input (value ", v, ") is missing");
+    inputs.push_back(values[v]);
+  }
+  std::vector<at::Tensor> outputs = run_plan(step.plan, inputs, stream);
+  inputs.clear();
+  TORCH_CHECK(outputs.size() == step.outputs.size(), kPrefix, "plan ", step.plan, " made ", outputs.size(),
+              " outputs, the step expects ", step.outputs.size());
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    if (step.outputs[k] != -1) values[step.outputs[k]] = std::move(outputs[k]);
+  }
+  for (int64_t v : step.release) values[v] = at::Tensor();
+}
+
+}  // namespace
+
+namespace turbo_moe {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Named outside the anonymous namespace: autograd shows it as CppNode<turbo_moe::PlannedLayer>.
+struct PlannedLayer : public torch::autograd::Function<PlannedLayer> {
+  static at::Tensor forward(AutogradContext* ctx, int64_t layer_id, int64_t stream, const at::Tensor& x,
+                            const at::Tensor& w, const std::optional<at::Tensor>& a0,
+                            const std::optional<at::Tensor>& a1, const std::optional<at::Tensor>& a2,
+                            const std::optional<at::Tensor>& a3, const std::optional<at::Tensor>& a4) {
+    auto layer = layer_at(layer_id);
+    TORCH_CHECK(layer != nullptr, kPrefix, "no layer ", layer_id);
+    std::vector<at::Tensor> values(layer->num_values);
+    values[0] = x;
+    values[1] = w;
+    const std::optional<at::Tensor>* rest[] = {&a0, &a1, &a2, &a3, &a4};
+    for (int k = 0; k < 5; ++k)
+      if (rest[k]->has_value()) values[2 + k] = rest[k]->value();
+    for (const Step& step : layer->forward) run_step(step, values, stream);
+    std::vector<at::Tensor> saved;
+    saved.reserve(layer->saved.size());
+    for (int64_t v : layer->saved) saved.push_back(values[v]);
+    ctx->save_for_backward(saved);
+    if (layer->held != -1) ctx->saved_data["held"] = values[layer->held];
+    ctx->saved_data["layer"] = layer_id;
+    ctx->saved_data["stream"] = stream;
+    return values[layer->y];
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const int64_t layer_id = ctx->saved_data["layer"].toInt();
+    const int64_t stream = ctx->saved_data["stream"].toInt();
+    auto layer = layer_at(layer_id);
+    TORCH_CHECK(layer != nullptr, kPrefix, "no layer ", layer_id);
+    std::vector<at::Tensor> values(layer->num_values);
+    const variable_list saved = ctx->get_saved_variables();
+    for (size_t k = 0; k < saved.size(); ++k) values[layer->saved[k]] = saved[k];
+    at::Tensor held;
+    if (layer->held != -1) {
+      auto it = ctx->saved_data.find("held");
+      if (it != ctx->saved_data.end() && it->second.isTensor()) held = it->second.toTensor();
+      ctx->saved_data["held"] = at::IValue();  // the first backward releases it (Python path: ctx.w_kn)
+    }
+    at::Tensor dy = grads[0].contiguous();
+    // The plans were recorded on a 16-byte aligned dy; under create_graph the result must stay
+    // once-differentiable (an error if differentiated again): both go to the Python path.
+    const bool planned = (layer->held == -1 || held.defined()) && !torch::autograd::GradMode::is_enabled() &&
+                         reinterpret_cast<uintptr_t>(dy.data_ptr()) % 16 == 0;
+    at::Tensor dx, dw;
+    if (planned) {
+      if (layer->held != -1) values[layer->held] = std::move(held);
+      values[layer->dy] = dy;
+      for (const Step& step : layer->backward) run_step(step, values, stream);
+      {
+        std::lock_guard<std::mutex> lock(plans_mutex);
+        // Bounded if nobody reads them: the oldest half goes (the Python side keeps the last 256 records).
+        if (replayed_in_backward.size() > 4096) replayed_in_backward.erase(replayed_in_backward.begin(), replayed_in_backward.begin() + 2048);
+        for (const Step& step : layer->backward) replayed_in_backward.push_back(step.plan);
+      }
+      if (layer->dx != -1) dx = values[layer->dx];
+      if (layer->dw != -1) dw = values[layer->dw];
+    } else {
+      TORCH_CHECK(layer_fallback != nullptr, kPrefix, "no backward fallback registered");
+      py::gil_scoped_acquire gil;
+      py::tuple out = (*layer_fallback)(layer_id, dy, saved, held.defined() ? py::cast(held) : py::none(),
+                                        torch::autograd::GradMode::is_enabled());
+      dx = out[0].is_none() ? at::Tensor() : out[0].cast<at::Tensor>();
+      dw = out[1].is_none() ? at::Tensor() : out[1].cast<at::Tensor>();
+    }
+    // One gradient per forward argument: layer id, stream, x, w, a0..a4.
+    return {at::Tensor(), at::Tensor(), dx, dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor apply_layer(int64_t layer_id, int64_t stream, const at::Tensor& x, const at::Tensor& w,
+                       const std::optional<at::Tensor>& a0, const std::optional<at::Tensor>& a1,
+                       const std::optional<at::Tensor>& a2, const std::optional<at::Tensor>& a3,
+                       const std::optional<at::Tensor>& a4) {
+  return PlannedLayer::apply(layer_id, stream, x, w, a0, a1, a2, a3, a4);
+}
+
+}  // namespace turbo_moe
+
+namespace {
+
+void set_layer_fallback(py::object fallback) {
+  if (layer_fallback == nullptr) layer_fallback = new py::object();
+  *layer_fallback = std::move(fallback);
+}
+
+std::vector<int64_t> take_replayed() {
+  std::lock_guard<std::mutex> lock(plans_mutex);
+  std::vector<int64_t> taken;
+  taken.swap(replayed_in_backward);
+  return taken;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -277,4 +542,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_allocs", &set_allocs, "register a plan's allocations for replay(); returns the error or ''");
   m.def("replay", &replay, "(error, allocations): make a plan's allocations and run its launches",
         py::arg("plan"), py::arg("inputs"), py::arg("stream"));
+  m.def("set_outputs", &set_outputs, "register where a plan's outputs come from (run_plan, layers); returns the error or ''");
+  m.def("run_plan", &run_plan, "a replay's outputs (raises on error)", py::arg("plan"), py::arg("inputs"),
+        py::arg("stream"));
+  m.def("add_layer", &add_layer, "(error, id): register a layer: its forward and backward steps over a value table");
+  m.def("apply_layer", &turbo_moe::apply_layer, "run a layer's forward; the result's grad_fn runs its backward steps in C++");
+  m.def("set_layer_fallback", &set_layer_fallback, "the Python backward for what a layer's plans do not cover");
+  m.def("take_replayed", &take_replayed, "the plans replayed by layer backwards since the last call (and forget them)");
 }

@@ -1,0 +1,138 @@
+"""Planned layers (turbo_moe/planned_layer.py, csrc/launch_plan.cpp): the C++ autograd node's
+wiring on the CPU, with plans that allocate and launch nothing. GPU equality with the Python
+path: tests/test_planned_layer_gpu.py."""
+
+import shutil
+
+import pytest
+import torch
+
+from turbo_moe import host_plan, planned_layer
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                reason="no C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def ext():
+    if torch.cuda.is_available():
+        pytest.skip("a CPU-only check: its plans launch nothing")
+    ext = host_plan._extension()
+    if ext is None:
+        pytest.skip(host_plan.status())
+    return ext
+
+
+def _plan(ext, num_inputs, allocs, fill=0.0):
+    """A plan without launches: its allocations (shape; zero filled) are its outputs, in order."""
+    error, plan = ext.add_plan(num_inputs + len(allocs), [])
+    assert error == ""
+    specs = [(list(shape), [shape[1], 1] if len(shape) == 2 else [1], torch.empty(0), True, []) for shape in allocs]
+    assert ext.set_allocs(plan, specs) == ""
+    assert ext.set_outputs(plan, [(2, j, [], [], 0) for j in range(len(allocs))]) == ""
+    return plan
+
+
+def _layer(ext, held):
+    """x [4, 5], w [3, 5]. Forward: y [4, 3] into 7, a saved tensor into 8. Backward reads dy (9) and
+    8 -- or the held 8 -- and makes dx (10) and dw (11)."""
+    forward = _plan(ext, 2, [(4, 3), (2,)])
+    backward = _plan(ext, 2, [(4, 5), (3, 5)])
+    saved = [1] if held else [8, 1]
+    error, layer = ext.add_layer(12, [(forward, [0, 1], [7, 8], [])], [(backward, [9, 8], [10, 11], [])], saved,
+                                 8 if held else -1, 7, 9, 10, 11)
+    assert error == ""
+    return layer, backward
+
+
+def test_layer_runs_its_forward_steps_and_its_backward_in_a_cpp_node(ext):
+    layer, backward = _layer(ext, held=False)
+    ext.take_replayed()
+    x = torch.randn(4, 5, requires_grad=True)
+    w = torch.randn(3, 5, requires_grad=True)
+    y = ext.apply_layer(layer, 0, x, w, None, None, None, None, None)
+    assert y.shape == (4, 3) and torch.equal(y, torch.zeros(4, 3))
+    assert "turbo_moe::PlannedLayer" in y.grad_fn.name()
+    y.backward(torch.randn(4, 3))
+    # The backward plan's allocations came back as the gradients (zero filled: no launch ran).
+    assert torch.equal(x.grad, torch.zeros(4, 5)) and torch.equal(w.grad, torch.zeros(3, 5))
+    assert ext.take_replayed() == [backward] and ext.take_replayed() == []
+    # Without grad, no node.
+    with torch.no_grad():
+        assert ext.apply_layer(layer, 0, x, w, None, None, None, None, None).grad_fn is None
+
+
+def test_what_the_plans_do_not_cover_goes_to_the_python_backward(ext):
+    """A second backward after the held value was released, a misaligned gradient and
+    create_graph each call the registered fallback with the saved values; the planned backward
+    runs otherwise."""
+    layer, _ = _layer(ext, held=True)
+    calls = []
+
+    def fallback(layer_id, dy, saved, held, create_graph):
+        calls.append((layer_id, dy.clone(), [t.shape for t in saved], held is None, create_graph))
+        return torch.ones(4, 5), torch.full((3, 5), 2.0)
+
+    ext.set_layer_fallback(fallback)
+    try:
+        x = torch.randn(4, 5, requires_grad=True)
+        w = torch.randn(3, 5, requires_grad=True)
+        y = ext.apply_layer(layer, 0, x, w, None, None, None, None, None)
+        dy = torch.randn(4, 3)
+        y.backward(dy, retain_graph=True)  # planned: zeros
+        assert calls == [] and torch.equal(x.grad, torch.zeros(4, 5))
+        y.backward(dy)  # the held value is gone: the Python backward
+        assert len(calls) == 1
+        layer_id, seen, saved_shapes, held_released, create_graph = calls[0]
+        assert layer_id == layer and torch.equal(seen, dy) and saved_shapes == [(3, 5)]
+        assert held_released and not create_graph
+        assert torch.equal(x.grad, torch.ones(4, 5)) and torch.equal(w.grad, torch.full((3, 5), 2.0))
+
+        # A gradient 4 bytes off 16-byte alignment: the recorded plans assume an aligned dy.
+        y = ext.apply_layer(layer, 0, x, w, None, None, None, None, None)
+        storage = torch.randn(13)
+        misaligned = storage[1:].view(4, 3)
+        assert misaligned.data_ptr() % 16 != 0
+        y.backward(misaligned)
+        assert len(calls) == 2 and torch.equal(calls[1][1], misaligned) and not calls[1][3]
+        # A non-contiguous gradient is made contiguous (a fresh, aligned buffer): planned.
+        y = ext.apply_layer(layer, 0, x, w, None, None, None, None, None)
+        y.backward(torch.randn(3, 4).t())
+        assert len(calls) == 2
+
+        y = ext.apply_layer(layer, 0, x, w, None, None, None, None, None)
+        torch.autograd.grad(y, (x, w), torch.randn(4, 3), create_graph=True)
+        assert len(calls) == 3 and calls[2][4]
+    finally:
+        ext.set_layer_fallback(planned_layer._python_backward)
+
+
+def test_add_layer_refuses_what_it_cannot_run(ext):
+    plan = _plan(ext, 2, [(4, 3)])
+    step = (plan, [0, 1], [7], [])
+    assert "no plan" in ext.add_layer(12, [(10 ** 6, [0], [7], [])], [], [], -1, 7, 9, -1, -1)[0]
+    assert "out of range" in ext.add_layer(12, [(plan, [0, 12], [7], [])], [], [], -1, 7, 9, -1, -1)[0]
+    assert "out of range" in ext.add_layer(12, [step], [], [40], -1, 7, 9, -1, -1)[0]
+    assert "without forward steps" in ext.add_layer(12, [], [], [], -1, 7, 9, -1, -1)[0]
+    assert "at least" in ext.add_layer(5, [step], [], [], -1, 3, 4, -1, -1)[0]
+    error, layer = ext.add_layer(12, [step], [], [], -1, 7, 9, -1, -1)
+    assert error == ""
+    # A step input the caller did not give is a clear error, not a crash.
+    error, reads_a0 = ext.add_layer(12, [(plan, [0, 2], [7], [])], [], [], -1, 7, 9, -1, -1)
+    assert error == ""
+    x = torch.randn(4, 5)
+    with pytest.raises(RuntimeError, match="step input"):
+        ext.apply_layer(reads_a0, 0, x, x, None, None, None, None, None)
+
+
+def test_spec_facts_are_the_keys_the_python_path_computes():
+    """A replay's outputs have the facts plan_layer derives for them (alloc: aligned; view: its
+    storage offset's alignment; input: the input's own)."""
+    allocs = (((4, 6), (6, 1), torch.float32, False, ()),)
+    t = torch.empty_strided((4, 6), (6, 1), dtype=torch.float32)
+    assert planned_layer._spec_fact(("alloc", 0), (), allocs, -1) == host_plan.fact(t)
+    view = t.as_strided((2, 3), (6, 1), 1)
+    assert planned_layer._spec_fact(("view", 0, (2, 3), (6, 1), 1), (), allocs, -1) == \
+        (view.shape, view.stride(), view.dtype, -1, (view.data_ptr() - t.data_ptr()) % 16)
+    assert planned_layer._spec_fact(("input", 1), ("a", "b"), allocs, -1) == "b"
+    assert planned_layer._contiguous_strides((4, 0, 3)) == torch.empty(4, 0, 3).stride()

@@ -1,0 +1,201 @@
+"""GPU: a GroupedLinearFP8 call as a planned layer (one C++ call, a C++ backward node;
+turbo_moe/planned_layer.py) gives the Python Function's results bit for bit.
+
+Each case runs the same calls twice on identical fresh modules, host plans on both times: once
+with planned layers off (the Python autograd Function replaying each region) and once on (from
+the third call of a signature: all its plans exist). Outputs and gradients must be equal
+bitwise, and the planned path must have run (else the equality proves nothing).
+"""
+
+import pytest
+import torch
+
+from turbo_moe import Float8Config, GroupedLinearFP8, host_plan, planned_layer
+from turbo_moe.backends import clear_recent_dispatches, recent_dispatches
+
+pytestmark = pytest.mark.gpu
+
+CONFIGS = {
+    "tensorwise": Float8Config(),
+    "hybrid": Float8Config(format="hybrid"),
+    "rowwise": Float8Config(granularity="rowwise"),
+}
+
+
+def _bitwise(a, b, what):
+    assert (a is None) == (b is None), what
+    if a is None:
+        return
+    assert a.shape == b.shape and a.dtype == b.dtype, what
+    assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), what
+
+
+def _lens(G, M, i):
+    g = torch.Generator().manual_seed(1000 + i)
+    cuts = torch.sort(torch.randint(0, M + 1, (G - 1,), generator=g)).values
+    lens = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([M])]))
+    lens[0] += lens[1]  # an empty expert every call
+    lens[1] = 0
+    return lens.cuda()
+
+
+def _run(planned, config, cache=True, bias=False, offsets=False, x_grad=True, w_grad=True, no_grad=False,
+         calls=5, G=6, M=517, K=384, N=272, dy_of=None, retain=False):
+    """Per call: (y, dx, dW, db) and whether the call ran as a planned layer."""
+    previous = planned_layer.set_enabled(planned), host_plan.set_enabled(True)
+    host_plan.clear_all()
+    try:
+        torch.manual_seed(0)
+        layer = GroupedLinearFP8(G, K, N, bias=bias, config=config, device="cuda", dtype=torch.bfloat16,
+                                 cache_fp8_weight=cache)
+        layer.weight.requires_grad_(w_grad)
+        out = []
+        for i in range(calls):
+            lens = _lens(G, M, i)
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(i))
+            x.requires_grad_(x_grad)
+            before = planned_layer.calls
+            kwargs = {"group_offs": torch.cat([lens.new_zeros(1), lens.cumsum(0)])} if offsets else {"group_lens": lens}
+            with torch.set_grad_enabled(not no_grad):
+                y = layer(x, **kwargs)
+            used = planned_layer.calls > before
+            grads = (None, None, None)
+            if y.requires_grad:
+                dy = torch.randn(y.shape, device="cuda", dtype=torch.bfloat16,
+                                 generator=torch.Generator("cuda").manual_seed(100 + i))
+                if dy_of is not None:
+                    dy = dy_of(i, dy)
+                for p in layer.parameters():
+                    p.grad = None
+                y.backward(dy, retain_graph=retain)
+                if retain:  # a second backward accumulates the same gradients again
+                    y.backward(dy)
+                grads = (x.grad if x_grad else None, layer.weight.grad if w_grad else None,
+                         layer.bias.grad if bias else None)
+            out.append(((y.detach(), *grads), used))
+        torch.cuda.synchronize()
+        return out
+    finally:
+        planned_layer.set_enabled(previous[0])
+        host_plan.set_enabled(previous[1])
+
+
+def _compare(**kwargs):
+    reference = _run(False, **kwargs)
+    got = _run(True, **kwargs)
+    if host_plan.status() != "on":
+        pytest.skip(f"host plans unavailable here: {host_plan.status()}")
+    for i, ((a, used_a), (b, used_b)) in enumerate(zip(reference, got)):
+        assert not used_a
+        for what, ta, tb in zip(("y", "dx", "dW", "db"), a, b):
+            _bitwise(ta, tb, f"call {i}: {what}")
+    return [used for _, used in got]
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["wcache", "nocache"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_planned_layer_equals_the_python_function_bitwise(name, cache):
+    used = _compare(config=CONFIGS[name], cache=cache)
+    # Calls 1-2 run the Python Function (call 2 records the plans), the rest are planned.
+    assert used == [False, False, True, True, True], used
+
+
+@pytest.mark.parametrize("case", ["bias", "offsets", "x-no-grad", "w-frozen", "no-grad", "retain-graph",
+                                  "strided-dy", "misaligned-dy"])
+def test_planned_layer_cases_equal_the_python_function(case):
+    kwargs = dict(config=CONFIGS["tensorwise"], cache=case != "retain-graph")
+    kwargs.update({
+        "bias": dict(bias=True), "offsets": dict(offsets=True), "x-no-grad": dict(x_grad=False),
+        "w-frozen": dict(w_grad=False), "no-grad": dict(no_grad=True), "retain-graph": dict(retain=True),
+        # From the fourth call, dy laid out column-major (the node makes it contiguous), or 2 bytes off
+        # 16-byte alignment (the node hands it to the Python backward; the plans were recorded on
+        # aligned ones).
+        "strided-dy": dict(dy_of=lambda i, dy: dy.t().contiguous().t() if i >= 3 else dy),
+        "misaligned-dy": dict(dy_of=lambda i, dy: torch.cat([dy.new_zeros(1), dy.reshape(-1)])[1:].view(dy.shape)
+                              if i >= 3 else dy),
+    }[case])
+    used = _compare(**kwargs)
+    assert used[2:] == [True] * 3, used
+
+
+def test_planned_layer_logs_the_dispatches_the_python_function_logs():
+    def records(planned):
+        previous = planned_layer.set_enabled(planned)
+        try:
+            layer = GroupedLinearFP8(4, 256, 128, device="cuda", dtype=torch.bfloat16)
+            lens = torch.tensor([100, 0, 56, 100], device="cuda")
+            x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(3):
+                layer(x, lens).sum().backward()
+            clear_recent_dispatches()
+            before = planned_layer.calls
+            layer(x, lens).sum().backward()
+            assert (planned_layer.calls > before) == planned
+            return [str(r) for r in recent_dispatches()]
+        finally:
+            planned_layer.set_enabled(previous)
+
+    python, planned = records(False), records(True)
+    assert len(python) == 3 and planned == python  # fwd, dgrad, wgrad, in that order
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["python", "planned"])
+def test_planned_layer_backward_stays_once_differentiable(planned):
+    """Under create_graph the gradients are once-differentiable, as the Python Function's: a
+    second differentiation raises."""
+    previous = planned_layer.set_enabled(planned)
+    try:
+        layer = GroupedLinearFP8(4, 256, 128, device="cuda", dtype=torch.bfloat16)
+        lens = torch.tensor([100, 0, 56, 100], device="cuda")
+        x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3):
+            layer(x, lens).sum().backward()
+        before = planned_layer.calls
+        y = layer(x, lens)
+        assert (planned_layer.calls > before) == planned
+        dy = torch.randn_like(y, requires_grad=True)
+        (dx,) = torch.autograd.grad(y, x, dy, create_graph=True)
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            dx.sum().backward()
+    finally:
+        planned_layer.set_enabled(previous)
+
+
+def test_planned_layer_captures_in_a_cuda_graph_and_follows_new_routing():
+    """Planned eagerly, then captured (no weight cache: capture re-quantizes): replaying the graph
+    with new routing gives the eager Python Function's results."""
+    G, M, K, N = 4, 256, 256, 128
+    torch.manual_seed(1)
+    layer = GroupedLinearFP8(G, K, N, device="cuda", dtype=torch.bfloat16, cache_fp8_weight=False)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    lens = torch.tensor([100, 0, 56, 100], device="cuda")
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        layer(x, lens).backward(dy)
+    before = planned_layer.calls
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        layer.weight.grad = None
+        x.grad = None
+        with torch.cuda.graph(graph):
+            y = layer(x, lens)
+            y.backward(dy)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert planned_layer.calls > before
+    lens.copy_(torch.tensor([0, 200, 0, 56]))
+    graph.replay()
+    torch.cuda.synchronize()
+    got = (y.detach().clone(), x.grad.clone(), layer.weight.grad.clone())
+    previous = planned_layer.set_enabled(False)
+    try:
+        layer.weight.grad = None
+        x.grad = None
+        y_ref = layer(x, lens)
+        y_ref.backward(dy)
+        torch.cuda.synchronize()
+    finally:
+        planned_layer.set_enabled(previous)
+    for what, a, b in zip(("y", "dx", "dW"), got, (y_ref.detach(), x.grad, layer.weight.grad)):
+        _bitwise(a, b, what)

@@ -1,0 +1,250 @@
+"""An FP8 grouped GEMM's forward and backward as one C++ autograd node, once both are host plans.
+
+``turbo_moe.host_plan`` replays each region's launches from C++, but around them a
+``GroupedLinearFP8`` call still ran Python: the module's checks, the offsets, the autograd
+``Function``'s forward and backward, and the regions' signature keys. On the GPU machines' slow
+CPUs that was most of a layer's host time (``docs/results/h100_host_plans.md``). Here, once a
+call signature's plans all exist -- the offsets kernel (when ``group_lens`` come with the call),
+the forward, and the backward (one region, or dgrad and wgrad) -- the layer is registered with the
+extension as a *planned layer* (``add_layer`` in ``csrc/launch_plan.cpp``): a table of values
+(x, w, the offsets source, the weight's FP8 copies, then each step's outputs) and the steps that
+read and write it. A later call with the same signature is one C++ call (``apply_layer``): its
+forward replays the steps and saves what backward reads; its ``grad_fn`` is a C++ node whose
+backward replays the backward steps without entering Python.
+
+What makes it the Python path, bit for bit: every step is a plan the Python path recorded and
+verified, looked up by exactly the key the Python path would compute for that call (the facts of
+the step's inputs are derived from the earlier steps' recorded outputs: shapes, strides, dtypes,
+alignment); what is saved, held and released is what ``GroupedGemmFP8Function`` saves, holds and
+releases. What no plan covers goes to the Python backward (:func:`_python_backward`): a second
+backward (``retain_graph``) after W^T's FP8 copy was released, a gradient laid out unlike the
+recorded one, and ``create_graph`` (which must stay once-differentiable). Dispatch records and
+replay counts of the C++ backward are accounted by ``host_plan.flush_layer_replays``.
+
+Served: the plain layer -- current scaling, tensorwise or rowwise, with or without the FP8 weight
+cache, any ``requires_grad`` combination. Delayed scaling, the fine-grained recipes, ``WgradTarget``
+and the SwiGLU handoff keep the Python ``Function``. ``TURBO_MOE_PLANNED_LAYERS=0`` turns this off.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from typing import Dict, NamedTuple, Optional, Tuple
+
+import torch
+
+from . import host_plan
+from .autograd import (_BACKWARD_REGION, _DGRAD_REGION, _FORWARD_REGION, _WGRAD_REGION, cached_weight_inputs,
+                       cached_weight_key, fp8_gemm_backward)
+from .checks import OFFSETS_REGION, offsets_region_key
+
+__all__ = ["enabled", "set_enabled", "PlannedLayer", "plan_layer", "apply_layer", "NOT_PLANNABLE"]
+
+_ENABLED = os.environ.get("TURBO_MOE_PLANNED_LAYERS", "1") not in ("", "0")
+
+
+def enabled() -> bool:
+    return _ENABLED and host_plan.enabled()
+
+
+def set_enabled(flag: bool) -> bool:
+    """Turn planned layers on or off (tests, benchmarks); returns the previous setting."""
+    global _ENABLED
+    previous, _ENABLED = _ENABLED, bool(flag)
+    return previous
+
+
+# The value table (csrc/launch_plan.cpp, Layer): apply_layer's arguments, then what the steps make.
+X, W, SRC, CACHE = 0, 1, 2, (3, 4, 5, 6)  # SRC: the offsets, or group_lens when the offsets are a step
+OFFS_MADE = 7
+Y, W_KN, W_KN_SCALE, X_KM, X_KM_SCALE = 8, 9, 10, 11, 12
+DY, DX, DW, DY_T, DY_T_SCALE = 13, 14, 15, 16, 17
+NUM_VALUES = 18
+
+
+class PlannedLayer(NamedTuple):
+    layer_id: int
+    regions: Tuple[Tuple[host_plan.Region, object], ...]  # the forward steps' (region, plan): counted per call
+
+
+class _Backward(NamedTuple):
+    """What the Python backward needs of a layer (:func:`_python_backward`)."""
+    saved: Tuple[int, ...]
+    offs: int
+    kept: bool
+    need_dx: bool
+    need_dw: bool
+    config: object
+    num_cu: Optional[int]
+    backend: str
+    x_dtype: torch.dtype
+    w_dtype: torch.dtype
+
+
+NOT_PLANNABLE = object()  # a signature some of whose regions keep their Python path for good
+calls = 0  # forwards run as planned layers (tests, benchmarks)
+_BACKWARDS: Dict[int, _Backward] = {}
+_FALLBACK_SET = False
+
+
+def _spec_fact(spec, input_facts, allocs, device):
+    """The signature fact of a plan's output, as a replay makes it (allocations are fresh, so
+    16-byte aligned)."""
+    if spec is None:
+        return None
+    if spec[0] == "input":
+        return input_facts[spec[1]]
+    shape, strides, dtype = allocs[spec[1]][:3]
+    if spec[0] == "alloc":
+        return (torch.Size(shape), tuple(strides), dtype, device, 0)
+    return (torch.Size(spec[2]), tuple(spec[3]), dtype, device, spec[4] * dtype.itemsize % 16)
+
+
+class _Builder:
+    """Looks up each step's plan by the key the Python path computes, with the facts of values the
+    earlier steps make derived from their recorded outputs."""
+
+    def __init__(self, device: int):
+        self.device = device
+        self.facts: Dict[int, object] = {}
+        self.steps = []
+        self.regions = []
+        self.missing = False  # a plan not recorded yet
+        self.refused = False  # a plan that never will be
+
+    def step(self, region: host_plan.Region, static_key, values, outputs, release=()):
+        """``values``: the value index of each region input (None: absent); ``outputs``: where
+        each region output goes (-1: dropped). Returns whether the plan exists."""
+        if self.missing or self.refused:
+            return False
+        input_facts = tuple(None if v is None else self.facts.get(v) for v in values)
+        key = (static_key, *input_facts)
+        plan = region.plan_for(key)
+        if plan is None:
+            if region.refused(key):
+                self.refused = True
+            else:
+                self.missing = True
+            return False
+        positions = plan.tensor_positions
+        self.steps.append((plan.plan_id, [values[p] for p in positions], list(outputs), list(release)))
+        self.regions.append((region, plan))
+        for spec, out in zip(plan.outputs, outputs):
+            if out != -1:
+                self.facts[out] = _spec_fact(spec, input_facts, plan.allocs, self.device)
+        return True
+
+
+def plan_layer(x, w_nk, src, from_lens: bool, w_fp8, config, num_cu, backend, out_dtype, need_dx: bool,
+               need_dw: bool, forward_only: bool = False):
+    """The :class:`PlannedLayer` for this call's signature, None if some plan is not recorded yet,
+    or ``NOT_PLANNABLE``. ``src``: the offsets (``from_lens`` False: already checked) or the
+    call's ``group_lens`` (the offsets kernel becomes the first step). ``need_dx``/``need_dw``:
+    the inputs' requires_grad (what the forward prepares for backward, as the Python Function's
+    needs_input_grad); ``forward_only``: grad mode is off, no backward will run (nor was one
+    recorded)."""
+    ext = host_plan._extension()
+    if ext is None:
+        return NOT_PLANNABLE
+    b = _Builder(x.get_device())
+    cache = cached_weight_inputs(w_fp8)
+    for v, t in ((X, x), (W, w_nk), (SRC, src), *zip(CACHE, cache)):
+        b.facts[v] = host_plan.fact(t)
+    forward_steps = 1
+    offs = SRC
+    if from_lens:
+        num_rows = x.shape[0]
+        b.step(OFFSETS_REGION, offsets_region_key(num_rows, True), (SRC,), (OFFS_MADE,))
+        offs, forward_steps = OFFS_MADE, 2
+    # autograd.fp8_gemm_forward's region and key (through_plan: no delayed history, so "0").
+    static = ((config, num_cu, backend, out_dtype, need_dx, need_dw, *cached_weight_key(w_fp8)), 0)
+    b.step(_FORWARD_REGION, static, (X, W, offs, *(c if t is not None else None for c, t in zip(CACHE, cache))),
+           (Y, W_KN, W_KN_SCALE, X_KM, X_KM_SCALE))
+    if b.missing or b.refused:
+        return NOT_PLANNABLE if b.refused else None
+    y_fact = b.facts[Y]
+    b.facts[DY] = (y_fact[0], _contiguous_strides(y_fact[0]), y_fact[2], y_fact[3], 0)  # backward's dy.contiguous()
+    # W^T's FP8 copy is the cache's (kept) when the forward passed it through from its inputs.
+    forward_plan = b.regions[-1][1]
+    w_kn_spec = forward_plan.outputs[1]
+    kept = w_kn_spec is not None and w_kn_spec[0] == "input" and w_kn_spec[1] == 5
+    x_dtype, w_dtype = x.dtype, w_nk.dtype
+    # autograd.fp8_gemm_backward's choice of regions and their keys (no WgradTarget, no handoff).
+    if forward_only:
+        need_dx = need_dw = kept = False  # nothing saved or held: no node is made
+    elif need_dw and (kept or not need_dx):
+        b.step(_BACKWARD_REGION, ((config, num_cu, backend, x_dtype, need_dx, w_dtype), 0),
+               (DY, None, None, None, W_KN, W_KN_SCALE, X_KM, X_KM_SCALE, offs, None), (DX, DW))
+    elif need_dx or need_dw:
+        b.step(_DGRAD_REGION, ((config, num_cu, backend, x_dtype, need_dx, need_dw), 0),
+               (DY, None, None, None, W_KN, W_KN_SCALE, offs), (DX, DY_T, DY_T_SCALE), release=(W_KN,))
+        if need_dw:
+            dy_t_made = b.facts.get(DY_T) is not None
+            b.step(_WGRAD_REGION, ((config, num_cu, backend, w_dtype), 0),
+                   (None if dy_t_made else DY, DY_T if dy_t_made else None, DY_T_SCALE if dy_t_made else None,
+                    X_KM, X_KM_SCALE, offs, None), (DW,))
+    if b.missing or b.refused:
+        return NOT_PLANNABLE if b.refused else None
+    saved = () if forward_only else tuple(
+        v for v in ((W,) if need_dx else ()) + (W_KN_SCALE, X_KM, X_KM_SCALE, offs) + ((W_KN,) if kept else ())
+        if b.facts.get(v) is not None)
+    held = W_KN if need_dx and not kept else -1
+    error, layer_id = ext.add_layer(NUM_VALUES, b.steps[:forward_steps], b.steps[forward_steps:], list(saved), held,
+                                    Y, DY, DX if need_dx else -1, DW if need_dw else -1)
+    if error:
+        return NOT_PLANNABLE
+    _BACKWARDS[layer_id] = _Backward(saved, offs, kept, need_dx, need_dw, config, num_cu, backend, x_dtype, w_dtype)
+    _ensure_fallback(ext)
+    return PlannedLayer(layer_id, tuple(b.regions[:forward_steps]))
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def apply_layer(layer: PlannedLayer, x, w_nk, src, w_fp8) -> torch.Tensor:
+    """The layer's forward (one C++ call); the result's ``grad_fn`` runs its backward in C++."""
+    global calls
+    calls += 1
+    ext = host_plan._EXT
+    host_plan.flush_layer_replays()
+    for region, plan in layer.regions:
+        region._replays += 1
+        for effect in plan.effects:
+            effect()
+    stream = host_plan._raw_stream(x.get_device())
+    return ext.apply_layer(layer.layer_id, stream, x, w_nk, src, *cached_weight_inputs(w_fp8))
+
+
+def _ensure_fallback(ext) -> None:
+    global _FALLBACK_SET
+    if not _FALLBACK_SET:
+        ext.set_layer_fallback(_python_backward)
+        host_plan.note_layer_use()
+        _FALLBACK_SET = True
+
+
+_ONCE = b"trying to differentiate twice a function that was marked with @once_differentiable"
+
+
+def _python_backward(layer_id: int, dy, saved, held, create_graph: bool):
+    """The Python path's backward for what the layer's plans do not cover (module docstring);
+    called by the C++ node with the saved values and the held W^T (None once released)."""
+    info = _BACKWARDS[layer_id]
+    values = dict(zip(info.saved, saved))
+    ctx = types.SimpleNamespace(
+        w_kn=held if held is not None else values.get(W_KN), w_kn_kept=info.kept, grad_history=None,
+        config=info.config, num_cu=info.num_cu, backend=info.backend, x_dtype=info.x_dtype, w_dtype=info.w_dtype,
+        wgrad_target=None, grad_handoff=None)
+    with torch.no_grad():
+        dx, dw = fp8_gemm_backward(ctx, dy, values.get(W), values.get(W_KN_SCALE), values.get(X_KM),
+                                   values.get(X_KM_SCALE), values[info.offs], info.need_dx, info.need_dw)
+    if create_graph and dy.requires_grad:  # as torch.autograd.function.once_differentiable
+        outputs = [None if t is None else t.detach().requires_grad_() for t in (dx, dw)]
+        dx, dw = torch._C._functions.DelayedError(_ONCE, 2)(*outputs)
+    return dx, dw
