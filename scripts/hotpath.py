@@ -5,7 +5,9 @@ For each shape and implementation, in one process on one GPU:
 * host us: CPU time to *issue* one fwd+bwd (with ``--compare-host-plans``, also ``host_us_python``:
   the same with turbo_moe's host launch plans off, measured alternately with them; with
   ``--compare-plan-allocations``, ``host_us_python_allocations``: plans replayed with their
-  allocations made from Python instead of inside the extension). A loop of steps runs without synchronizing while the
+  allocations made from Python instead of inside the extension; with ``--compare-planned-layers``,
+  ``host_us_no_planned_layer``: host plans on but the layer's Python autograd Function instead of
+  its C++ node, turbo_moe/planned_layer.py). A loop of steps runs without synchronizing while the
   GPU is kept busy by a long kernel queued first (``torch.cuda._sleep``), so the host never waits
   on the GPU and the loop's wall time is pure issue cost;
 * launches: GPU kernels of one fwd+bwd (torch.profiler, CUDA activity, after warm-up; with
@@ -165,8 +167,14 @@ def _plan_allocations_in_cpp(flag):
     return previous
 
 
+def _planned_layers(flag):
+    from turbo_moe import planned_layer
+
+    return planned_layer.set_enabled(flag)
+
+
 def measure(impl, shape, fmt, granularity, micro_batches, profile_top, compare_plans=False,
-            compare_allocations=False):
+            compare_allocations=False, compare_planned=False):
     step = build(impl, shape, fmt, granularity, micro_batches)
     for _ in range(3 * max(micro_batches, 1)):
         step()
@@ -178,6 +186,8 @@ def measure(impl, shape, fmt, granularity, micro_batches, profile_top, compare_p
         row["host_us"], row["host_us_python"] = _host_us_alternating(step, host_plan.set_enabled)
     elif compare_allocations and impl == "turbo":
         row["host_us"], row["host_us_python_allocations"] = _host_us_alternating(step, _plan_allocations_in_cpp)
+    elif compare_planned and impl == "turbo":
+        row["host_us"], row["host_us_no_planned_layer"] = _host_us_alternating(step, _planned_layers)
     else:
         row["host_us"] = statistics.median(_issue_us(step) for _ in range(3))
     row["launches"] = _count_kernels(step, max(micro_batches, 1))
@@ -217,6 +227,9 @@ def main(argv=None):
     p.add_argument("--compare-plan-allocations", action="store_true",
                    help="turbo rows: host us with host-plan replays allocating in C++ (the default) and in "
                         "Python (host_us_python_allocations), interleaved")
+    p.add_argument("--compare-planned-layers", action="store_true",
+                   help="turbo rows: host us with the layer's C++ autograd node (turbo_moe.planned_layer, the "
+                        "default) and with its Python Function (host_us_no_planned_layer), interleaved")
     p.add_argument("--label", default="")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
@@ -230,7 +243,8 @@ def main(argv=None):
                 try:
                     row = measure(impl, shape, args.format, granularity, mb,
                                   args.profile_top if (si == 0 and impl == "turbo" and mb == 1) else 0,
-                                  args.compare_host_plans, args.compare_plan_allocations)
+                                  args.compare_host_plans, args.compare_plan_allocations,
+                                  args.compare_planned_layers)
                 except Exception as exc:
                     row = {"impl": impl, "shape": shape, "mb": mb, "error": f"{type(exc).__name__}: {exc}"}
                 row["granularity"], row["label"] = granularity, args.label
