@@ -34,13 +34,14 @@ def _plan(ext, num_inputs, allocs, fill=0.0):
 
 
 def _layer(ext, held):
-    """x [4, 5], w [3, 5]. Forward: y [4, 3] into 7, a saved tensor into 8. Backward reads dy (9) and
-    8 -- or the held 8 -- and makes dx (10) and dw (11)."""
+    """x [4, 5], w [3, 5] (values 0, 1; 2-10 are the optional arguments). Forward: y [4, 3] into 11,
+    a saved tensor into 12. Backward reads dy (13) and 12 -- or the held 12 -- and makes dx (14) and
+    dw (15)."""
     forward = _plan(ext, 2, [(4, 3), (2,)])
     backward = _plan(ext, 2, [(4, 5), (3, 5)])
-    saved = [1] if held else [8, 1]
-    error, layer = ext.add_layer(12, [(forward, [0, 1], [7, 8], [])], [(backward, [9, 8], [10, 11], [])], saved,
-                                 8 if held else -1, 7, 9, 10, 11)
+    saved = [1] if held else [12, 1]
+    error, layer = ext.add_layer(16, [(forward, [0, 1], [11, 12], [])], [(backward, [13, 12], [14, 15], [])], saved,
+                                 12 if held else -1, 11, 13, 14, 15)
     assert error == ""
     return layer, backward
 
@@ -50,7 +51,7 @@ def test_layer_runs_its_forward_steps_and_its_backward_in_a_cpp_node(ext):
     ext.take_replayed()
     x = torch.randn(4, 5, requires_grad=True)
     w = torch.randn(3, 5, requires_grad=True)
-    y = ext.apply_layer(layer, 0, x, w, None, None, None, None, None)
+    y = ext.apply_layer(layer, 0, x, w)
     assert y.shape == (4, 3) and torch.equal(y, torch.zeros(4, 3))
     assert "turbo_moe::PlannedLayer" in y.grad_fn.name()
     y.backward(torch.randn(4, 3))
@@ -59,7 +60,7 @@ def test_layer_runs_its_forward_steps_and_its_backward_in_a_cpp_node(ext):
     assert ext.take_replayed() == [backward] and ext.take_replayed() == []
     # Without grad, no node.
     with torch.no_grad():
-        assert ext.apply_layer(layer, 0, x, w, None, None, None, None, None).grad_fn is None
+        assert ext.apply_layer(layer, 0, x, w).grad_fn is None
 
 
 def test_what_the_plans_do_not_cover_goes_to_the_python_backward(ext):
@@ -77,7 +78,7 @@ def test_what_the_plans_do_not_cover_goes_to_the_python_backward(ext):
     try:
         x = torch.randn(4, 5, requires_grad=True)
         w = torch.randn(3, 5, requires_grad=True)
-        y = ext.apply_layer(layer, 0, x, w, None, None, None, None, None)
+        y = ext.apply_layer(layer, 0, x, w)
         dy = torch.randn(4, 3)
         y.backward(dy, retain_graph=True)  # planned: zeros
         assert calls == [] and torch.equal(x.grad, torch.zeros(4, 5))
@@ -89,18 +90,18 @@ def test_what_the_plans_do_not_cover_goes_to_the_python_backward(ext):
         assert torch.equal(x.grad, torch.ones(4, 5)) and torch.equal(w.grad, torch.full((3, 5), 2.0))
 
         # A gradient 4 bytes off 16-byte alignment: the recorded plans assume an aligned dy.
-        y = ext.apply_layer(layer, 0, x, w, None, None, None, None, None)
+        y = ext.apply_layer(layer, 0, x, w)
         storage = torch.randn(13)
         misaligned = storage[1:].view(4, 3)
         assert misaligned.data_ptr() % 16 != 0
         y.backward(misaligned)
         assert len(calls) == 2 and torch.equal(calls[1][1], misaligned) and not calls[1][3]
         # A non-contiguous gradient is made contiguous (a fresh, aligned buffer): planned.
-        y = ext.apply_layer(layer, 0, x, w, None, None, None, None, None)
+        y = ext.apply_layer(layer, 0, x, w)
         y.backward(torch.randn(3, 4).t())
         assert len(calls) == 2
 
-        y = ext.apply_layer(layer, 0, x, w, None, None, None, None, None)
+        y = ext.apply_layer(layer, 0, x, w)
         torch.autograd.grad(y, (x, w), torch.randn(4, 3), create_graph=True)
         assert len(calls) == 3 and calls[2][4]
     finally:
@@ -109,20 +110,18 @@ def test_what_the_plans_do_not_cover_goes_to_the_python_backward(ext):
 
 def test_add_layer_refuses_what_it_cannot_run(ext):
     plan = _plan(ext, 2, [(4, 3)])
-    step = (plan, [0, 1], [7], [])
-    assert "no plan" in ext.add_layer(12, [(10 ** 6, [0], [7], [])], [], [], -1, 7, 9, -1, -1)[0]
-    assert "out of range" in ext.add_layer(12, [(plan, [0, 12], [7], [])], [], [], -1, 7, 9, -1, -1)[0]
-    assert "out of range" in ext.add_layer(12, [step], [], [40], -1, 7, 9, -1, -1)[0]
-    assert "without forward steps" in ext.add_layer(12, [], [], [], -1, 7, 9, -1, -1)[0]
-    assert "at least" in ext.add_layer(5, [step], [], [], -1, 3, 4, -1, -1)[0]
-    error, layer = ext.add_layer(12, [step], [], [], -1, 7, 9, -1, -1)
-    assert error == ""
+    step = (plan, [0, 1], [11], [])
+    assert "no plan" in ext.add_layer(16, [(10 ** 6, [0], [11], [])], [], [], -1, 11, 13, -1, -1)[0]
+    assert "out of range" in ext.add_layer(16, [(plan, [0, 16], [11], [])], [], [], -1, 11, 13, -1, -1)[0]
+    assert "out of range" in ext.add_layer(16, [step], [], [40], -1, 11, 13, -1, -1)[0]
+    assert "without forward steps" in ext.add_layer(16, [], [], [], -1, 11, 13, -1, -1)[0]
+    assert "at least" in ext.add_layer(10, [step], [], [], -1, 3, 4, -1, -1)[0]
     # A step input the caller did not give is a clear error, not a crash.
-    error, reads_a0 = ext.add_layer(12, [(plan, [0, 2], [7], [])], [], [], -1, 7, 9, -1, -1)
+    error, reads_a0 = ext.add_layer(16, [(plan, [0, 2], [11], [])], [], [], -1, 11, 13, -1, -1)
     assert error == ""
     x = torch.randn(4, 5)
     with pytest.raises(RuntimeError, match="step input"):
-        ext.apply_layer(reads_a0, 0, x, x, None, None, None, None, None)
+        ext.apply_layer(reads_a0, 0, x, x)
 
 
 def test_spec_facts_are_the_keys_the_python_path_computes():

@@ -17,6 +17,11 @@ from .delayed_scaling import delayed_state_for, restore_delayed_state
 __all__ = ["GroupedLinearFP8"]
 
 
+def _seeded_on(history, x) -> bool:
+    """Whether a delayed-scaling history has its state on x's device (what a replayed region reads)."""
+    return history.state is not None and history.state.device == x.device
+
+
 class GroupedLinearFP8(nn.Module):
     """``y[rows of g] = x[rows of g] @ weight[g]^T (+ bias[g])`` with FP8 grouped GEMMs.
 
@@ -103,8 +108,8 @@ class GroupedLinearFP8(nn.Module):
         *,
         group_offs: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        if type(x) is torch.Tensor and x.is_cuda and planned_layer.enabled() and self.fp8_delayed is None \
-                and not self.config.fine_grained and not torch.compiler.is_compiling():
+        if type(x) is torch.Tensor and x.is_cuda and planned_layer.enabled() and not self.config.fine_grained \
+                and not torch.compiler.is_compiling():
             y, offs = self._forward_planned(x, group_lens, group_offs)
             if y is not None:
                 return y
@@ -142,6 +147,11 @@ class GroupedLinearFP8(nn.Module):
         src = group_lens if lens_given else group_offs
         if not isinstance(src, torch.Tensor) or (group_lens is not None and group_offs is not None):
             return None, None
+        delayed = self.fp8_delayed
+        grad = torch.is_grad_enabled()
+        if delayed is not None and not (_seeded_on(delayed.input, x)
+                                        and (not grad or _seeded_on(delayed.grad_output, x))):
+            return None, None  # the Python path seeds (or moves) the histories first
         w_fp8 = self._fp8_weight_now() if self.cache_fp8_weight else None  # not compiling: no wrapper needed
         out_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype  # as F.linear
         offsets_step = lens_given and self.bias is None  # else the offsets are needed here too (bias)
@@ -152,12 +162,12 @@ class GroupedLinearFP8(nn.Module):
         # requires_grad whatever the grad mode: the Python Function's needs_input_grad, which decides
         # what its forward makes for backward, does not look at the grad mode either.
         key = (offsets_step, host_plan.fact(x), host_plan.fact(w), host_plan.fact(src), w_fp8 is None,
-               x.requires_grad, w.requires_grad, out_dtype, torch.is_grad_enabled())
+               x.requires_grad, w.requires_grad, out_dtype, grad)
         static = (self.config, self.num_cu, self.backend, host_plan.generation())
         found = self._planned_layers.get(key)
         if found is None or found[0] != static:
             layer = planned_layer.plan_layer(x, w, src, offsets_step, w_fp8, self.config, self.num_cu, self.backend,
-                                             out_dtype, key[5], key[6], forward_only=not key[8])
+                                             out_dtype, key[5], key[6], forward_only=not grad, delayed=delayed)
             if layer is None:  # not all recorded yet
                 return None, offs
             if len(self._planned_layers) >= 64:
@@ -166,7 +176,7 @@ class GroupedLinearFP8(nn.Module):
         layer = found[1]
         if layer is planned_layer.NOT_PLANNABLE:
             return None, offs
-        y = planned_layer.apply_layer(layer, x, w, src, w_fp8)
+        y = planned_layer.apply_layer(layer, x, w, src, w_fp8, delayed)
         if self.bias is not None:
             y = add_group_bias(y, self.bias, offs)
         return y, offs

@@ -21,8 +21,8 @@ backward (``retain_graph``) after W^T's FP8 copy was released, a gradient laid o
 recorded one, and ``create_graph`` (which must stay once-differentiable). Dispatch records and
 replay counts of the C++ backward are accounted by ``host_plan.flush_layer_replays``.
 
-Served: the plain layer -- current scaling, tensorwise or rowwise, with or without the FP8 weight
-cache, any ``requires_grad`` combination. Delayed scaling, the fine-grained recipes, ``WgradTarget``
+Served: the plain layer -- tensorwise (current or delayed scaling) or rowwise, with or without
+the FP8 weight cache, any ``requires_grad`` combination. The fine-grained recipes, ``WgradTarget``
 and the SwiGLU handoff keep the Python ``Function``. ``TURBO_MOE_PLANNED_LAYERS=0`` turns this off.
 """
 
@@ -38,6 +38,7 @@ from . import host_plan
 from .autograd import (_BACKWARD_REGION, _DGRAD_REGION, _FORWARD_REGION, _WGRAD_REGION, cached_weight_inputs,
                        cached_weight_key, fp8_gemm_backward)
 from .checks import OFFSETS_REGION, offsets_region_key
+from .delayed_scaling import AmaxHistory
 
 __all__ = ["enabled", "set_enabled", "PlannedLayer", "plan_layer", "apply_layer", "NOT_PLANNABLE"]
 
@@ -57,10 +58,11 @@ def set_enabled(flag: bool) -> bool:
 
 # The value table (csrc/launch_plan.cpp, Layer): apply_layer's arguments, then what the steps make.
 X, W, SRC, CACHE = 0, 1, 2, (3, 4, 5, 6)  # SRC: the offsets, or group_lens when the offsets are a step
-OFFS_MADE = 7
-Y, W_KN, W_KN_SCALE, X_KM, X_KM_SCALE = 8, 9, 10, 11, 12
-DY, DX, DW, DY_T, DY_T_SCALE = 13, 14, 15, 16, 17
-NUM_VALUES = 18
+X_HISTORY, DY_HISTORY = (7, 8), (9, 10)  # delayed scaling: each AmaxHistory's (state, ticket)
+OFFS_MADE = 11
+Y, W_KN, W_KN_SCALE, X_KM, X_KM_SCALE = 12, 13, 14, 15, 16
+DY, DX, DW, DY_T, DY_T_SCALE = 17, 18, 19, 20, 21
+NUM_VALUES = 22
 
 
 class PlannedLayer(NamedTuple):
@@ -80,6 +82,7 @@ class _Backward(NamedTuple):
     backend: str
     x_dtype: torch.dtype
     w_dtype: torch.dtype
+    delayed: bool
 
 
 NOT_PLANNABLE = object()  # a signature some of whose regions keep their Python path for good
@@ -137,29 +140,35 @@ class _Builder:
 
 
 def plan_layer(x, w_nk, src, from_lens: bool, w_fp8, config, num_cu, backend, out_dtype, need_dx: bool,
-               need_dw: bool, forward_only: bool = False):
+               need_dw: bool, forward_only: bool = False, delayed=None):
     """The :class:`PlannedLayer` for this call's signature, None if some plan is not recorded yet,
     or ``NOT_PLANNABLE``. ``src``: the offsets (``from_lens`` False: already checked) or the
     call's ``group_lens`` (the offsets kernel becomes the first step). ``need_dx``/``need_dw``:
     the inputs' requires_grad (what the forward prepares for backward, as the Python Function's
     needs_input_grad); ``forward_only``: grad mode is off, no backward will run (nor was one
-    recorded)."""
+    recorded). ``delayed``: the ``DelayedScalingState`` under delayed scaling, its histories
+    seeded on x's device (a history is a region input through ``autograd.through_plan``)."""
     ext = host_plan._extension()
     if ext is None:
         return NOT_PLANNABLE
     b = _Builder(x.get_device())
     cache = cached_weight_inputs(w_fp8)
-    for v, t in ((X, x), (W, w_nk), (SRC, src), *zip(CACHE, cache)):
+    histories = _history_tensors(delayed)
+    for v, t in ((X, x), (W, w_nk), (SRC, src), *zip(CACHE, cache), *zip(X_HISTORY + DY_HISTORY, histories)):
         b.facts[v] = host_plan.fact(t)
+    live = 1 if delayed is not None else 0  # through_plan's count of live histories per region
+    x_history = X_HISTORY if delayed is not None else ()
+    dy_history = DY_HISTORY if delayed is not None else ()
     forward_steps = 1
     offs = SRC
     if from_lens:
         num_rows = x.shape[0]
         b.step(OFFSETS_REGION, offsets_region_key(num_rows, True), (SRC,), (OFFS_MADE,))
         offs, forward_steps = OFFS_MADE, 2
-    # autograd.fp8_gemm_forward's region and key (through_plan: no delayed history, so "0").
-    static = ((config, num_cu, backend, out_dtype, need_dx, need_dw, *cached_weight_key(w_fp8)), 0)
-    b.step(_FORWARD_REGION, static, (X, W, offs, *(c if t is not None else None for c, t in zip(CACHE, cache))),
+    # autograd.fp8_gemm_forward's region and key (through_plan appends each live history's tensors).
+    static = ((config, num_cu, backend, out_dtype, need_dx, need_dw, *cached_weight_key(w_fp8)), live)
+    b.step(_FORWARD_REGION, static,
+           (X, W, offs, *(c if t is not None else None for c, t in zip(CACHE, cache)), *x_history),
            (Y, W_KN, W_KN_SCALE, X_KM, X_KM_SCALE))
     if b.missing or b.refused:
         return NOT_PLANNABLE if b.refused else None
@@ -174,11 +183,12 @@ def plan_layer(x, w_nk, src, from_lens: bool, w_fp8, config, num_cu, backend, ou
     if forward_only:
         need_dx = need_dw = kept = False  # nothing saved or held: no node is made
     elif need_dw and (kept or not need_dx):
-        b.step(_BACKWARD_REGION, ((config, num_cu, backend, x_dtype, need_dx, w_dtype), 0),
-               (DY, None, None, None, W_KN, W_KN_SCALE, X_KM, X_KM_SCALE, offs, None), (DX, DW))
+        b.step(_BACKWARD_REGION, ((config, num_cu, backend, x_dtype, need_dx, w_dtype), live),
+               (DY, None, None, None, W_KN, W_KN_SCALE, X_KM, X_KM_SCALE, offs, None, *dy_history), (DX, DW))
     elif need_dx or need_dw:
-        b.step(_DGRAD_REGION, ((config, num_cu, backend, x_dtype, need_dx, need_dw), 0),
-               (DY, None, None, None, W_KN, W_KN_SCALE, offs), (DX, DY_T, DY_T_SCALE), release=(W_KN,))
+        b.step(_DGRAD_REGION, ((config, num_cu, backend, x_dtype, need_dx, need_dw), live),
+               (DY, None, None, None, W_KN, W_KN_SCALE, offs, *dy_history), (DX, DY_T, DY_T_SCALE),
+               release=(W_KN,))
         if need_dw:
             dy_t_made = b.facts.get(DY_T) is not None
             b.step(_WGRAD_REGION, ((config, num_cu, backend, w_dtype), 0),
@@ -188,13 +198,14 @@ def plan_layer(x, w_nk, src, from_lens: bool, w_fp8, config, num_cu, backend, ou
         return NOT_PLANNABLE if b.refused else None
     saved = () if forward_only else tuple(
         v for v in ((W,) if need_dx else ()) + (W_KN_SCALE, X_KM, X_KM_SCALE, offs) + ((W_KN,) if kept else ())
-        if b.facts.get(v) is not None)
+        + dy_history if b.facts.get(v) is not None)
     held = W_KN if need_dx and not kept else -1
     error, layer_id = ext.add_layer(NUM_VALUES, b.steps[:forward_steps], b.steps[forward_steps:], list(saved), held,
                                     Y, DY, DX if need_dx else -1, DW if need_dw else -1)
     if error:
         return NOT_PLANNABLE
-    _BACKWARDS[layer_id] = _Backward(saved, offs, kept, need_dx, need_dw, config, num_cu, backend, x_dtype, w_dtype)
+    _BACKWARDS[layer_id] = _Backward(saved, offs, kept, need_dx, need_dw, config, num_cu, backend, x_dtype, w_dtype,
+                                     delayed is not None)
     _ensure_fallback(ext)
     return PlannedLayer(layer_id, tuple(b.regions[:forward_steps]))
 
@@ -207,7 +218,13 @@ def _contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
-def apply_layer(layer: PlannedLayer, x, w_nk, src, w_fp8) -> torch.Tensor:
+def _history_tensors(delayed) -> tuple:
+    if delayed is None:
+        return (None,) * 4
+    return (delayed.input.state, delayed.input.ticket, delayed.grad_output.state, delayed.grad_output.ticket)
+
+
+def apply_layer(layer: PlannedLayer, x, w_nk, src, w_fp8, delayed=None) -> torch.Tensor:
     """The layer's forward (one C++ call); the result's ``grad_fn`` runs its backward in C++."""
     global calls
     calls += 1
@@ -218,7 +235,8 @@ def apply_layer(layer: PlannedLayer, x, w_nk, src, w_fp8) -> torch.Tensor:
         for effect in plan.effects:
             effect()
     stream = host_plan._raw_stream(x.get_device())
-    return ext.apply_layer(layer.layer_id, stream, x, w_nk, src, *cached_weight_inputs(w_fp8))
+    return ext.apply_layer(layer.layer_id, stream, x, w_nk, src, *cached_weight_inputs(w_fp8),
+                           *_history_tensors(delayed))
 
 
 def _ensure_fallback(ext) -> None:
@@ -237,8 +255,13 @@ def _python_backward(layer_id: int, dy, saved, held, create_graph: bool):
     called by the C++ node with the saved values and the held W^T (None once released)."""
     info = _BACKWARDS[layer_id]
     values = dict(zip(info.saved, saved))
+    grad_history = None
+    if info.delayed:  # the history's tensors as the call passed them
+        config = info.config
+        grad_history = AmaxHistory(config.amax_history_len, config.amax_compute_algo == "most_recent")
+        grad_history.state, grad_history.ticket = values[DY_HISTORY[0]], values[DY_HISTORY[1]]
     ctx = types.SimpleNamespace(
-        w_kn=held if held is not None else values.get(W_KN), w_kn_kept=info.kept, grad_history=None,
+        w_kn=held if held is not None else values.get(W_KN), w_kn_kept=info.kept, grad_history=grad_history,
         config=info.config, num_cu=info.num_cu, backend=info.backend, x_dtype=info.x_dtype, w_dtype=info.w_dtype,
         wgrad_target=None, grad_handoff=None)
     with torch.no_grad():

@@ -329,10 +329,11 @@ std::vector<at::Tensor> run_plan(int64_t id, const std::vector<at::Tensor>& inpu
 
 // ------------------------------------------------------------- a layer as one autograd node
 //
-// A *layer* is a differentiable function y = f(x, w; a0..a4) whose forward and backward are
-// recorded plans, wired by a table of values: 0 x, 1 w, 2-6 the optional tensors a0..a4 (for
-// turbo_moe: the offsets or group_lens, the weight's FP8 copies), then each step's outputs where
-// the layer says (turbo_moe/planned_layer.py lays the table out). PlannedLayer's forward
+// A *layer* is a differentiable function y = f(x, w; a0..a8) whose forward and backward are
+// recorded plans, wired by a table of values: 0 x, 1 w, 2-10 the optional tensors a0..a8 (for
+// turbo_moe: the offsets or group_lens, the weight's FP8 copies, delayed scaling's amax
+// histories), then each step's outputs where the layer says (turbo_moe/planned_layer.py lays the
+// table out). PlannedLayer's forward
 // runs the forward step and saves what the backward steps read; its backward (a C++ node, so the
 // autograd engine runs it without Python) replays the backward steps on the incoming gradient.
 // Anything a plan does not cover -- a second backward after its held value was released, a
@@ -365,7 +366,7 @@ std::tuple<std::string, int64_t> add_layer(int64_t num_values, const std::vector
                                            const std::vector<StepTuple>& backward, const std::vector<int64_t>& saved,
                                            int64_t held, int64_t y, int64_t dy, int64_t dx, int64_t dw) {
   auto layer = std::make_shared<Layer>();
-  if (num_values < 7) return {kPrefix + "a layer's value table holds at least x, w and a0..a4 (7 values)", -1};
+  if (num_values < 11) return {kPrefix + "a layer's value table holds at least x, w and a0..a8 (11 values)", -1};
   layer->num_values = num_values;
   auto in_range = [&](int64_t v) { return v >= 0 && v < num_values; };
   auto make_step = [&](const StepTuple& t, Step& step) -> std::string {
@@ -442,14 +443,16 @@ struct PlannedLayer : public torch::autograd::Function<PlannedLayer> {
   static at::Tensor forward(AutogradContext* ctx, int64_t layer_id, int64_t stream, const at::Tensor& x,
                             const at::Tensor& w, const std::optional<at::Tensor>& a0,
                             const std::optional<at::Tensor>& a1, const std::optional<at::Tensor>& a2,
-                            const std::optional<at::Tensor>& a3, const std::optional<at::Tensor>& a4) {
+                            const std::optional<at::Tensor>& a3, const std::optional<at::Tensor>& a4,
+                            const std::optional<at::Tensor>& a5, const std::optional<at::Tensor>& a6,
+                            const std::optional<at::Tensor>& a7, const std::optional<at::Tensor>& a8) {
     auto layer = layer_at(layer_id);
     TORCH_CHECK(layer != nullptr, kPrefix, "no layer ", layer_id);
     std::vector<at::Tensor> values(layer->num_values);
     values[0] = x;
     values[1] = w;
-    const std::optional<at::Tensor>* rest[] = {&a0, &a1, &a2, &a3, &a4};
-    for (int k = 0; k < 5; ++k)
+    const std::optional<at::Tensor>* rest[] = {&a0, &a1, &a2, &a3, &a4, &a5, &a6, &a7, &a8};
+    for (int k = 0; k < 9; ++k)
       if (rest[k]->has_value()) values[2 + k] = rest[k]->value();
     for (const Step& step : layer->forward) run_step(step, values, stream);
     std::vector<at::Tensor> saved;
@@ -502,16 +505,21 @@ struct PlannedLayer : public torch::autograd::Function<PlannedLayer> {
       dx = out[0].is_none() ? at::Tensor() : out[0].cast<at::Tensor>();
       dw = out[1].is_none() ? at::Tensor() : out[1].cast<at::Tensor>();
     }
-    // One gradient per forward argument: layer id, stream, x, w, a0..a4.
-    return {at::Tensor(), at::Tensor(), dx, dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    // One gradient per forward argument: layer id, stream, x, w, a0..a8.
+    variable_list result(13);
+    result[2] = dx;
+    result[3] = dw;
+    return result;
   }
 };
 
 at::Tensor apply_layer(int64_t layer_id, int64_t stream, const at::Tensor& x, const at::Tensor& w,
                        const std::optional<at::Tensor>& a0, const std::optional<at::Tensor>& a1,
                        const std::optional<at::Tensor>& a2, const std::optional<at::Tensor>& a3,
-                       const std::optional<at::Tensor>& a4) {
-  return PlannedLayer::apply(layer_id, stream, x, w, a0, a1, a2, a3, a4);
+                       const std::optional<at::Tensor>& a4, const std::optional<at::Tensor>& a5,
+                       const std::optional<at::Tensor>& a6, const std::optional<at::Tensor>& a7,
+                       const std::optional<at::Tensor>& a8) {
+  return PlannedLayer::apply(layer_id, stream, x, w, a0, a1, a2, a3, a4, a5, a6, a7, a8);
 }
 
 }  // namespace turbo_moe
@@ -546,7 +554,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run_plan", &run_plan, "a replay's outputs (raises on error)", py::arg("plan"), py::arg("inputs"),
         py::arg("stream"));
   m.def("add_layer", &add_layer, "(error, id): register a layer: its forward and backward steps over a value table");
-  m.def("apply_layer", &turbo_moe::apply_layer, "run a layer's forward; the result's grad_fn runs its backward steps in C++");
+  m.def("apply_layer", &turbo_moe::apply_layer, "run a layer's forward; the result's grad_fn runs its backward steps in C++",
+        py::arg("layer"), py::arg("stream"), py::arg("x"), py::arg("w"), py::arg("a0") = py::none(),
+        py::arg("a1") = py::none(), py::arg("a2") = py::none(), py::arg("a3") = py::none(), py::arg("a4") = py::none(),
+        py::arg("a5") = py::none(), py::arg("a6") = py::none(), py::arg("a7") = py::none(), py::arg("a8") = py::none());
   m.def("set_layer_fallback", &set_layer_fallback, "the Python backward for what a layer's plans do not cover");
   m.def("take_replayed", &take_replayed, "the plans replayed by layer backwards since the last call (and forget them)");
 }
