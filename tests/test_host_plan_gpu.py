@@ -13,6 +13,8 @@ from turbo_moe import Float8Config, GroupedLinearFP8, GroupedSwiGLUMLPFP8, host_
 from turbo_moe import autograd as fp8_autograd
 from turbo_moe import swiglu as fp8_swiglu
 
+from _cuda_graph import capture_fwd_bwd, replay_against_eager
+
 pytestmark = pytest.mark.gpu
 
 # Forward; dgrad and wgrad apart (W^T's FP8 copy freed between them); the whole backward in one
@@ -162,32 +164,12 @@ def test_replayed_step_captures_in_a_cuda_graph_and_follows_new_routing(cache):
             x.grad = None
             layer(x, lens).backward(dy)
         assert fp8_autograd._FORWARD_REGION.replays > 0
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            layer.weight.grad = None
-            x.grad = None
-            with torch.cuda.graph(graph):
-                y = layer(x, lens)
-                y.backward(dy)
-        torch.cuda.current_stream().wait_stream(stream)
-        lens.copy_(torch.tensor([0, 200, 0, 56]))
-        graph.replay()
-        torch.cuda.synchronize()
-        got = (y.detach().clone(), x.grad.clone(), layer.weight.grad.clone())
+        graph, y = capture_fwd_bwd(layer, x, lens, dy)
+        replayed, eager = replay_against_eager(layer, x, lens, dy, graph, y, torch.tensor([0, 200, 0, 56]),
+                                               host_plan.set_enabled)
     finally:
         host_plan.set_enabled(previous)
-    host_plan.set_enabled(False)
-    try:
-        layer.weight.grad = None
-        x.grad = None
-        y_ref = layer(x, lens)
-        y_ref.backward(dy)
-        torch.cuda.synchronize()
-    finally:
-        host_plan.set_enabled(previous)
-    for what, a, b in zip(("y", "dx", "dW"), got, (y_ref.detach(), x.grad, layer.weight.grad)):
+    for what, a, b in zip(("y", "dx", "dW"), replayed, eager):
         _assert_bitwise(a, b, what)
 
 

@@ -13,6 +13,8 @@ import torch
 from turbo_moe import Float8Config, GroupedLinearFP8, host_plan, planned_layer
 from turbo_moe.backends import clear_recent_dispatches, recent_dispatches
 
+from _cuda_graph import capture_fwd_bwd, replay_against_eager
+
 pytestmark = pytest.mark.gpu
 
 CONFIGS = {
@@ -122,15 +124,21 @@ def test_planned_layer_cases_equal_the_python_function(case):
     assert used[2:] == [True] * 3, used
 
 
+def _warmed_layer():
+    """A layer, its routing and input after three fwd+bwd: the next call is planned if enabled."""
+    layer = GroupedLinearFP8(4, 256, 128, device="cuda", dtype=torch.bfloat16)
+    lens = torch.tensor([100, 0, 56, 100], device="cuda")
+    x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for _ in range(3):
+        layer(x, lens).sum().backward()
+    return layer, lens, x
+
+
 def test_planned_layer_logs_the_dispatches_the_python_function_logs():
     def records(planned):
         previous = planned_layer.set_enabled(planned)
         try:
-            layer = GroupedLinearFP8(4, 256, 128, device="cuda", dtype=torch.bfloat16)
-            lens = torch.tensor([100, 0, 56, 100], device="cuda")
-            x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            for _ in range(3):
-                layer(x, lens).sum().backward()
+            layer, lens, x = _warmed_layer()
             clear_recent_dispatches()
             before = planned_layer.calls
             layer(x, lens).sum().backward()
@@ -149,11 +157,7 @@ def test_planned_layer_backward_stays_once_differentiable(planned):
     second differentiation raises."""
     previous = planned_layer.set_enabled(planned)
     try:
-        layer = GroupedLinearFP8(4, 256, 128, device="cuda", dtype=torch.bfloat16)
-        lens = torch.tensor([100, 0, 56, 100], device="cuda")
-        x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        for _ in range(3):
-            layer(x, lens).sum().backward()
+        layer, lens, x = _warmed_layer()
         before = planned_layer.calls
         y = layer(x, lens)
         assert (planned_layer.calls > before) == planned
@@ -177,29 +181,9 @@ def test_planned_layer_captures_in_a_cuda_graph_and_follows_new_routing():
     for _ in range(3):
         layer(x, lens).backward(dy)
     before = planned_layer.calls
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        layer.weight.grad = None
-        x.grad = None
-        with torch.cuda.graph(graph):
-            y = layer(x, lens)
-            y.backward(dy)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, y = capture_fwd_bwd(layer, x, lens, dy)
     assert planned_layer.calls > before
-    lens.copy_(torch.tensor([0, 200, 0, 56]))
-    graph.replay()
-    torch.cuda.synchronize()
-    got = (y.detach().clone(), x.grad.clone(), layer.weight.grad.clone())
-    previous = planned_layer.set_enabled(False)
-    try:
-        layer.weight.grad = None
-        x.grad = None
-        y_ref = layer(x, lens)
-        y_ref.backward(dy)
-        torch.cuda.synchronize()
-    finally:
-        planned_layer.set_enabled(previous)
-    for what, a, b in zip(("y", "dx", "dW"), got, (y_ref.detach(), x.grad, layer.weight.grad)):
+    replayed, eager = replay_against_eager(layer, x, lens, dy, graph, y, torch.tensor([0, 200, 0, 56]),
+                                           planned_layer.set_enabled)
+    for what, a, b in zip(("y", "dx", "dW"), replayed, eager):
         _bitwise(a, b, what)
