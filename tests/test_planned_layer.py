@@ -135,3 +135,71 @@ def test_spec_facts_are_the_keys_the_python_path_computes():
         (view.shape, view.stride(), view.dtype, -1, (view.data_ptr() - t.data_ptr()) % 16)
     assert planned_layer._spec_fact(("input", 1), ("a", "b"), allocs, -1) == "b"
     assert planned_layer._contiguous_strides((4, 0, 3)) == torch.empty(4, 0, 3).stride()
+
+
+class _FakeRegion:
+    """A region whose plans are launch-less extension plans (allocations only): records the keys
+    plan_layer asks for."""
+
+    def __init__(self, ext, positions, allocs, outputs):
+        error, self.plan_id = ext.add_plan(len(positions) + len(allocs), [])
+        assert error == ""
+        specs = [(list(shape), list(strides), torch.empty(0, dtype=dtype), False, []) for shape, strides, dtype in allocs]
+        assert ext.set_allocs(self.plan_id, specs) == ""
+        assert ext.set_outputs(self.plan_id, [host_plan._cpp_output_spec(o, positions) for o in outputs]) == ""
+        self.plan = host_plan._Plan(self.plan_id, positions, tuple((*a, False, ()) for a in allocs), tuple(outputs),
+                                    ext)
+        self.keys = []
+
+    def plan_for(self, key):
+        self.keys.append(key)
+        return self.plan
+
+    def refused(self, key):
+        return False
+
+
+def test_plan_layer_asks_each_region_for_the_python_paths_key_and_wires_the_steps(ext, monkeypatch):
+    """Tensorwise, no weight cache, group_lens: offsets, forward, dgrad, wgrad. Each step's key is
+    made of the facts the earlier steps' recorded outputs give (fresh allocations: aligned), the
+    layer is registered once per distinct set of steps, and it runs (launch-less plans: the
+    gradients are the backward plans' allocations, of the inputs' shapes)."""
+    from turbo_moe import Float8Config, checks
+
+    G, M, K, N = 3, 8, 16, 12
+    e4m3 = torch.float8_e4m3fn
+    f32, bf16 = torch.float32, torch.bfloat16
+    offsets = _FakeRegion(ext, [0], [((G + 1,), (1,), torch.int64)], [("alloc", 0)])
+    forward = _FakeRegion(ext, [0, 1, 2], [((M, N), (N, 1), bf16), ((G, K, N), (K * N, N, 1), e4m3), ((), (), f32),
+                                           ((K, M), (M, 1), e4m3)],
+                          [("alloc", 0), ("alloc", 1), ("alloc", 2), ("alloc", 3), ("alloc", 2)])
+    dgrad = _FakeRegion(ext, [0, 4, 5, 6], [((M, K), (K, 1), bf16), ((N, M), (M, 1), e4m3), ((), (), f32)],
+                        [("alloc", 0), ("alloc", 1), ("alloc", 2)])
+    wgrad = _FakeRegion(ext, [1, 2, 3, 4, 5], [((G, N, K), (N * K, K, 1), bf16)], [("alloc", 0)])
+    monkeypatch.setattr(planned_layer, "OFFSETS_REGION", offsets)
+    for name, fake in (("_FORWARD_REGION", forward), ("_DGRAD_REGION", dgrad), ("_WGRAD_REGION", wgrad)):
+        monkeypatch.setattr(planned_layer, name, fake)
+    config = Float8Config()
+    x = torch.randn(M, K, dtype=bf16, requires_grad=True)
+    w = torch.randn(G, N, K, dtype=bf16, requires_grad=True)
+    lens = torch.tensor([3, 0, 5])
+    layer = planned_layer.plan_layer(x, w, lens, True, None, config, None, "auto", bf16, True, True)
+    assert isinstance(layer, planned_layer.PlannedLayer)
+    fact = host_plan.fact
+    assert offsets.keys == [(checks.offsets_region_key(M, True), fact(lens))]
+    offs_fact = (torch.Size([G + 1]), (1,), torch.int64, -1, 0)
+    assert forward.keys == [(((config, None, "auto", bf16, True, True, True, False), 0), fact(x), fact(w), offs_fact,
+                             None, None, None, None)]
+    w_kn = (torch.Size([G, K, N]), (K * N, N, 1), e4m3, -1, 0)
+    scalar = (torch.Size([]), (), f32, -1, 0)
+    dy = (torch.Size([M, N]), (N, 1), bf16, -1, 0)
+    assert dgrad.keys == [(((config, None, "auto", bf16, True, True), 0), dy, None, None, None, w_kn, scalar, offs_fact)]
+    assert wgrad.keys == [(((config, None, "auto", bf16), 0), None, (torch.Size([N, M]), (M, 1), e4m3, -1, 0), scalar,
+                           (torch.Size([K, M]), (M, 1), e4m3, -1, 0), scalar, offs_fact, None)]
+    # The same steps again (another module, or a rebuilt cache): the same extension layer.
+    again = planned_layer.plan_layer(x, w, lens, True, None, config, None, "auto", bf16, True, True)
+    assert again.layer_id == layer.layer_id
+    y = ext.apply_layer(layer.layer_id, 0, x, w, lens)
+    assert y.shape == (M, N) and y.dtype == bf16 and "PlannedLayer" in y.grad_fn.name()
+    dx, dw = torch.autograd.grad(y, (x, w), torch.randn(M, N, dtype=bf16))
+    assert dx.shape == x.shape and dw.shape == w.shape

@@ -88,6 +88,7 @@ class _Backward(NamedTuple):
 NOT_PLANNABLE = object()  # a signature some of whose regions keep their Python path for good
 calls = 0  # forwards run as planned layers (tests, benchmarks)
 _BACKWARDS: Dict[int, _Backward] = {}
+_LAYER_IDS: Dict[tuple, int] = {}  # (steps, forward step count, _Backward) -> extension layer id
 _FALLBACK_SET = False
 
 
@@ -200,12 +201,20 @@ def plan_layer(x, w_nk, src, from_lens: bool, w_fp8, config, num_cu, backend, ou
         v for v in ((W,) if need_dx else ()) + (W_KN_SCALE, X_KM, X_KM_SCALE, offs) + ((W_KN,) if kept else ())
         + dy_history if b.facts.get(v) is not None)
     held = W_KN if need_dx and not kept else -1
-    error, layer_id = ext.add_layer(NUM_VALUES, b.steps[:forward_steps], b.steps[forward_steps:], list(saved), held,
-                                    Y, DY, DX if need_dx else -1, DW if need_dw else -1)
-    if error:
-        return NOT_PLANNABLE
-    _BACKWARDS[layer_id] = _Backward(saved, offs, kept, need_dx, need_dw, config, num_cu, backend, x_dtype, w_dtype,
-                                     delayed is not None)
+    # One extension layer per distinct set of steps, shared by every module and signature that
+    # maps to it (a module's own cache of layers is bounded and may be rebuilt).
+    backward = _Backward(saved, offs, kept, need_dx, need_dw, config, num_cu, backend, x_dtype, w_dtype,
+                         delayed is not None)
+    identity = (tuple((plan, tuple(ins), tuple(outs), tuple(rel)) for plan, ins, outs, rel in b.steps), forward_steps,
+                backward)
+    layer_id = _LAYER_IDS.get(identity)
+    if layer_id is None:
+        error, layer_id = ext.add_layer(NUM_VALUES, b.steps[:forward_steps], b.steps[forward_steps:], list(saved),
+                                        held, Y, DY, DX if need_dx else -1, DW if need_dw else -1)
+        if error:
+            return NOT_PLANNABLE
+        _LAYER_IDS[identity] = layer_id
+        _BACKWARDS[layer_id] = backward
     _ensure_fallback(ext)
     return PlannedLayer(layer_id, tuple(b.regions[:forward_steps]))
 
