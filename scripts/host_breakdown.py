@@ -18,9 +18,11 @@ Both keep at most 20 fwd+bwd behind one GPU sleep: with hundreds queued, the dri
 fills and the launches that block are charged with the GPU's time (an earlier profile showed host
 launch plans' C++ call at 155 us, of which 19 us is the call's own cost).
 
-With host launch plans on (``turbo_moe/host_plan.py``), ``full`` replays them; the switched-off rows
-run with plans off (a replay would launch its kernels on the garbage the switched-off launches
-leave), and one row times a plan's C++ ``launch()`` call alone.
+With host launch plans on (``turbo_moe/host_plan.py``), ``full`` runs the planned layer (one C++
+call, a C++ backward node: ``turbo_moe/planned_layer.py``); one row runs the Python autograd
+Function replaying the plans instead, and one times a plan's C++ ``replay()`` call alone there. The
+switched-off rows run with plans off (a replay would launch its kernels on the garbage the
+switched-off launches leave).
 
 Usage: ``python scripts/host_breakdown.py [--shape tiny|dsv3] [--profile N]``
 """
@@ -152,8 +154,10 @@ def main(argv=None):
     # Host launch plans replay recorded launches from C++: with them off, the Python path's row.
     # The switched-off rows below run with plans off: a replayed plan would launch its kernels on
     # the garbage the switched-off launches leave (offsets never checked: out-of-bounds reads).
-    from turbo_moe import host_plan
+    from turbo_moe import host_plan, planned_layer
 
+    layers_were_on = planned_layer.set_enabled(False)
+    rows.append(("full fwd+bwd, Python Function (planned layers off)", _issue_us(step)))
     plans_were_on = host_plan.set_enabled(False)
     rows.append(("full fwd+bwd, host launch plans off", _issue_us(step)))
     # Every lean hit does all its own work (key, memo lookup) but the launch itself (_Memo.run:
@@ -167,17 +171,20 @@ def main(argv=None):
     if plans_were_on:
         ext = host_plan._extension()
         calls = []
-        real_launch = ext.launch
 
-        def timed_launch(plan, addresses, stream):
-            t0 = time.perf_counter()
-            error = real_launch(plan, addresses, stream)
-            calls.append(time.perf_counter() - t0)
-            return error
+        def timed(real):
+            def call(*args):
+                t0 = time.perf_counter()
+                result = real(*args)
+                calls.append(time.perf_counter() - t0)
+                return result
+            return call
+
+        timed_calls = {"launch": timed(ext.launch), "replay": timed(ext.replay)}
 
         class _Ext:  # the extension's functions are read-only: wrap the module
             def __getattr__(self, name):
-                return timed_launch if name == "launch" else getattr(ext, name)
+                return timed_calls.get(name) or getattr(ext, name)
 
         saved = {}
         for region in host_plan._REGIONS:
@@ -192,7 +199,9 @@ def main(argv=None):
                 plan.ext = original
         if calls:
             calls.sort()
-            rows.append(("  of which one plan's C++ launch() call (median)", calls[len(calls) // 2] * 1e6))
+            rows.append(("  of which one plan's C++ replay() (median)",
+                         calls[len(calls) // 2] * 1e6))
+    planned_layer.set_enabled(layers_were_on)
 
     def many(fn, n=2000):
         torch.cuda.synchronize()
