@@ -203,3 +203,48 @@ def test_plan_layer_asks_each_region_for_the_python_paths_key_and_wires_the_step
     assert y.shape == (M, N) and y.dtype == bf16 and "PlannedLayer" in y.grad_fn.name()
     dx, dw = torch.autograd.grad(y, (x, w), torch.randn(M, N, dtype=bf16))
     assert dx.shape == x.shape and dw.shape == w.shape
+
+
+def test_plan_layer_with_the_weight_cache_and_delayed_scaling(ext, monkeypatch):
+    """The cached weight's copies and each amax history's (state, ticket) join the regions' inputs
+    as autograd.through_plan puts them; W^T passed through from the cache (kept) makes the backward
+    one region, with W^T saved rather than held."""
+    from turbo_moe import Float8Config
+    from turbo_moe.autograd import quantize_weight
+    from turbo_moe.delayed_scaling import DelayedScalingState
+
+    G, M, K, N = 2, 8, 16, 12
+    e4m3, f32, bf16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16
+    config = Float8Config(strategy="delayed", amax_history_len=4)
+    offs = torch.tensor([0, 3, 8])
+    forward = _FakeRegion(ext, [0, 1, 2, 3, 4, 5, 7, 8], [((M, N), (N, 1), bf16), ((K, M), (M, 1), e4m3), ((), (), f32)],
+                          [("alloc", 0), ("input", 5), ("input", 4), ("alloc", 1), ("alloc", 2)])
+    backward = _FakeRegion(ext, [0, 4, 5, 6, 7, 8, 10, 11], [((M, K), (K, 1), bf16), ((G, N, K), (N * K, K, 1), bf16)],
+                           [("alloc", 0), ("alloc", 1)])
+    monkeypatch.setattr(planned_layer, "_FORWARD_REGION", forward)
+    monkeypatch.setattr(planned_layer, "_BACKWARD_REGION", backward)
+    x = torch.randn(M, K, dtype=bf16, requires_grad=True)
+    w = torch.randn(G, N, K, dtype=bf16, requires_grad=True)
+    w_fp8 = quantize_weight(w.detach(), config, transposed=True)
+    delayed = DelayedScalingState(config)
+    for history in (delayed.input, delayed.grad_output):
+        history.state, history.ticket = torch.zeros(6), torch.zeros(1, dtype=torch.int32)
+    layer = planned_layer.plan_layer(x, w, offs, False, w_fp8, config, None, "auto", bf16, True, True,
+                                     delayed=delayed)
+    assert isinstance(layer, planned_layer.PlannedLayer)
+    fact = host_plan.fact
+    history_facts = (fact(delayed.input.state), fact(delayed.input.ticket))
+    assert forward.keys == [(((config, None, "auto", bf16, True, True, False, True), 1), fact(x), fact(w), fact(offs),
+                             fact(w_fp8.data), fact(w_fp8.scale), fact(w_fp8.data_t), None, *history_facts)]
+    dy = (torch.Size([M, N]), (N, 1), bf16, -1, 0)
+    assert backward.keys == [(((config, None, "auto", bf16, True, bf16), 1), dy, None, None, None,
+                              fact(w_fp8.data_t), fact(w_fp8.scale), (torch.Size([K, M]), (M, 1), e4m3, -1, 0),
+                              (torch.Size([]), (), f32, -1, 0), fact(offs), None,
+                              fact(delayed.grad_output.state), fact(delayed.grad_output.ticket))]
+    info = planned_layer._BACKWARDS[layer.layer_id]
+    assert info.kept and info.delayed and planned_layer.W_KN in info.saved
+    assert set(planned_layer.DY_HISTORY) <= set(info.saved)
+    y = ext.apply_layer(layer.layer_id, 0, x, w, offs, *planned_layer.cached_weight_inputs(w_fp8),
+                        *planned_layer._history_tensors(delayed))
+    dx, dw = torch.autograd.grad(y, (x, w), torch.randn(M, N, dtype=bf16))
+    assert dx.shape == x.shape and dw.shape == w.shape
