@@ -241,6 +241,8 @@ def flush_layer_replays() -> None:
         region._replays += 1
         for effect in plan.effects:
             effect()
+
+
 _raw_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
 
 
@@ -266,10 +268,6 @@ class Region:
         """Calls replayed from a plan (planned layers' C++ backwards included)."""
         flush_layer_replays()
         return self._replays
-
-    @replays.setter
-    def replays(self, value: int) -> None:
-        self._replays = value
 
     def __call__(self, static_key, inputs: Sequence[Optional[torch.Tensor]], fn: Callable[[], tuple],
                  pure: bool) -> tuple:

@@ -80,7 +80,8 @@ class GroupedLinearFP8(nn.Module):
         self.backend = backend
         self.cache_fp8_weight = bool(cache_fp8_weight)
         self._fp8_weight_cache = None  # (key, Float8Weight)
-        self._planned_layers = {}  # call signature -> ((config, num_cu, backend), PlannedLayer or NOT_PLANNABLE)
+        # call signature -> ((config, num_cu, backend, plans' generation), PlannedLayer or NOT_PLANNABLE)
+        self._planned_layers = {}
         self.fp8_delayed = delayed_state_for(self.config)
         self.register_state_dict_post_hook(GroupedLinearFP8._save_delayed_histories)
         self.register_load_state_dict_pre_hook(GroupedLinearFP8._load_delayed_histories)
@@ -138,10 +139,10 @@ class GroupedLinearFP8(nn.Module):
     def _forward_planned(self, x, group_lens, group_offs):
         """The forward as one C++ call with a C++ backward node (``turbo_moe.planned_layer``) once this
         call signature's host plans all exist. Returns ``(y, offs)``: y None means the Python path,
-        with the offsets resolved here if offs is not None. A signature is
-        everything the Python path's checks and launches derive from (the inputs' facts, grad
-        requirements, the output dtype, the recipe), so a hit skips the checks: they passed for
-        this signature before, and the offsets' values are checked on the device as always."""
+        with the offsets resolved here if offs is not None. A signature is everything the Python
+        path's checks and launches derive from (the inputs' facts, grad requirements, the output
+        dtype, the recipe), so a hit skips the checks: they passed for this signature before, and
+        the offsets' values are checked on the device as always."""
         w = self.weight
         lens_given = group_offs is None
         src = group_lens if lens_given else group_offs
