@@ -36,7 +36,7 @@ import torch
 
 from . import host_plan
 from .autograd import (_BACKWARD_REGION, _DGRAD_REGION, _FORWARD_REGION, _WGRAD_REGION, cached_weight_inputs,
-                       cached_weight_key, fp8_gemm_backward)
+                       cached_weight_key, fp8_gemm_backward, stash_for_fp8_gemm_backward)
 from .checks import OFFSETS_REGION, offsets_region_key
 from .delayed_scaling import AmaxHistory
 
@@ -63,6 +63,9 @@ OFFS_MADE = 11
 Y, W_KN, W_KN_SCALE, X_KM, X_KM_SCALE = 12, 13, 14, 15, 16
 DY, DX, DW, DY_T, DY_T_SCALE = 17, 18, 19, 20, 21
 NUM_VALUES = 22
+# Where the cache's W^T (Float8Weight.data_t) sits among the forward region's inputs
+# (x, w, offsets, *cached_weight_inputs(w_fp8), ...).
+_CACHED_W_KN_POSITION = 5
 
 
 class PlannedLayer(NamedTuple):
@@ -177,8 +180,7 @@ def plan_layer(x, w_nk, src, from_lens: bool, w_fp8, config, num_cu, backend, ou
     b.facts[DY] = (y_fact[0], _contiguous_strides(y_fact[0]), y_fact[2], y_fact[3], 0)  # backward's dy.contiguous()
     # W^T's FP8 copy is the cache's (kept) when the forward passed it through from its inputs.
     forward_plan = b.regions[-1][1]
-    w_kn_spec = forward_plan.outputs[1]
-    kept = w_kn_spec is not None and w_kn_spec[0] == "input" and w_kn_spec[1] == 5
+    kept = forward_plan.outputs[1] == ("input", _CACHED_W_KN_POSITION)
     x_dtype, w_dtype = x.dtype, w_nk.dtype
     # autograd.fp8_gemm_backward's choice of regions and their keys (no WgradTarget, no handoff).
     if forward_only:
@@ -269,10 +271,12 @@ def _python_backward(layer_id: int, dy, saved, held, create_graph: bool):
         config = info.config
         grad_history = AmaxHistory(config.amax_history_len, config.amax_compute_algo == "most_recent")
         grad_history.state, grad_history.ticket = values[DY_HISTORY[0]], values[DY_HISTORY[1]]
-    ctx = types.SimpleNamespace(
-        w_kn=held if held is not None else values.get(W_KN), w_kn_kept=info.kept, grad_history=grad_history,
-        config=info.config, num_cu=info.num_cu, backend=info.backend, x_dtype=info.x_dtype, w_dtype=info.w_dtype,
-        wgrad_target=None, grad_handoff=None)
+    # What GroupedGemmFP8Function's forward leaves on its ctx, through the same function; kept
+    # (W^T is the cache's) is known from the layer, not from a cached weight object.
+    ctx = types.SimpleNamespace()
+    stash_for_fp8_gemm_backward(ctx, held if held is not None else values.get(W_KN), info.config, info.num_cu,
+                                info.backend, info.x_dtype, info.w_dtype, None, grad_history=grad_history)
+    ctx.w_kn_kept = info.kept
     with torch.no_grad():
         dx, dw = fp8_gemm_backward(ctx, dy, values.get(W), values.get(W_KN_SCALE), values.get(X_KM),
                                    values.get(X_KM_SCALE), values[info.offs], info.need_dx, info.need_dw)
