@@ -248,3 +248,34 @@ def test_plan_layer_with_the_weight_cache_and_delayed_scaling(ext, monkeypatch):
                         *planned_layer._history_tensors(delayed))
     dx, dw = torch.autograd.grad(y, (x, w), torch.randn(M, N, dtype=bf16))
     assert dx.shape == x.shape and dw.shape == w.shape
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["first-backward", "W^T-released"])
+def test_python_backward_fallback_equals_the_python_function(held):
+    """The node's fallback (planned_layer._python_backward) rebuilds the Function's ctx from the
+    saved values: its gradients equal GroupedGemmFP8Function's bit for bit (torch backend, CPU),
+    with W^T held or, after a first backward released it, re-derived from the saved weight."""
+    from turbo_moe import Float8Config, grouped_gemm_fp8
+    from turbo_moe.autograd import _fp8_forward_tensors
+
+    torch.manual_seed(0)
+    G, M, K, N = 3, 20, 32, 24
+    config = Float8Config(format="hybrid")
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, dtype=torch.bfloat16)
+    offs = torch.tensor([0, 7, 7, M])
+    dy = torch.randn(M, N, dtype=torch.bfloat16)
+    _, w_kn, w_kn_scale, x_km, x_km_scale = _fp8_forward_tensors(x, w, None, offs, config, None, "torch",
+                                                                 torch.bfloat16, True, True, None)
+    pl = planned_layer
+    saved = (pl.W, pl.W_KN_SCALE, pl.X_KM, pl.X_KM_SCALE, pl.SRC)
+    pl._BACKWARDS[-1] = pl._Backward(saved, pl.SRC, False, True, True, config, None, "torch", torch.bfloat16,
+                                     torch.bfloat16, False)
+    try:
+        dx, dw = pl._python_backward(-1, dy, [w, w_kn_scale, x_km, x_km_scale, offs], w_kn if held else None, False)
+    finally:
+        del pl._BACKWARDS[-1]
+    x_ref, w_ref = x.clone().requires_grad_(), w.clone().requires_grad_()
+    grouped_gemm_fp8(x_ref, w_ref, group_offs=offs, config=config, backend="torch").backward(dy)
+    assert torch.equal(dx.view(torch.int16), x_ref.grad.view(torch.int16))
+    assert torch.equal(dw.view(torch.int16), w_ref.grad.view(torch.int16))
