@@ -2,6 +2,7 @@
 wiring on the CPU, with plans that allocate and launch nothing. GPU equality with the Python
 path: tests/test_planned_layer_gpu.py."""
 
+import functools
 import shutil
 
 import pytest
@@ -33,6 +34,16 @@ def _plan(ext, num_inputs, allocs, fill=0.0):
     return plan
 
 
+def _args(*tensors):
+    """apply_layer's arguments of a grouped linear's table: x, w, then a0..a8 (None: absent)."""
+    return list(tensors) + [None] * (11 - len(tensors))
+
+
+def _grads(dx=-1, dw=-1):
+    """add_layer's gradient of each argument: x's and w's, none for a0..a8."""
+    return [dx, dw] + [-1] * 9
+
+
 def _layer(ext, held):
     """x [4, 5], w [3, 5] (values 0, 1; 2-10 are the optional arguments). Forward: y [4, 3] into 11,
     a saved tensor into 12. Backward reads dy (13) and 12 -- or the held 12 -- and makes dx (14) and
@@ -40,8 +51,8 @@ def _layer(ext, held):
     forward = _plan(ext, 2, [(4, 3), (2,)])
     backward = _plan(ext, 2, [(4, 5), (3, 5)])
     saved = [1] if held else [12, 1]
-    error, layer = ext.add_layer(16, [(forward, [0, 1], [11, 12], [])], [(backward, [13, 12], [14, 15], [])], saved,
-                                 12 if held else -1, 11, 13, 14, 15)
+    error, layer = ext.add_layer(16, 11, [(forward, [0, 1], [11, 12], [])], [(backward, [13, 12], [14, 15], [])], saved,
+                                 [12] if held else [], 11, 13, _grads(14, 15))
     assert error == ""
     return layer, backward
 
@@ -51,7 +62,7 @@ def test_layer_runs_its_forward_steps_and_its_backward_in_a_cpp_node(ext):
     ext.take_replayed()
     x = torch.randn(4, 5, requires_grad=True)
     w = torch.randn(3, 5, requires_grad=True)
-    y = ext.apply_layer(layer, 0, x, w)
+    y = ext.apply_layer(layer, 0, _args(x, w))
     assert y.shape == (4, 3) and torch.equal(y, torch.zeros(4, 3))
     assert "turbo_moe::PlannedLayer" in y.grad_fn.name()
     y.backward(torch.randn(4, 3))
@@ -60,7 +71,7 @@ def test_layer_runs_its_forward_steps_and_its_backward_in_a_cpp_node(ext):
     assert ext.take_replayed() == [backward] and ext.take_replayed() == []
     # Without grad, no node.
     with torch.no_grad():
-        assert ext.apply_layer(layer, 0, x, w).grad_fn is None
+        assert ext.apply_layer(layer, 0, _args(x, w)).grad_fn is None
 
 
 def test_what_the_plans_do_not_cover_goes_to_the_python_backward(ext):
@@ -71,14 +82,14 @@ def test_what_the_plans_do_not_cover_goes_to_the_python_backward(ext):
     calls = []
 
     def fallback(layer_id, dy, saved, held, create_graph):
-        calls.append((layer_id, dy.clone(), [t.shape for t in saved], held is None, create_graph))
-        return torch.ones(4, 5), torch.full((3, 5), 2.0)
+        calls.append((layer_id, dy.clone(), [t.shape for t in saved], held == [None], create_graph))
+        return _args(torch.ones(4, 5), torch.full((3, 5), 2.0))
 
     ext.set_layer_fallback(fallback)
     try:
         x = torch.randn(4, 5, requires_grad=True)
         w = torch.randn(3, 5, requires_grad=True)
-        y = ext.apply_layer(layer, 0, x, w)
+        y = ext.apply_layer(layer, 0, _args(x, w))
         dy = torch.randn(4, 3)
         y.backward(dy, retain_graph=True)  # planned: zeros
         assert calls == [] and torch.equal(x.grad, torch.zeros(4, 5))
@@ -90,18 +101,18 @@ def test_what_the_plans_do_not_cover_goes_to_the_python_backward(ext):
         assert torch.equal(x.grad, torch.ones(4, 5)) and torch.equal(w.grad, torch.full((3, 5), 2.0))
 
         # A gradient 4 bytes off 16-byte alignment: the recorded plans assume an aligned dy.
-        y = ext.apply_layer(layer, 0, x, w)
+        y = ext.apply_layer(layer, 0, _args(x, w))
         storage = torch.randn(13)
         misaligned = storage[1:].view(4, 3)
         assert misaligned.data_ptr() % 16 != 0
         y.backward(misaligned)
         assert len(calls) == 2 and torch.equal(calls[1][1], misaligned) and not calls[1][3]
         # A non-contiguous gradient is made contiguous (a fresh, aligned buffer): planned.
-        y = ext.apply_layer(layer, 0, x, w)
+        y = ext.apply_layer(layer, 0, _args(x, w))
         y.backward(torch.randn(3, 4).t())
         assert len(calls) == 2
 
-        y = ext.apply_layer(layer, 0, x, w)
+        y = ext.apply_layer(layer, 0, _args(x, w))
         torch.autograd.grad(y, (x, w), torch.randn(4, 3), create_graph=True)
         assert len(calls) == 3 and calls[2][4]
     finally:
@@ -111,17 +122,22 @@ def test_what_the_plans_do_not_cover_goes_to_the_python_backward(ext):
 def test_add_layer_refuses_what_it_cannot_run(ext):
     plan = _plan(ext, 2, [(4, 3)])
     step = (plan, [0, 1], [11], [])
-    assert "no plan" in ext.add_layer(16, [(10 ** 6, [0], [11], [])], [], [], -1, 11, 13, -1, -1)[0]
-    assert "out of range" in ext.add_layer(16, [(plan, [0, 16], [11], [])], [], [], -1, 11, 13, -1, -1)[0]
-    assert "out of range" in ext.add_layer(16, [step], [], [40], -1, 11, 13, -1, -1)[0]
-    assert "without forward steps" in ext.add_layer(16, [], [], [], -1, 11, 13, -1, -1)[0]
-    assert "at least" in ext.add_layer(10, [step], [], [], -1, 3, 4, -1, -1)[0]
+    assert "no plan" in ext.add_layer(16, 11, [(10 ** 6, [0], [11], [])], [], [], [], 11, 13, _grads())[0]
+    assert "out of range" in ext.add_layer(16, 11, [(plan, [0, 16], [11], [])], [], [], [], 11, 13, _grads())[0]
+    assert "out of range" in ext.add_layer(16, 11, [step], [], [40], [], 11, 13, _grads())[0]
+    assert "out of range" in ext.add_layer(16, 11, [step], [], [], [16], 11, 13, _grads())[0]
+    assert "out of range" in ext.add_layer(16, 11, [step], [], [], [], 11, 13, _grads(16))[0]
+    assert "without forward steps" in ext.add_layer(16, 11, [], [], [], [], 11, 13, _grads())[0]
+    assert "starts with its arguments" in ext.add_layer(10, 11, [step], [], [], [], 3, 4, _grads())[0]
+    assert "one gradient per argument" in ext.add_layer(16, 11, [step], [], [], [], 11, 13, [-1, -1])[0]
     # A step input the caller did not give is a clear error, not a crash.
-    error, reads_a0 = ext.add_layer(16, [(plan, [0, 2], [11], [])], [], [], -1, 11, 13, -1, -1)
+    error, reads_a0 = ext.add_layer(16, 11, [(plan, [0, 2], [11], [])], [], [], [], 11, 13, _grads())
     assert error == ""
     x = torch.randn(4, 5)
     with pytest.raises(RuntimeError, match="step input"):
-        ext.apply_layer(reads_a0, 0, x, x)
+        ext.apply_layer(reads_a0, 0, _args(x, x))
+    with pytest.raises(RuntimeError, match="takes 11 arguments"):
+        ext.apply_layer(reads_a0, 0, [x, x])
 
 
 def test_spec_facts_are_the_keys_the_python_path_computes():
@@ -199,7 +215,7 @@ def test_plan_layer_asks_each_region_for_the_python_paths_key_and_wires_the_step
     # The same steps again (another module, or a rebuilt cache): the same extension layer.
     again = planned_layer.plan_layer(x, w, lens, True, None, config, None, "auto", bf16, True, True)
     assert again.layer_id == layer.layer_id
-    y = ext.apply_layer(layer.layer_id, 0, x, w, lens)
+    y = ext.apply_layer(layer.layer_id, 0, _args(x, w, lens))
     assert y.shape == (M, N) and y.dtype == bf16 and "PlannedLayer" in y.grad_fn.name()
     dx, dw = torch.autograd.grad(y, (x, w), torch.randn(M, N, dtype=bf16))
     assert dx.shape == x.shape and dw.shape == w.shape
@@ -241,11 +257,11 @@ def test_plan_layer_with_the_weight_cache_and_delayed_scaling(ext, monkeypatch):
                               fact(w_fp8.data_t), fact(w_fp8.scale), (torch.Size([K, M]), (M, 1), e4m3, -1, 0),
                               (torch.Size([]), (), f32, -1, 0), fact(offs), None,
                               fact(delayed.grad_output.state), fact(delayed.grad_output.ticket))]
-    info = planned_layer._BACKWARDS[layer.layer_id]
+    info = planned_layer._BACKWARDS[layer.layer_id].args[0]
     assert info.kept and info.delayed and planned_layer.W_KN in info.saved
     assert set(planned_layer.DY_HISTORY) <= set(info.saved)
-    y = ext.apply_layer(layer.layer_id, 0, x, w, offs, *planned_layer.cached_weight_inputs(w_fp8),
-                        *planned_layer._history_tensors(delayed))
+    y = ext.apply_layer(layer.layer_id, 0, [x, w, offs, *planned_layer.cached_weight_inputs(w_fp8),
+                                            *planned_layer._history_tensors(delayed)])
     dx, dw = torch.autograd.grad(y, (x, w), torch.randn(M, N, dtype=bf16))
     assert dx.shape == x.shape and dw.shape == w.shape
 
@@ -269,10 +285,12 @@ def test_python_backward_fallback_equals_the_python_function(held):
                                                                  torch.bfloat16, True, True, None)
     pl = planned_layer
     saved = (pl.W, pl.W_KN_SCALE, pl.X_KM, pl.X_KM_SCALE, pl.SRC)
-    pl._BACKWARDS[-1] = pl._Backward(saved, pl.SRC, False, True, True, config, None, "torch", torch.bfloat16,
-                                     torch.bfloat16, False)
+    info = pl._Backward(saved, pl.SRC, False, True, True, config, None, "torch", torch.bfloat16, torch.bfloat16, False)
+    pl.register_backward(-1, functools.partial(pl._linear_backward, info))
     try:
-        dx, dw = pl._python_backward(-1, dy, [w, w_kn_scale, x_km, x_km_scale, offs], w_kn if held else None, False)
+        grads = pl._python_backward(-1, dy, [w, w_kn_scale, x_km, x_km_scale, offs], [w_kn if held else None], False)
+        assert len(grads) == pl.NUM_ARGS and all(g is None for k, g in enumerate(grads) if k not in (pl.X, pl.W))
+        dx, dw = grads[pl.X], grads[pl.W]
     finally:
         del pl._BACKWARDS[-1]
     x_ref, w_ref = x.clone().requires_grad_(), w.clone().requires_grad_()

@@ -28,6 +28,7 @@ and the SwiGLU handoff keep the Python ``Function``. ``TURBO_MOE_PLANNED_LAYERS=
 
 from __future__ import annotations
 
+import functools
 import os
 import types
 from typing import Dict, NamedTuple, Optional, Tuple
@@ -59,6 +60,7 @@ def set_enabled(flag: bool) -> bool:
 # The value table (csrc/launch_plan.cpp, Layer): apply_layer's arguments, then what the steps make.
 X, W, SRC, CACHE = 0, 1, 2, (3, 4, 5, 6)  # SRC: the offsets, or group_lens when the offsets are a step
 X_HISTORY, DY_HISTORY = (7, 8), (9, 10)  # delayed scaling: each AmaxHistory's (state, ticket)
+NUM_ARGS = 11
 OFFS_MADE = 11
 Y, W_KN, W_KN_SCALE, X_KM, X_KM_SCALE = 12, 13, 14, 15, 16
 DY, DX, DW, DY_T, DY_T_SCALE = 17, 18, 19, 20, 21
@@ -90,7 +92,7 @@ class _Backward(NamedTuple):
 
 NOT_PLANNABLE = object()  # a signature some of whose regions keep their Python path for good
 calls = 0  # forwards run as planned layers (tests, benchmarks)
-_BACKWARDS: Dict[int, _Backward] = {}
+_BACKWARDS: Dict[int, object] = {}  # layer id -> its Python backward (register_backward)
 _LAYER_IDS: Dict[tuple, int] = {}  # (steps, forward step count, _Backward) -> extension layer id
 _FALLBACK_SET = False
 
@@ -211,12 +213,14 @@ def plan_layer(x, w_nk, src, from_lens: bool, w_fp8, config, num_cu, backend, ou
                 backward)
     layer_id = _LAYER_IDS.get(identity)
     if layer_id is None:
-        error, layer_id = ext.add_layer(NUM_VALUES, b.steps[:forward_steps], b.steps[forward_steps:], list(saved),
-                                        held, Y, DY, DX if need_dx else -1, DW if need_dw else -1)
+        grads = [-1] * NUM_ARGS
+        grads[X], grads[W] = DX if need_dx else -1, DW if need_dw else -1
+        error, layer_id = ext.add_layer(NUM_VALUES, NUM_ARGS, b.steps[:forward_steps], b.steps[forward_steps:],
+                                        list(saved), [] if held == -1 else [held], Y, DY, grads)
         if error:
             return NOT_PLANNABLE
         _LAYER_IDS[identity] = layer_id
-        _BACKWARDS[layer_id] = backward
+        register_backward(layer_id, functools.partial(_linear_backward, backward))
     _ensure_fallback(ext)
     return PlannedLayer(layer_id, tuple(b.regions[:forward_steps]))
 
@@ -246,8 +250,8 @@ def apply_layer(layer: PlannedLayer, x, w_nk, src, w_fp8, delayed=None) -> torch
         for effect in plan.effects:
             effect()
     stream = host_plan._raw_stream(x.get_device())
-    return ext.apply_layer(layer.layer_id, stream, x, w_nk, src, *cached_weight_inputs(w_fp8),
-                           *_history_tensors(delayed))
+    return ext.apply_layer(layer.layer_id, stream, [x, w_nk, src, *cached_weight_inputs(w_fp8),
+                                                    *_history_tensors(delayed)])
 
 
 def _ensure_fallback(ext) -> None:
@@ -261,10 +265,37 @@ def _ensure_fallback(ext) -> None:
 _ONCE = b"trying to differentiate twice a function that was marked with @once_differentiable"
 
 
+def register_backward(layer_id: int, backward) -> None:
+    """``backward(dy, saved, held, create_graph)``: the Python path's backward of an extension
+    layer (``saved``: its saved values in order; ``held``: its held values, None once released),
+    returning one gradient (or None) per argument."""
+    _BACKWARDS[layer_id] = backward
+
+
 def _python_backward(layer_id: int, dy, saved, held, create_graph: bool):
-    """The Python path's backward for what the layer's plans do not cover (module docstring);
-    called by the C++ node with the saved values and the held W^T (None once released)."""
-    info = _BACKWARDS[layer_id]
+    """The Python path's backward for what a layer's plans do not cover (module docstring);
+    called by the C++ node."""
+    return _BACKWARDS[layer_id](dy, saved, held, create_graph)
+
+
+def once_differentiable(grads, dy, create_graph: bool):
+    """``grads`` as ``torch.autograd.function.once_differentiable`` leaves them under
+    ``create_graph``: differentiating them again raises."""
+    if not (create_graph and dy.requires_grad):
+        return grads
+    present = [k for k, t in enumerate(grads) if t is not None]
+    outputs = torch._C._functions.DelayedError(_ONCE, len(present))(
+        *(grads[k].detach().requires_grad_() for k in present))
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    grads = list(grads)
+    for k, t in zip(present, outputs):
+        grads[k] = t
+    return grads
+
+
+def _linear_backward(info: _Backward, dy, saved, held, create_graph: bool):
+    """A grouped linear's Python-path backward, with the saved values and the held W^T (None once
+    released)."""
     values = dict(zip(info.saved, saved))
     grad_history = None
     if info.delayed:  # the history's tensors as the call passed them
@@ -274,13 +305,13 @@ def _python_backward(layer_id: int, dy, saved, held, create_graph: bool):
     # What GroupedGemmFP8Function's forward leaves on its ctx, through the same function; kept
     # (W^T is the cache's) is known from the layer, not from a cached weight object.
     ctx = types.SimpleNamespace()
-    stash_for_fp8_gemm_backward(ctx, held if held is not None else values.get(W_KN), info.config, info.num_cu,
-                                info.backend, info.x_dtype, info.w_dtype, None, grad_history=grad_history)
+    w_kn = held[0] if held else values.get(W_KN)
+    stash_for_fp8_gemm_backward(ctx, w_kn, info.config, info.num_cu, info.backend, info.x_dtype, info.w_dtype, None,
+                                grad_history=grad_history)
     ctx.w_kn_kept = info.kept
     with torch.no_grad():
         dx, dw = fp8_gemm_backward(ctx, dy, values.get(W), values.get(W_KN_SCALE), values.get(X_KM),
                                    values.get(X_KM_SCALE), values[info.offs], info.need_dx, info.need_dw)
-    if create_graph and dy.requires_grad:  # as torch.autograd.function.once_differentiable
-        outputs = [None if t is None else t.detach().requires_grad_() for t in (dx, dw)]
-        dx, dw = torch._C._functions.DelayedError(_ONCE, 2)(*outputs)
-    return dx, dw
+    grads = [None] * NUM_ARGS
+    grads[X], grads[W] = once_differentiable([dx, dw], dy, create_graph)
+    return grads

@@ -329,16 +329,16 @@ std::vector<at::Tensor> run_plan(int64_t id, const std::vector<at::Tensor>& inpu
 
 // ------------------------------------------------------------- a layer as one autograd node
 //
-// A *layer* is a differentiable function y = f(x, w; a0..a8) whose forward and backward are
-// recorded plans, wired by a table of values: 0 x, 1 w, 2-10 the optional tensors a0..a8 (for
-// turbo_moe: the offsets or group_lens, the weight's FP8 copies, delayed scaling's amax
-// histories), then each step's outputs where the layer says (turbo_moe/planned_layer.py lays the
-// table out). PlannedLayer's forward
-// runs the forward step and saves what the backward steps read; its backward (a C++ node, so the
-// autograd engine runs it without Python) replays the backward steps on the incoming gradient.
-// Anything a plan does not cover -- a second backward after its held value was released, a
-// gradient whose layout differs from the recorded one, double backward -- goes to the Python
-// fallback registered by set_layer_fallback, which runs the Python path's backward.
+// A *layer* is a differentiable function y = f(args) whose forward and backward are recorded
+// plans, wired by a table of values: the arguments first (tensors, or absent), then each step's
+// outputs where the layer says (turbo_moe/planned_layer.py lays out a grouped linear's table,
+// turbo_moe/planned_mlp.py an expert MLP's). PlannedLayer's forward runs the forward steps and
+// saves what the backward steps read; its backward (a C++ node, so the autograd engine runs it
+// without Python) replays the backward steps on the incoming gradient and hands back, for each
+// argument, the value the layer names as its gradient. Anything a plan does not cover -- a second
+// backward after a held value was released, a gradient whose layout differs from the recorded
+// one, double backward -- goes to the Python fallback registered by set_layer_fallback, which
+// runs the Python path's backward.
 
 struct Step {
   int64_t plan;
@@ -349,11 +349,13 @@ struct Step {
 
 struct Layer {
   int64_t num_values;
+  int64_t num_args;
   std::vector<Step> forward;
   std::vector<Step> backward;
   std::vector<int64_t> saved;  // values saved for backward (with autograd's version checks)
-  int64_t held;                // a value held for the first backward only and released by it (-1: none)
-  int64_t y, dy, dx, dw;       // value indices (dx/dw -1: not computed)
+  std::vector<int64_t> held;   // values held for the first backward only, released by it
+  int64_t y, dy;               // value indices
+  std::vector<int64_t> grads;  // per argument, the value holding its gradient (-1: none)
 };
 
 std::vector<std::shared_ptr<const Layer>> layers;
@@ -362,12 +364,15 @@ std::vector<int64_t> replayed_in_backward;  // plan ids, for the Python side's d
 
 using StepTuple = std::tuple<int64_t, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>>;
 
-std::tuple<std::string, int64_t> add_layer(int64_t num_values, const std::vector<StepTuple>& forward,
+std::tuple<std::string, int64_t> add_layer(int64_t num_values, int64_t num_args, const std::vector<StepTuple>& forward,
                                            const std::vector<StepTuple>& backward, const std::vector<int64_t>& saved,
-                                           int64_t held, int64_t y, int64_t dy, int64_t dx, int64_t dw) {
+                                           const std::vector<int64_t>& held, int64_t y, int64_t dy,
+                                           const std::vector<int64_t>& grads) {
   auto layer = std::make_shared<Layer>();
-  if (num_values < 11) return {kPrefix + "a layer's value table holds at least x, w and a0..a8 (11 values)", -1};
+  if (num_args < 1 || num_args > num_values) return {kPrefix + "a layer's value table starts with its arguments", -1};
+  if (static_cast<int64_t>(grads.size()) != num_args) return {kPrefix + "a layer names one gradient per argument", -1};
   layer->num_values = num_values;
+  layer->num_args = num_args;
   auto in_range = [&](int64_t v) { return v >= 0 && v < num_values; };
   auto make_step = [&](const StepTuple& t, Step& step) -> std::string {
     step.plan = std::get<0>(t);
@@ -394,15 +399,15 @@ std::tuple<std::string, int64_t> add_layer(int64_t num_values, const std::vector
   if (error.empty() && layer->forward.empty()) error = kPrefix + "a layer without forward steps";
   if (!error.empty()) return {error, -1};
   layer->saved = saved;
-  for (int64_t v : saved) if (!in_range(v)) return {kPrefix + "a saved value out of range", -1};
   layer->held = held;
+  layer->grads = grads;
   layer->y = y;
   layer->dy = dy;
-  layer->dx = dx;
-  layer->dw = dw;
-  if (!in_range(y) || !in_range(dy) || (held != -1 && !in_range(held)) || (dx != -1 && !in_range(dx)) ||
-      (dw != -1 && !in_range(dw)))
-    return {kPrefix + "a layer value index out of range", -1};
+  bool ok = in_range(y) && in_range(dy);
+  for (int64_t v : saved) ok = ok && in_range(v);
+  for (int64_t v : held) ok = ok && in_range(v);
+  for (int64_t v : grads) ok = ok && (v == -1 || in_range(v));
+  if (!ok) return {kPrefix + "a layer value index out of range", -1};
   std::lock_guard<std::mutex> lock(plans_mutex);
   layers.push_back(std::move(layer));
   return {std::string(), static_cast<int64_t>(layers.size()) - 1};
@@ -439,54 +444,56 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // Named outside the anonymous namespace: autograd shows it as CppNode<turbo_moe::PlannedLayer>.
+// Its tensors come as one TensorList of the arguments present, at ``positions`` of the table
+// (autograd gives each an input edge and expects one gradient per tensor back; an undefined
+// tensor cannot be an autograd input).
 struct PlannedLayer : public torch::autograd::Function<PlannedLayer> {
-  static at::Tensor forward(AutogradContext* ctx, int64_t layer_id, int64_t stream, const at::Tensor& x,
-                            const at::Tensor& w, const std::optional<at::Tensor>& a0,
-                            const std::optional<at::Tensor>& a1, const std::optional<at::Tensor>& a2,
-                            const std::optional<at::Tensor>& a3, const std::optional<at::Tensor>& a4,
-                            const std::optional<at::Tensor>& a5, const std::optional<at::Tensor>& a6,
-                            const std::optional<at::Tensor>& a7, const std::optional<at::Tensor>& a8) {
+  static at::Tensor forward(AutogradContext* ctx, int64_t layer_id, int64_t stream, std::vector<int64_t> positions,
+                            at::TensorList args) {
     auto layer = layer_at(layer_id);
     TORCH_CHECK(layer != nullptr, kPrefix, "no layer ", layer_id);
     std::vector<at::Tensor> values(layer->num_values);
-    values[0] = x;
-    values[1] = w;
-    const std::optional<at::Tensor>* rest[] = {&a0, &a1, &a2, &a3, &a4, &a5, &a6, &a7, &a8};
-    for (int k = 0; k < 9; ++k)
-      if (rest[k]->has_value()) values[2 + k] = rest[k]->value();
+    for (size_t k = 0; k < args.size(); ++k) values[positions[k]] = args[k];
     for (const Step& step : layer->forward) run_step(step, values, stream);
     std::vector<at::Tensor> saved;
     saved.reserve(layer->saved.size());
     for (int64_t v : layer->saved) saved.push_back(values[v]);
     ctx->save_for_backward(saved);
-    if (layer->held != -1) ctx->saved_data["held"] = values[layer->held];
+    for (size_t k = 0; k < layer->held.size(); ++k) ctx->saved_data["held" + std::to_string(k)] = values[layer->held[k]];
     ctx->saved_data["layer"] = layer_id;
     ctx->saved_data["stream"] = stream;
+    ctx->saved_data["positions"] = positions;
     return values[layer->y];
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const int64_t layer_id = ctx->saved_data["layer"].toInt();
     const int64_t stream = ctx->saved_data["stream"].toInt();
+    const std::vector<int64_t> positions = ctx->saved_data["positions"].toIntVector();
     auto layer = layer_at(layer_id);
     TORCH_CHECK(layer != nullptr, kPrefix, "no layer ", layer_id);
     std::vector<at::Tensor> values(layer->num_values);
     const variable_list saved = ctx->get_saved_variables();
     for (size_t k = 0; k < saved.size(); ++k) values[layer->saved[k]] = saved[k];
-    at::Tensor held;
-    if (layer->held != -1) {
-      auto it = ctx->saved_data.find("held");
-      if (it != ctx->saved_data.end() && it->second.isTensor()) held = it->second.toTensor();
-      ctx->saved_data["held"] = at::IValue();  // the first backward releases it (Python path: ctx.w_kn)
+    // The first backward releases what is held (Python path: e.g. ctx.w_kn set to None).
+    std::vector<at::Tensor> held(layer->held.size());
+    bool all_held = true;
+    for (size_t k = 0; k < held.size(); ++k) {
+      const std::string name = "held" + std::to_string(k);
+      auto it = ctx->saved_data.find(name);
+      if (it != ctx->saved_data.end() && it->second.isTensor()) held[k] = it->second.toTensor();
+      ctx->saved_data[name] = at::IValue();
+      all_held = all_held && held[k].defined();
     }
     at::Tensor dy = grads[0].contiguous();
     // The plans were recorded on a 16-byte aligned dy; under create_graph the result must stay
     // once-differentiable (an error if differentiated again): both go to the Python path.
-    const bool planned = (layer->held == -1 || held.defined()) && !torch::autograd::GradMode::is_enabled() &&
+    const bool planned = all_held && !torch::autograd::GradMode::is_enabled() &&
                          reinterpret_cast<uintptr_t>(dy.data_ptr()) % 16 == 0;
-    at::Tensor dx, dw;
+    // One gradient per forward argument: layer id, stream, positions, then each tensor of args.
+    std::vector<at::Tensor> grad_of(layer->num_args);
     if (planned) {
-      if (layer->held != -1) values[layer->held] = std::move(held);
+      for (size_t k = 0; k < held.size(); ++k) values[layer->held[k]] = std::move(held[k]);
       values[layer->dy] = dy;
       for (const Step& step : layer->backward) run_step(step, values, stream);
       {
@@ -495,31 +502,39 @@ struct PlannedLayer : public torch::autograd::Function<PlannedLayer> {
         if (replayed_in_backward.size() > 4096) replayed_in_backward.erase(replayed_in_backward.begin(), replayed_in_backward.begin() + 2048);
         for (const Step& step : layer->backward) replayed_in_backward.push_back(step.plan);
       }
-      if (layer->dx != -1) dx = values[layer->dx];
-      if (layer->dw != -1) dw = values[layer->dw];
+      for (int64_t k = 0; k < layer->num_args; ++k)
+        if (layer->grads[k] != -1) grad_of[k] = values[layer->grads[k]];
     } else {
       TORCH_CHECK(layer_fallback != nullptr, kPrefix, "no backward fallback registered");
       py::gil_scoped_acquire gil;
-      py::tuple out = (*layer_fallback)(layer_id, dy, saved, held.defined() ? py::cast(held) : py::none(),
-                                        torch::autograd::GradMode::is_enabled());
-      dx = out[0].is_none() ? at::Tensor() : out[0].cast<at::Tensor>();
-      dw = out[1].is_none() ? at::Tensor() : out[1].cast<at::Tensor>();
+      py::list held_list;
+      for (const at::Tensor& t : held) held_list.append(t.defined() ? py::cast(t) : py::none());
+      py::sequence out = (*layer_fallback)(layer_id, dy, saved, held_list, torch::autograd::GradMode::is_enabled());
+      TORCH_CHECK(static_cast<int64_t>(py::len(out)) == layer->num_args, kPrefix,
+                  "the Python backward returned ", py::len(out), " gradients for ", layer->num_args, " arguments");
+      for (int64_t k = 0; k < layer->num_args; ++k)
+        if (!out[k].is_none()) grad_of[k] = out[k].cast<at::Tensor>();
     }
-    // One gradient per forward argument: layer id, stream, x, w, a0..a8.
-    variable_list result(13);
-    result[2] = dx;
-    result[3] = dw;
+    variable_list result(3 + positions.size());
+    for (size_t k = 0; k < positions.size(); ++k) result[3 + k] = std::move(grad_of[positions[k]]);
     return result;
   }
 };
 
-at::Tensor apply_layer(int64_t layer_id, int64_t stream, const at::Tensor& x, const at::Tensor& w,
-                       const std::optional<at::Tensor>& a0, const std::optional<at::Tensor>& a1,
-                       const std::optional<at::Tensor>& a2, const std::optional<at::Tensor>& a3,
-                       const std::optional<at::Tensor>& a4, const std::optional<at::Tensor>& a5,
-                       const std::optional<at::Tensor>& a6, const std::optional<at::Tensor>& a7,
-                       const std::optional<at::Tensor>& a8) {
-  return PlannedLayer::apply(layer_id, stream, x, w, a0, a1, a2, a3, a4, a5, a6, a7, a8);
+at::Tensor apply_layer(int64_t layer_id, int64_t stream, const std::vector<std::optional<at::Tensor>>& args) {
+  auto layer = layer_at(layer_id);
+  TORCH_CHECK(layer != nullptr, kPrefix, "no layer ", layer_id);
+  TORCH_CHECK(static_cast<int64_t>(args.size()) == layer->num_args, kPrefix, "layer ", layer_id, " takes ",
+              layer->num_args, " arguments, got ", args.size());
+  std::vector<int64_t> positions;
+  std::vector<at::Tensor> tensors;
+  for (size_t k = 0; k < args.size(); ++k) {
+    if (args[k].has_value() && args[k]->defined()) {
+      positions.push_back(static_cast<int64_t>(k));
+      tensors.push_back(*args[k]);
+    }
+  }
+  return PlannedLayer::apply(layer_id, stream, std::move(positions), at::TensorList(tensors));
 }
 
 }  // namespace turbo_moe
@@ -553,11 +568,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_outputs", &set_outputs, "register where a plan's outputs come from (run_plan, layers); returns the error or ''");
   m.def("run_plan", &run_plan, "a replay's outputs (raises on error)", py::arg("plan"), py::arg("inputs"),
         py::arg("stream"));
-  m.def("add_layer", &add_layer, "(error, id): register a layer: its forward and backward steps over a value table");
-  m.def("apply_layer", &turbo_moe::apply_layer, "run a layer's forward; the result's grad_fn runs its backward steps in C++",
-        py::arg("layer"), py::arg("stream"), py::arg("x"), py::arg("w"), py::arg("a0") = py::none(),
-        py::arg("a1") = py::none(), py::arg("a2") = py::none(), py::arg("a3") = py::none(), py::arg("a4") = py::none(),
-        py::arg("a5") = py::none(), py::arg("a6") = py::none(), py::arg("a7") = py::none(), py::arg("a8") = py::none());
+  m.def("add_layer", &add_layer,
+        "(error, id): register a layer: its forward and backward steps over a value table that starts with its arguments");
+  m.def("apply_layer", &turbo_moe::apply_layer,
+        "run a layer's forward on its arguments (None where absent); the result's grad_fn runs its backward steps in C++",
+        py::arg("layer"), py::arg("stream"), py::arg("args"));
   m.def("set_layer_fallback", &set_layer_fallback, "the Python backward for what a layer's plans do not cover");
   m.def("take_replayed", &take_replayed, "the plans replayed by layer backwards since the last call (and forget them)");
 }
