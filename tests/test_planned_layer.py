@@ -52,7 +52,7 @@ def _layer(ext, held):
     backward = _plan(ext, 2, [(4, 5), (3, 5)])
     saved = [1] if held else [12, 1]
     error, layer = ext.add_layer(16, 11, [(forward, [0, 1], [11, 12], [])], [(backward, [13, 12], [14, 15], [])], saved,
-                                 [12] if held else [], 11, 13, _grads(14, 15))
+                                 [12] if held else [], [], 11, 13, _grads(14, 15))
     assert error == ""
     return layer, backward
 
@@ -81,8 +81,9 @@ def test_what_the_plans_do_not_cover_goes_to_the_python_backward(ext):
     layer, _ = _layer(ext, held=True)
     calls = []
 
-    def fallback(layer_id, dy, saved, held, create_graph):
-        calls.append((layer_id, dy.clone(), [t.shape for t in saved], held == [None], create_graph))
+    def fallback(layer_id, dy, table, create_graph):
+        shapes = {k: t.shape for k, t in enumerate(table) if t is not None}
+        calls.append((layer_id, dy.clone(), shapes, table[12] is None, create_graph))
         return _args(torch.ones(4, 5), torch.full((3, 5), 2.0))
 
     ext.set_layer_fallback(fallback)
@@ -96,7 +97,7 @@ def test_what_the_plans_do_not_cover_goes_to_the_python_backward(ext):
         y.backward(dy)  # the held value is gone: the Python backward
         assert len(calls) == 1
         layer_id, seen, saved_shapes, held_released, create_graph = calls[0]
-        assert layer_id == layer and torch.equal(seen, dy) and saved_shapes == [(3, 5)]
+        assert layer_id == layer and torch.equal(seen, dy) and saved_shapes == {1: (3, 5)}
         assert held_released and not create_graph
         assert torch.equal(x.grad, torch.ones(4, 5)) and torch.equal(w.grad, torch.full((3, 5), 2.0))
 
@@ -119,19 +120,40 @@ def test_what_the_plans_do_not_cover_goes_to_the_python_backward(ext):
         ext.set_layer_fallback(planned_layer._python_backward)
 
 
+def test_kept_values_leave_with_the_backward_unless_the_graph_is_retained(ext):
+    """A kept value (an intermediate the backward steps read, 12 here) stays with the node while
+    the graph is retained -- a second backward is planned too -- and goes with the last backward:
+    one more raises torch's "second time" advice instead of reading a freed value."""
+    forward = _plan(ext, 2, [(4, 3), (2,)])
+    backward = _plan(ext, 2, [(4, 5), (3, 5)])
+    error, layer = ext.add_layer(16, 11, [(forward, [0, 1], [11, 12], [])], [(backward, [13, 12], [14, 15], [12])],
+                                 [], [], [12], 11, 13, _grads(14, 15))
+    assert error == ""
+    x = torch.randn(4, 5, requires_grad=True)
+    w = torch.randn(3, 5, requires_grad=True)
+    ext.take_replayed()
+    y = ext.apply_layer(layer, 0, _args(x, w))
+    dy = torch.randn(4, 3)
+    y.backward(dy, retain_graph=True)
+    y.backward(dy)
+    assert ext.take_replayed() == [backward, backward]
+    with pytest.raises(RuntimeError, match="second time"):
+        y.backward(dy)
+
+
 def test_add_layer_refuses_what_it_cannot_run(ext):
     plan = _plan(ext, 2, [(4, 3)])
     step = (plan, [0, 1], [11], [])
-    assert "no plan" in ext.add_layer(16, 11, [(10 ** 6, [0], [11], [])], [], [], [], 11, 13, _grads())[0]
-    assert "out of range" in ext.add_layer(16, 11, [(plan, [0, 16], [11], [])], [], [], [], 11, 13, _grads())[0]
-    assert "out of range" in ext.add_layer(16, 11, [step], [], [40], [], 11, 13, _grads())[0]
-    assert "out of range" in ext.add_layer(16, 11, [step], [], [], [16], 11, 13, _grads())[0]
-    assert "out of range" in ext.add_layer(16, 11, [step], [], [], [], 11, 13, _grads(16))[0]
-    assert "without forward steps" in ext.add_layer(16, 11, [], [], [], [], 11, 13, _grads())[0]
-    assert "starts with its arguments" in ext.add_layer(10, 11, [step], [], [], [], 3, 4, _grads())[0]
-    assert "one gradient per argument" in ext.add_layer(16, 11, [step], [], [], [], 11, 13, [-1, -1])[0]
+    assert "no plan" in ext.add_layer(16, 11, [(10 ** 6, [0], [11], [])], [], [], [], [], 11, 13, _grads())[0]
+    assert "out of range" in ext.add_layer(16, 11, [(plan, [0, 16], [11], [])], [], [], [], [], 11, 13, _grads())[0]
+    assert "out of range" in ext.add_layer(16, 11, [step], [], [40], [], [], 11, 13, _grads())[0]
+    assert "out of range" in ext.add_layer(16, 11, [step], [], [], [16], [], 11, 13, _grads())[0]
+    assert "out of range" in ext.add_layer(16, 11, [step], [], [], [], [], 11, 13, _grads(16))[0]
+    assert "without forward steps" in ext.add_layer(16, 11, [], [], [], [], [], 11, 13, _grads())[0]
+    assert "starts with its arguments" in ext.add_layer(10, 11, [step], [], [], [], [], 3, 4, _grads())[0]
+    assert "one gradient per argument" in ext.add_layer(16, 11, [step], [], [], [], [], 11, 13, [-1, -1])[0]
     # A step input the caller did not give is a clear error, not a crash.
-    error, reads_a0 = ext.add_layer(16, 11, [(plan, [0, 2], [11], [])], [], [], [], 11, 13, _grads())
+    error, reads_a0 = ext.add_layer(16, 11, [(plan, [0, 2], [11], [])], [], [], [], [], 11, 13, _grads())
     assert error == ""
     x = torch.randn(4, 5)
     with pytest.raises(RuntimeError, match="step input"):
@@ -288,7 +310,11 @@ def test_python_backward_fallback_equals_the_python_function(held):
     info = pl._Backward(saved, pl.SRC, False, True, True, config, None, "torch", torch.bfloat16, torch.bfloat16, False)
     pl.register_backward(-1, functools.partial(pl._linear_backward, info))
     try:
-        grads = pl._python_backward(-1, dy, [w, w_kn_scale, x_km, x_km_scale, offs], [w_kn if held else None], False)
+        table = [None] * pl.NUM_VALUES
+        for v, t in zip(saved, (w, w_kn_scale, x_km, x_km_scale, offs)):
+            table[v] = t
+        table[pl.W_KN] = w_kn if held else None
+        grads = pl._python_backward(-1, dy, table, False)
         assert len(grads) == pl.NUM_ARGS and all(g is None for k, g in enumerate(grads) if k not in (pl.X, pl.W))
         dx, dw = grads[pl.X], grads[pl.W]
     finally:

@@ -216,7 +216,7 @@ def plan_layer(x, w_nk, src, from_lens: bool, w_fp8, config, num_cu, backend, ou
         grads = [-1] * NUM_ARGS
         grads[X], grads[W] = DX if need_dx else -1, DW if need_dw else -1
         error, layer_id = ext.add_layer(NUM_VALUES, NUM_ARGS, b.steps[:forward_steps], b.steps[forward_steps:],
-                                        list(saved), [] if held == -1 else [held], Y, DY, grads)
+                                        list(saved), [] if held == -1 else [held], [], Y, DY, grads)
         if error:
             return NOT_PLANNABLE
         _LAYER_IDS[identity] = layer_id
@@ -266,16 +266,17 @@ _ONCE = b"trying to differentiate twice a function that was marked with @once_di
 
 
 def register_backward(layer_id: int, backward) -> None:
-    """``backward(dy, saved, held, create_graph)``: the Python path's backward of an extension
-    layer (``saved``: its saved values in order; ``held``: its held values, None once released),
-    returning one gradient (or None) per argument."""
+    """``backward(dy, table, create_graph)``: the Python path's backward of an extension layer,
+    given its value table as the C++ node's backward found it (a list: the saved, held and kept
+    values at their indices, None elsewhere and where a held value was released), returning one
+    gradient (or None) per argument."""
     _BACKWARDS[layer_id] = backward
 
 
-def _python_backward(layer_id: int, dy, saved, held, create_graph: bool):
+def _python_backward(layer_id: int, dy, table, create_graph: bool):
     """The Python path's backward for what a layer's plans do not cover (module docstring);
     called by the C++ node."""
-    return _BACKWARDS[layer_id](dy, saved, held, create_graph)
+    return _BACKWARDS[layer_id](dy, table, create_graph)
 
 
 def once_differentiable(grads, dy, create_graph: bool):
@@ -293,10 +294,8 @@ def once_differentiable(grads, dy, create_graph: bool):
     return grads
 
 
-def _linear_backward(info: _Backward, dy, saved, held, create_graph: bool):
-    """A grouped linear's Python-path backward, with the saved values and the held W^T (None once
-    released)."""
-    values = dict(zip(info.saved, saved))
+def _linear_backward(info: _Backward, dy, values, create_graph: bool):
+    """A grouped linear's Python-path backward, from its value table (W^T None once released)."""
     grad_history = None
     if info.delayed:  # the history's tensors as the call passed them
         config = info.config
@@ -305,13 +304,12 @@ def _linear_backward(info: _Backward, dy, saved, held, create_graph: bool):
     # What GroupedGemmFP8Function's forward leaves on its ctx, through the same function; kept
     # (W^T is the cache's) is known from the layer, not from a cached weight object.
     ctx = types.SimpleNamespace()
-    w_kn = held[0] if held else values.get(W_KN)
-    stash_for_fp8_gemm_backward(ctx, w_kn, info.config, info.num_cu, info.backend, info.x_dtype, info.w_dtype, None,
+    stash_for_fp8_gemm_backward(ctx, values[W_KN], info.config, info.num_cu, info.backend, info.x_dtype, info.w_dtype, None,
                                 grad_history=grad_history)
     ctx.w_kn_kept = info.kept
     with torch.no_grad():
-        dx, dw = fp8_gemm_backward(ctx, dy, values.get(W), values.get(W_KN_SCALE), values.get(X_KM),
-                                   values.get(X_KM_SCALE), values[info.offs], info.need_dx, info.need_dw)
+        dx, dw = fp8_gemm_backward(ctx, dy, values[W], values[W_KN_SCALE], values[X_KM], values[X_KM_SCALE],
+                                   values[info.offs], info.need_dx, info.need_dw)
     grads = [None] * NUM_ARGS
     grads[X], grads[W] = once_differentiable([dx, dw], dy, create_graph)
     return grads

@@ -16,6 +16,7 @@
 // (Stop 28 kept this file torch-free and exception-free after an exception unwinding through an
 // extension crashed a GPU machine's process; scripts/cpp_exception_probe.py no longer reproduces
 // that there, docs/results/h100_host_plans.md.)
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/extension.h>
 
 #include <dlfcn.h>
@@ -354,6 +355,8 @@ struct Layer {
   std::vector<Step> backward;
   std::vector<int64_t> saved;  // values saved for backward (with autograd's version checks)
   std::vector<int64_t> held;   // values held for the first backward only, released by it
+  std::vector<int64_t> kept;   // values the steps made that backward reads: kept by the node until its
+                               // backward (or the graph's release), then freed as the steps' release lists say
   int64_t y, dy;               // value indices
   std::vector<int64_t> grads;  // per argument, the value holding its gradient (-1: none)
 };
@@ -366,8 +369,8 @@ using StepTuple = std::tuple<int64_t, std::vector<int64_t>, std::vector<int64_t>
 
 std::tuple<std::string, int64_t> add_layer(int64_t num_values, int64_t num_args, const std::vector<StepTuple>& forward,
                                            const std::vector<StepTuple>& backward, const std::vector<int64_t>& saved,
-                                           const std::vector<int64_t>& held, int64_t y, int64_t dy,
-                                           const std::vector<int64_t>& grads) {
+                                           const std::vector<int64_t>& held, const std::vector<int64_t>& kept,
+                                           int64_t y, int64_t dy, const std::vector<int64_t>& grads) {
   auto layer = std::make_shared<Layer>();
   if (num_args < 1 || num_args > num_values) return {kPrefix + "a layer's value table starts with its arguments", -1};
   if (static_cast<int64_t>(grads.size()) != num_args) return {kPrefix + "a layer names one gradient per argument", -1};
@@ -400,12 +403,14 @@ std::tuple<std::string, int64_t> add_layer(int64_t num_values, int64_t num_args,
   if (!error.empty()) return {error, -1};
   layer->saved = saved;
   layer->held = held;
+  layer->kept = kept;
   layer->grads = grads;
   layer->y = y;
   layer->dy = dy;
   bool ok = in_range(y) && in_range(dy);
   for (int64_t v : saved) ok = ok && in_range(v);
   for (int64_t v : held) ok = ok && in_range(v);
+  for (int64_t v : kept) ok = ok && in_range(v);
   for (int64_t v : grads) ok = ok && (v == -1 || in_range(v));
   if (!ok) return {kPrefix + "a layer value index out of range", -1};
   std::lock_guard<std::mutex> lock(plans_mutex);
@@ -460,6 +465,7 @@ struct PlannedLayer : public torch::autograd::Function<PlannedLayer> {
     for (int64_t v : layer->saved) saved.push_back(values[v]);
     ctx->save_for_backward(saved);
     for (size_t k = 0; k < layer->held.size(); ++k) ctx->saved_data["held" + std::to_string(k)] = values[layer->held[k]];
+    for (size_t k = 0; k < layer->kept.size(); ++k) ctx->saved_data["kept" + std::to_string(k)] = values[layer->kept[k]];
     ctx->saved_data["layer"] = layer_id;
     ctx->saved_data["stream"] = stream;
     ctx->saved_data["positions"] = positions;
@@ -488,6 +494,17 @@ struct PlannedLayer : public torch::autograd::Function<PlannedLayer> {
     at::Tensor dy = grads[0].contiguous();
     // The plans were recorded on a 16-byte aligned dy; under create_graph the result must stay
     // once-differentiable (an error if differentiated again): both go to the Python path.
+    // Kept values leave the node with this backward unless the graph is retained for another.
+    const bool keep_graph = torch::autograd::get_current_graph_task_keep_graph();
+    for (size_t k = 0; k < layer->kept.size(); ++k) {
+      const std::string name = "kept" + std::to_string(k);
+      auto it = ctx->saved_data.find(name);
+      TORCH_CHECK(it != ctx->saved_data.end() && it->second.isTensor(), kPrefix,
+                  "Trying to backward through a planned layer a second time (its intermediate values were freed "
+                  "by the first backward); specify retain_graph=True the first time");
+      values[layer->kept[k]] = it->second.toTensor();
+      if (!keep_graph) ctx->saved_data[name] = at::IValue();
+    }
     const bool planned = all_held && !torch::autograd::GradMode::is_enabled() &&
                          reinterpret_cast<uintptr_t>(dy.data_ptr()) % 16 == 0;
     // One gradient per forward argument: layer id, stream, positions, then each tensor of args.
@@ -506,10 +523,12 @@ struct PlannedLayer : public torch::autograd::Function<PlannedLayer> {
         if (layer->grads[k] != -1) grad_of[k] = values[layer->grads[k]];
     } else {
       TORCH_CHECK(layer_fallback != nullptr, kPrefix, "no backward fallback registered");
+      for (size_t k = 0; k < held.size(); ++k) values[layer->held[k]] = std::move(held[k]);
       py::gil_scoped_acquire gil;
-      py::list held_list;
-      for (const at::Tensor& t : held) held_list.append(t.defined() ? py::cast(t) : py::none());
-      py::sequence out = (*layer_fallback)(layer_id, dy, saved, held_list, torch::autograd::GradMode::is_enabled());
+      py::list table;  // the value table as backward found it (None: absent, or a held value released)
+      for (const at::Tensor& t : values) table.append(t.defined() ? py::cast(t) : py::none());
+      values.clear();
+      py::sequence out = (*layer_fallback)(layer_id, dy, table, torch::autograd::GradMode::is_enabled());
       TORCH_CHECK(static_cast<int64_t>(py::len(out)) == layer->num_args, kPrefix,
                   "the Python backward returned ", py::len(out), " gradients for ", layer->num_args, " arguments");
       for (int64_t k = 0; k < layer->num_args; ++k)
