@@ -16,10 +16,11 @@ from typing import Optional
 import torch
 from torch import nn
 
+from . import host_plan, planned_layer, planned_mlp
 from .autograd import QuantizedGradHandoff, _grouped_gemm_fp8_resolved
 from .checks import check_operands, resolve_group_offs
 from .config import Float8Config
-from .module import GroupedLinearFP8
+from .module import GroupedLinearFP8, _seeded_on
 from .swiglu import fuses_swiglu, grouped_gemm_fp8_swiglu, weighted_swiglu
 
 __all__ = ["GroupedSwiGLUMLPFP8"]
@@ -50,6 +51,9 @@ class GroupedSwiGLUMLPFP8(nn.Module):
                       cache_fp8_weight=cache_fp8_weight)
         self.fc1 = GroupedLinearFP8(num_groups, hidden, 2 * ffn, **common)
         self.fc2 = GroupedLinearFP8(num_groups, ffn, hidden, **common)
+        # call signature -> ((config, num_cu, backend, plans' generation), PlannedMLP or NOT_PLANNABLE)
+        self._planned = {}
+        self._ones = None  # the unweighted call's routing weights, kept per token count
 
     @property
     def config(self) -> Float8Config:
@@ -58,10 +62,15 @@ class GroupedSwiGLUMLPFP8(nn.Module):
     def forward(self, x: torch.Tensor, group_lens: Optional[torch.Tensor] = None, *,
                 group_offs: Optional[torch.Tensor] = None, probs: Optional[torch.Tensor] = None) -> torch.Tensor:
         fc1, fc2 = self.fc1, self.fc2
+        if probs is None:
+            probs = self._unit_probs(x)
+        if type(x) is torch.Tensor and x.is_cuda and planned_layer.enabled() and fuses_swiglu(self.config) \
+                and fc1.bias is None and fc2.bias is None and not torch.compiler.is_compiling():
+            y = self._forward_planned(x, group_lens, group_offs, probs)
+            if y is not None:
+                return y
         check_operands(x, fc1.weight, trans_b=True)  # first: every error names the argument
         offs = resolve_group_offs(group_lens, group_offs, fc1.num_groups, x.shape[0], x.device)
-        if probs is None:
-            probs = torch.ones(x.shape[0], dtype=torch.float32, device=x.device)
         if not fuses_swiglu(self.config):
             h = fc1(x, group_offs=offs)
             weights = probs.reshape(-1) if probs.dim() == 2 and probs.shape[1] == 1 else probs
@@ -78,6 +87,68 @@ class GroupedSwiGLUMLPFP8(nn.Module):
             h, probs, fc2.weight, offs, config=self.config, num_cu=fc2.num_cu, backend=fc2.backend,
             w_fp8=fc2._cached_fp8_weight() if fc2.cache_fp8_weight else None, h_grad_handoff=handoff,
             delayed_state=fc2.fp8_delayed)
+
+    def _unit_probs(self, x: torch.Tensor) -> torch.Tensor:
+        ones = self._ones
+        if ones is None or ones.shape[0] != x.shape[0] or ones.device != x.device:
+            ones = self._ones = torch.ones(x.shape[0], dtype=torch.float32, device=x.device)
+        return ones
+
+    def _forward_planned(self, x, group_lens, group_offs, probs) -> Optional[torch.Tensor]:
+        """The forward as one C++ call with a C++ backward node (``turbo_moe.planned_mlp``) once this
+        call signature's host plans all exist; None: the Python path. As
+        ``GroupedLinearFP8._forward_planned``, a hit skips the checks: the signature passed them."""
+        fc1, fc2 = self.fc1, self.fc2
+        w1, w2 = fc1.weight, fc2.weight
+        lens_given = group_offs is None
+        src = group_lens if lens_given else group_offs
+        if not isinstance(src, torch.Tensor) or (group_lens is not None and group_offs is not None) \
+                or not isinstance(probs, torch.Tensor):
+            return None
+        grad = torch.is_grad_enabled()
+        for delayed in (fc1.fp8_delayed, fc2.fp8_delayed):
+            if delayed is not None and not (_seeded_on(delayed.input, x)
+                                            and (not grad or _seeded_on(delayed.grad_output, x))):
+                return None  # the Python path seeds (or moves) the histories first
+        p = probs.reshape(-1) if probs.dim() == 2 and probs.shape[1] == 1 else probs
+        if p.dim() != 1 or not p.is_contiguous():
+            return None
+        out_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        out1 = x.dtype if out_dtype is None else out_dtype
+        out2 = out1 if out_dtype is None else out_dtype  # the SwiGLU + fc2 output follows h's dtype
+        sides = tuple(planned_mlp.MLPSide(fc.num_cu, fc.backend, fc._fp8_weight_now() if fc.cache_fp8_weight else None,
+                                          fc.fp8_delayed, None, None) for fc in (fc1, fc2))
+        if not lens_given:
+            check_operands(x, w1, trans_b=True)
+            src = resolve_group_offs(None, group_offs, fc1.num_groups, x.shape[0], x.device)
+        key = (lens_given, host_plan.fact(x), host_plan.fact(w1), host_plan.fact(w2), host_plan.fact(p),
+               host_plan.fact(src), sides[0].w_fp8 is None, sides[1].w_fp8 is None, x.requires_grad,
+               w1.requires_grad, w2.requires_grad, p.requires_grad, out1, out2, grad)
+        static = (self.config, fc1.num_cu, fc1.backend, fc2.num_cu, fc2.backend, host_plan.generation())
+        found = self._planned.get(key)
+        if found is None or found[0] != static:
+            layer = planned_mlp.plan_mlp(x, w1, w2, p, src, lens_given, sides[0], sides[1], self.config, out1, out2,
+                                         forward_only=not grad)
+            if layer is None:  # not all recorded yet
+                return None
+            if len(self._planned) >= 64:
+                self._planned.clear()
+            found = self._planned[key] = (static, layer)
+        layer = found[1]
+        if layer is planned_mlp.NOT_PLANNABLE:
+            return None
+        return planned_mlp.apply_mlp(layer, x, w1, w2, p, src, sides[0], sides[1])
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["_planned"] = {}  # extension ids of this process
+        state["_ones"] = None
+        return state
+
+    def __setstate__(self, state):
+        state.setdefault("_planned", {})
+        state.setdefault("_ones", None)
+        super().__setstate__(state)
 
     def extra_repr(self) -> str:
         return f"fused_swiglu={fuses_swiglu(self.config)}"

@@ -10,9 +10,12 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 
+from .. import host_plan, planned_layer, planned_mlp
 from ..autograd import QuantizedGradHandoff, add_group_bias, group_rows
 from ..checks import resolve_group_offs
 from .linear import TurboColumnParallelGroupedLinear, TurboGroupedLinear, TurboRowParallelGroupedLinear, _as_group_lens
+from ..module import _seeded_on
+from .main_grad import _main_grad_placeholder
 from .options import TurboMoEOptions
 
 __all__ = ["TurboMoEGroupedMLP"]
@@ -63,6 +66,8 @@ class TurboMoEGroupedMLP(TEGroupedMLP):
 
             pg_collection = get_default_pg_collection()
         super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection, name=name)
+        # call signature -> ((recipe, num_cu, backend, plans' generation), PlannedMLP or NOT_PLANNABLE)
+        self._planned = {}
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor, output_buffer=None, grad_input_buffer=None):
@@ -72,6 +77,10 @@ class TurboMoEGroupedMLP(TEGroupedMLP):
         x = permuted_local_hidden_states
         num_tokens = x.shape[0]
         lens = _as_group_lens(tokens_per_expert, self.num_local_experts, x.device)
+        if type(x) is torch.Tensor and x.is_cuda and planned_layer.enabled() and not torch.compiler.is_compiling():
+            output = self._forward_planned(x, lens, permuted_probs)
+            if output is not None:
+                return output, None
         offs = resolve_group_offs(lens, None, self.num_local_experts, num_tokens, x.device)
         probs = permuted_probs.unsqueeze(-1)
         if self.config.moe_apply_probs_on_input:
@@ -109,6 +118,78 @@ class TurboMoEGroupedMLP(TEGroupedMLP):
             bias_rows = group_rows(fc2_bias, offs, num_tokens)
             output = (output + bias_rows * probs).to(output.dtype)
         return output, None
+
+    def _forward_planned(self, x: torch.Tensor, lens: torch.Tensor, probs: torch.Tensor) -> Optional[torch.Tensor]:
+        """The experts' forward as one C++ call with a C++ backward node (``turbo_moe.planned_mlp``):
+        the offsets, fc1, the fused SwiGLU + fc2 and, in backward, the dh handoff and both wgrads
+        (into ``main_grad`` under ``gradient_accumulation_fusion``). None: the Python path (a
+        signature whose plans are not all recorded yet, or one the planned MLP does not serve).
+        What the linears' forwards do besides their GEMMs is done here too: the micro-batch flags
+        of their FP8 weight caches, and ``grad_added_to_main_grad`` (set at forward, as Megatron's
+        own CUDA-graphed layers set it, since no Python runs in this backward)."""
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        cfg = self.config
+        if not (isinstance(fc1, TurboGroupedLinear) and isinstance(fc2, TurboGroupedLinear)) \
+                or cfg.moe_apply_probs_on_input or fc1.bias is not None or fc2.bias is not None \
+                or fc1.delay_wgrad_compute or fc2.delay_wgrad_compute or fc1.fp8_config != fc2.fp8_config \
+                or not self._fuses_activation() or not self._hands_off_dh():
+            return None
+        if probs.dim() != 1 or not probs.is_contiguous() or probs.shape[0] != x.shape[0] or x.dim() != 2:
+            return None
+        grad = torch.is_grad_enabled()
+        for linear in (fc1, fc2):
+            delayed = linear.fp8_delayed
+            if delayed is not None and not (_seeded_on(delayed.input, x)
+                                            and (not grad or _seeded_on(delayed.grad_output, x))):
+                return None  # the Python path seeds (or moves) the histories first
+        targets = []
+        for linear in (fc1, fc2):
+            w = linear.weight
+            main_grad = None
+            if grad and w.requires_grad and linear._fuses_main_grad():
+                main_grad = getattr(w, "main_grad", None)
+                if not isinstance(main_grad, torch.Tensor) or main_grad.dtype != torch.float32 \
+                        or getattr(w, "zero_out_wgrad", False):
+                    return None  # lazily allocated, or not accumulated in the kernel: the Python path
+            targets.append(main_grad)
+        out_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        out1 = x.dtype if out_dtype is None else out_dtype
+        out2 = out1 if out_dtype is None else out_dtype
+        w1, w2 = fc1.weight, fc2.weight
+        caching = (fc1._uses_fp8_weight_cache(), fc2._uses_fp8_weight_cache())
+        key = (host_plan.fact(x), host_plan.fact(w1), host_plan.fact(w2), host_plan.fact(probs), host_plan.fact(lens),
+               *caching, *(host_plan.fact(t) for t in targets),
+               *(hasattr(fc.weight, "grad_added_to_main_grad") for fc in (fc1, fc2)),
+               x.requires_grad, w1.requires_grad, w2.requires_grad, probs.requires_grad, out1, out2, grad)
+        static = (fc1.fp8_config, fc1.num_cu, fc1.options.backend, fc2.num_cu, fc2.options.backend,
+                  host_plan.generation())
+        found = self._planned.get(key)
+        if found is not None and found[0] == static and found[1] is planned_mlp.NOT_PLANNABLE:
+            return None  # before any side effect: the Python path runs the linears as always
+        for linear in (fc1, fc2):  # TurboGroupedLinear.forward's flag update, before the cache lookup
+            if linear.is_first_microbatch and linear._cleared_first_microbatch:
+                linear._first_microbatch_driven = True
+        sides = tuple(planned_mlp.MLPSide(
+            fc.num_cu, fc.options.backend, fc._cached_fp8_weight() if cached else None, fc.fp8_delayed, main_grad,
+            None if main_grad is None else _main_grad_placeholder(fc.weight, fc.weight.dtype)) for fc, cached, main_grad in zip((fc1, fc2), caching, targets))
+        if found is None or found[0] != static:
+            layer = planned_mlp.plan_mlp(x, w1, w2, probs, lens, True, sides[0], sides[1], fc1.fp8_config, out1, out2,
+                                         forward_only=not grad)
+            if layer is None:  # not all recorded yet
+                return None
+            if len(self._planned) >= 64:
+                self._planned.clear()
+            found = self._planned[key] = (static, layer)
+        layer = found[1]
+        if layer is planned_mlp.NOT_PLANNABLE:
+            return None
+        output = planned_mlp.apply_mlp(layer, x, w1, w2, probs, lens, sides[0], sides[1])
+        for linear, side in zip((fc1, fc2), sides):
+            if side.placeholder is not None:  # Megatron's protocol (main_grad._mark_grad_added_to_main_grad)
+                linear.weight.grad_added_to_main_grad = True
+            linear.is_first_microbatch = False  # as TurboGroupedLinear.forward
+            linear._cleared_first_microbatch = True
+        return output
 
     def _fuses_activation(self) -> bool:
         """Whether fc2 takes fc1's output and fuses the activation into its FP8 quantization:

@@ -257,41 +257,44 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
         """Drop the cached FP8 weight (see ``TurboMoEOptions.cache_fp8_weight``)."""
         self._fp8_weight_cache = None
 
-    @torch.compiler.disable
-    def _cached_fp8_weight(self):
-        """The FP8 weight kept across micro-batches, or None (quantize in the GEMM call).
-
-        Keyed on the weight's version counter and storage *and* on the generation that
-        ``invalidate_fp8_weight_cache_on_step`` bumps after each optimizer step: Megatron's DDP
-        makes parameters views of its buffers through ``.data``, and its (distributed) optimizer
-        writes them through those buffers, which bumps no version counter of the Parameter.
-        ``"auto"`` caches only where one of these signals is sound (see ``TurboMoEOptions``).
-        """
+    def _uses_fp8_weight_cache(self) -> bool:
+        """Whether :meth:`_cached_fp8_weight` returns a cached FP8 weight now (no side effects;
+        raises where ``cache_fp8_weight=True`` cannot be honoured)."""
         mode = self.options.cache_fp8_weight
         if mode is False:
-            return None
+            return False
         w = self.weight
         if w.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None  # the quantization must be part of the captured graph
-        refresh = False
+            return False  # the quantization must be part of the captured graph
         if mode is True:
             if not fp8_weight_cache_is_safe(w):
                 raise RuntimeError(
                     "cache_fp8_weight=True on a Megatron DDP parameter needs "
                     "turbo_moe.megatron.invalidate_fp8_weight_cache_on_step(optimizer): Megatron's optimizer "
                     "updates the weights through DDP's buffers, which the cache could not see otherwise")
-        else:  # "auto"
-            if self._no_parameter_cache:
-                return None
-            # A driven flag covers what the key cannot see (an optimizer writing DDP's buffers):
-            # True refreshes, False means no step since. Else the key must be sound alone: the
-            # step hook bumps the generation, or, in a single process, a parameter without
-            # main_grad is updated in place by torch optimizers (a version bump). Neither:
-            # quantize in every forward.
-            if not (self._first_microbatch_driven or fp8_weight_generation_is_bumped_on_step()
-                    or version_counter_sees_updates(w)):
-                return None
-            refresh = self.is_first_microbatch
+            return True
+        # "auto": a driven flag covers what the key cannot see (an optimizer writing DDP's buffers):
+        # True refreshes, False means no step since. Else the key must be sound alone: the step
+        # hook bumps the generation, or, in a single process, a parameter without main_grad is
+        # updated in place by torch optimizers (a version bump). Neither: quantize in every forward.
+        if self._no_parameter_cache:
+            return False
+        return bool(self._first_microbatch_driven or fp8_weight_generation_is_bumped_on_step()
+                    or version_counter_sees_updates(w))
+
+    @torch.compiler.disable
+    def _cached_fp8_weight(self):
+        """The FP8 weight kept across micro-batches, or None (quantize in the GEMM call).
+        Keyed on the weight's version counter and storage *and* on the generation that
+        ``invalidate_fp8_weight_cache_on_step`` bumps after each optimizer step: Megatron's DDP
+        makes parameters views of its buffers through ``.data``, and its (distributed) optimizer
+        writes them through those buffers, which bumps no version counter of the Parameter.
+        ``"auto"`` caches only where one of these signals is sound (see ``TurboMoEOptions``).
+        """
+        if not self._uses_fp8_weight_cache():
+            return None
+        w = self.weight
+        refresh = self.options.cache_fp8_weight == "auto" and self.is_first_microbatch
         key = (w._version, w.data_ptr(), w.dtype, w.device, fp8_weight_generation(), self.fp8_config)
         if refresh or self._fp8_weight_cache is None or self._fp8_weight_cache[0] != key:
             self._fp8_weight_cache = None  # release the stale copies before making new ones

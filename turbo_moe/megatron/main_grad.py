@@ -115,13 +115,20 @@ def _main_grad_of(weight: torch.nn.Parameter) -> Optional[torch.Tensor]:
     return main_grad
 
 
-def _mark_grad_added_to_main_grad(weight: torch.nn.Parameter, dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """After the gradient went into ``main_grad``: what autograd should hand back as ``weight``'s
-    gradient (Megatron's placeholder protocol, ``grad_added_to_main_grad``), or None."""
+def _main_grad_placeholder(weight: torch.nn.Parameter, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """What autograd hands back as ``weight``'s gradient once it went into ``main_grad``: Megatron's
+    placeholder (``grad_added_to_main_grad`` protocol), or None for a parameter without it."""
     if hasattr(weight, "grad_added_to_main_grad"):
-        weight.grad_added_to_main_grad = True
         return _dummy_wgrad(weight, dtype, getattr(weight, "zero_out_wgrad", False))
     return None
+
+
+def _mark_grad_added_to_main_grad(weight: torch.nn.Parameter, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """After the gradient went into ``main_grad``: flag it (``grad_added_to_main_grad``) and return
+    the placeholder autograd should hand back as ``weight``'s gradient, or None."""
+    if hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
+    return _main_grad_placeholder(weight, dtype)
 
 
 def _add_into_main_grad(weight: torch.nn.Parameter, wgrad: torch.Tensor) -> Optional[torch.Tensor]:

@@ -1,0 +1,214 @@
+"""The planned MLP (turbo_moe/planned_mlp.py) on the CPU: its wiring through the C++ node with
+plans that allocate and launch nothing, and its Python backward against the Python Functions.
+GPU equality with the Python path: tests/test_planned_mlp_gpu.py and test_megatron_gpu.py."""
+
+import functools
+import shutil
+
+import pytest
+import torch
+
+from turbo_moe import Float8Config, GroupedSwiGLUMLPFP8, host_plan, planned_layer, planned_mlp as pm
+from turbo_moe.autograd import _fp8_forward_tensors
+from turbo_moe.swiglu import _swiglu_gemm_forward_tensors
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                reason="no C++ compiler")
+
+G, M, HIDDEN, F = 3, 20, 32, 24
+E4M3, F32, BF16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def ext():
+    if torch.cuda.is_available():
+        pytest.skip("a CPU-only check: its plans launch nothing")
+    ext = host_plan._extension()
+    if ext is None:
+        pytest.skip(host_plan.status())
+    return ext
+
+
+def _contiguous(*shape):
+    return tuple(pm._contiguous_strides(shape))
+
+
+class _Plans:
+    """A region whose n-th lookup gets the n-th of its launch-less plans (allocations only, zero
+    filled); records the keys asked for."""
+
+    def __init__(self, ext, *plans):
+        self.plans, self.keys = [], []
+        for positions, allocs, outputs in plans:
+            error, plan_id = ext.add_plan(len(positions) + len(allocs), [])
+            assert error == ""
+            specs = [(list(shape), list(_contiguous(*shape)), torch.empty(0, dtype=dtype), True, [])
+                     for shape, dtype in allocs]
+            assert ext.set_allocs(plan_id, specs) == ""
+            assert ext.set_outputs(plan_id, [host_plan._cpp_output_spec(o, positions) for o in outputs]) == ""
+            allocs_t = tuple((shape, _contiguous(*shape), dtype, True, ()) for shape, dtype in allocs)
+            self.plans.append(host_plan._Plan(plan_id, positions, allocs_t, tuple(outputs), ext))
+
+    def plan_for(self, key):
+        self.keys.append(key)
+        return self.plans[(len(self.keys) - 1) % len(self.plans)]
+
+    def refused(self, key):
+        return False
+
+
+def _fake_regions(ext, monkeypatch, main_grad=False):
+    """Tensorwise, no weight cache, group_lens: offsets; fc1 forward; SwiGLU + fc2 forward; fc2
+    dgrad (W^T held, released) and wgrad; the SwiGLU backward (dh's two layouts); fc1 dgrad
+    (passing the handed token-major copy through) and wgrad (``main_grad``: into its out=)."""
+    alloc = [("alloc", k) for k in range(5)]
+    wgrad = ([([1, 2, 3, 4, 5, 6], [], [("input", 6)])] * 2 if main_grad else
+             [([1, 2, 3, 4, 5], [((G, HIDDEN, F), BF16)], alloc[:1]), ([1, 2, 3, 4, 5], [((G, 2 * F, HIDDEN), BF16)], alloc[:1])])
+    regions = {
+        "OFFSETS_REGION": _Plans(ext, ([0], [((G + 1,), torch.int64)], alloc[:1])),
+        "_FORWARD_REGION": _Plans(ext, ([0, 1, 2], [((M, 2 * F), BF16), ((G, HIDDEN, 2 * F), E4M3), ((), F32),
+                                                   ((HIDDEN, M), E4M3)], [*alloc[:4], ("alloc", 2)])),
+        "_DGRAD_REGION": _Plans(ext, ([0, 4, 5, 6], [((M, F), BF16), ((HIDDEN, M), E4M3), ((), F32)], alloc[:3]),
+                                ([1, 2, 3, 4, 5, 6], [((M, HIDDEN), BF16)], [alloc[0], ("input", 2), ("input", 3)])),
+        "_WGRAD_REGION": _Plans(ext, *wgrad),
+    }
+    swiglu_regions = {
+        "_FORWARD_REGION": _Plans(ext, ([0, 1, 2, 3], [((M, HIDDEN), BF16), ((G, F, HIDDEN), E4M3), ((), F32),
+                                                      ((F, M), E4M3)], [*alloc[:4], ("alloc", 2)])),
+        "_BACKWARD_REGION": _Plans(ext, ([0, 1, 2], [((M, 2 * F), E4M3), ((2 * F, M), E4M3), ((), F32), ((M,), F32)],
+                                         alloc[:4])),
+    }
+    for name, region in regions.items():
+        monkeypatch.setattr(pm, name, region)
+    for name, region in swiglu_regions.items():
+        monkeypatch.setattr(pm.swiglu, name, region)
+    return regions, swiglu_regions
+
+
+def _side(**kwargs):
+    return pm.MLPSide(**{**dict(num_cu=None, backend="auto", w_fp8=None, delayed=None, main_grad=None,
+                                placeholder=None), **kwargs})
+
+
+def _args(x, w1, w2, probs, lens, sides):
+    return [x, w1, w2, probs, lens, *pm._side_args(sides[0])[:4], *pm._side_args(sides[1])[:4],
+            sides[0].main_grad, sides[1].main_grad, sides[0].placeholder, sides[1].placeholder,
+            *pm._side_args(sides[0])[4:], *pm._side_args(sides[1])[4:]]
+
+
+def test_plan_mlp_chains_the_regions_keys_and_runs_as_one_node(ext, monkeypatch):
+    """Each step is looked up by the Python path's key, with facts derived from the earlier steps'
+    outputs (the handoff's dh layouts feed fc1's dgrad; its pass-through feeds fc1's wgrad); the node
+    returns x's, both weights' and the routing weights' gradients; held and intermediate values
+    leave with the backward."""
+    regions, swiglu_regions = _fake_regions(ext, monkeypatch)
+    config = Float8Config()
+    x = torch.randn(M, HIDDEN, dtype=BF16, requires_grad=True)
+    w1 = torch.randn(G, 2 * F, HIDDEN, dtype=BF16, requires_grad=True)
+    w2 = torch.randn(G, HIDDEN, F, dtype=BF16, requires_grad=True)
+    probs = torch.rand(M, requires_grad=True)
+    lens = torch.tensor([7, 0, M - 7])
+    sides = (_side(), _side())
+    layer = pm.plan_mlp(x, w1, w2, probs, lens, True, *sides, config, BF16, BF16)
+    assert isinstance(layer, pm.PlannedMLP)
+    fact = host_plan.fact
+    offs = (torch.Size([G + 1]), (1,), torch.int64, -1, 0)
+
+    def alloc(*shape, dtype):
+        return (torch.Size(shape), _contiguous(*shape), dtype, -1, 0)
+
+    scalar = alloc(dtype=F32)
+    h = alloc(M, 2 * F, dtype=BF16)
+    assert regions["_FORWARD_REGION"].keys == [(((config, None, "auto", BF16, True, True, True, False), 0), fact(x),
+                                                fact(w1), offs, None, None, None, None)]
+    assert swiglu_regions["_FORWARD_REGION"].keys == [(((config, None, "auto", BF16, True, True, True, False), 0), h,
+                                                       fact(probs), fact(w2), offs, None, None, None, None)]
+    fc2_dgrad, fc1_dgrad = regions["_DGRAD_REGION"].keys
+    assert fc2_dgrad == (((config, None, "auto", BF16, True, True), 0), alloc(M, HIDDEN, dtype=BF16), None, None, None,
+                         alloc(G, F, HIDDEN, dtype=E4M3), scalar, offs)
+    assert swiglu_regions["_BACKWARD_REGION"].keys == [(((config.grad_dtype, 0, True, True), 0), h, fact(probs),
+                                                        alloc(M, F, dtype=BF16))]
+    dh_t = alloc(2 * F, M, dtype=E4M3)
+    assert fc1_dgrad == (((config, None, "auto", BF16, True, True), 0), None, alloc(M, 2 * F, dtype=E4M3), dh_t, scalar,
+                         alloc(G, HIDDEN, 2 * F, dtype=E4M3), scalar, offs)
+    assert regions["_WGRAD_REGION"].keys[1] == (((config, None, "auto", BF16), 0), None, dh_t, scalar,
+                                                alloc(HIDDEN, M, dtype=E4M3), scalar, offs, None)
+    # Same steps again: the same extension layer.
+    assert pm.plan_mlp(x, w1, w2, probs, lens, True, *sides, config, BF16, BF16).layer_id == layer.layer_id
+    y = ext.apply_layer(layer.layer_id, 0, _args(x, w1, w2, probs, lens, sides))
+    assert y.shape == (M, HIDDEN) and "PlannedLayer" in y.grad_fn.name()
+    ext.take_replayed()
+    grads = torch.autograd.grad(y, (x, w1, w2, probs), torch.randn(M, HIDDEN, dtype=BF16))
+    assert [g.shape for g in grads] == [x.shape, w1.shape, w2.shape, probs.shape]
+    assert len(ext.take_replayed()) == 5  # fc2 dgrad + wgrad, the SwiGLU backward, fc1 dgrad + wgrad
+
+
+def test_plan_mlp_with_main_grad_returns_the_placeholder(ext, monkeypatch):
+    """With main_grad targets the wgrad steps write into them (the plans pass them through) and the
+    weights' gradients are their placeholders; a weight without the protocol gets none."""
+    regions, _ = _fake_regions(ext, monkeypatch, main_grad=True)
+    x = torch.randn(M, HIDDEN, dtype=BF16, requires_grad=True)
+    w1 = torch.randn(G, 2 * F, HIDDEN, dtype=BF16, requires_grad=True)
+    w2 = torch.randn(G, HIDDEN, F, dtype=BF16, requires_grad=True)
+    probs = torch.rand(M, requires_grad=True)
+    lens = torch.tensor([7, 0, M - 7])
+    main1, main2 = torch.zeros(w1.shape), torch.zeros(w2.shape)
+    placeholder = torch.full(w1.shape, 3.0, dtype=BF16)
+    sides = (_side(main_grad=main1, placeholder=placeholder), _side(main_grad=main2))
+    layer = pm.plan_mlp(x, w1, w2, probs, lens, True, *sides, Float8Config(), BF16, BF16)
+    assert regions["_WGRAD_REGION"].keys[0][0] == ((Float8Config(), None, "auto", torch.float32), 0)
+    assert regions["_WGRAD_REGION"].keys[0][-1] == host_plan.fact(main2)
+    y = ext.apply_layer(layer.layer_id, 0, _args(x, w1, w2, probs, lens, sides))
+    y.backward(torch.randn(M, HIDDEN, dtype=BF16))
+    assert torch.equal(w1.grad, placeholder) and w2.grad is None
+    assert x.grad.shape == x.shape and probs.grad.shape == probs.shape
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["first-backward", "W^T-released"])
+@pytest.mark.parametrize("main_grad", [False, True], ids=["grad", "main_grad"])
+def test_mlp_python_backward_equals_the_python_functions(held, main_grad):
+    """The node's Python backward (planned_mlp._mlp_backward) on a table made by the forward
+    tensors equals GroupedSwiGLUMLPFP8's Python Functions bit for bit (torch backend, CPU): every
+    gradient, into main_grad or returned, with W^T held or re-derived."""
+    torch.manual_seed(0)
+    config = Float8Config(format="hybrid")
+    mlp = GroupedSwiGLUMLPFP8(G, HIDDEN, F, config=config, backend="torch", dtype=BF16, cache_fp8_weight=False)
+    x = torch.randn(M, HIDDEN, dtype=BF16)
+    probs = torch.rand(M)
+    offs = torch.tensor([0, 7, 7, M])
+    dy = torch.randn(M, HIDDEN, dtype=BF16)
+    w1, w2 = mlp.fc1.weight.detach(), mlp.fc2.weight.detach()
+    h, w1_kn, w1_kn_scale, x_km, x_km_scale = _fp8_forward_tensors(x, w1, None, offs, config, None, "torch", BF16,
+                                                                   True, True, None)
+    _, w2_kn, w2_kn_scale, a_km, a_scale = _swiglu_gemm_forward_tensors(h, probs, w2, None, offs, config, None,
+                                                                        "torch", BF16, True, True, None)
+    table = [None] * pm.NUM_VALUES
+    for v, t in ((pm.W1, w1), (pm.W2, w2), (pm.PROBS, probs), (pm.SRC, offs), (pm.H, h), (pm.W1_KN_SCALE, w1_kn_scale),
+                 (pm.X_KM, x_km), (pm.X_KM_SCALE, x_km_scale), (pm.W2_KN_SCALE, w2_kn_scale), (pm.A_KM, a_km),
+                 (pm.A_SCALE, a_scale)):
+        table[v] = t
+    if held:
+        table[pm.W1_KN], table[pm.W2_KN] = w1_kn, w2_kn
+    main = None
+    if main_grad:
+        main = (torch.randn(w1.shape), torch.randn(w2.shape))
+        table[pm.MAIN_GRAD1], table[pm.MAIN_GRAD2] = main[0].clone(), main[1].clone()
+        table[pm.PLACEHOLDER1] = table[pm.PLACEHOLDER2] = None
+    info = pm._MLPBackward(config, None, "torch", None, "torch", pm.SRC, False, False, True, True, True, True, BF16,
+                           BF16, BF16, BF16, main_grad, main_grad)
+    grads = pm._mlp_backward(info, dy, table, False)
+
+    x_ref, p_ref = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    mlp(x_ref, group_offs=offs, probs=p_ref).backward(dy)
+    expected = {pm.X: x_ref.grad, pm.PROBS: p_ref.grad}
+    if main_grad:
+        assert grads[pm.W1] is None and grads[pm.W2] is None
+        expected_main = (main[0] + mlp.fc1.weight.grad.float(), main[1] + mlp.fc2.weight.grad.float())
+        # Accumulated in float32 from the same kernel result (the torch backend's wgrad in float32).
+        for got, want in zip((table[pm.MAIN_GRAD1], table[pm.MAIN_GRAD2]), expected_main):
+            assert torch.allclose(got, want, rtol=1e-2, atol=1e-2)
+    else:
+        expected.update({pm.W1: mlp.fc1.weight.grad, pm.W2: mlp.fc2.weight.grad})
+    for v, want in expected.items():
+        assert torch.equal(grads[v].view(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), v
+    assert all(g is None for k, g in enumerate(grads) if k not in (pm.X, pm.W1, pm.W2, pm.PROBS))
