@@ -15,6 +15,12 @@ For each shape and implementation, in one process on one GPU:
 * eager ms / graph ms: CUDA-event median of one fwd+bwd, eager and replayed from a CUDA graph;
 * peak MB: ``torch.cuda.max_memory_allocated`` over one step (inputs included).
 
+``--mlp`` measures a whole expert MLP instead (``MLP_SHAPES``): turbo_moe's
+``GroupedSwiGLUMLPFP8`` (fc1, the routing-weighted SwiGLU fused into fc2's FP8 input, fc2, the dh
+handoff; with ``--compare-planned-layers`` against its two Python Functions, turbo_moe/planned_mlp.py)
+beside bf16 ``torch._grouped_mm`` fc1 and fc2 with the activation in torch ops between them, as
+Megatron's eager grouped MLP runs it.
+
 ``--micro-batches 4`` runs the turbo layer as a trainer does under gradient accumulation: the
 weight cache is on and the weight does not change between the 4 micro-batches, so the weight is
 quantized once per 4 steps (the numbers are per micro-batch).
@@ -44,6 +50,16 @@ SHAPES = {
     "qwen3-fc2-32x512": (32, 512, 4096, 1536),
     "dsv3-fc1-128x128": (128, 128, 4096, 7168),
     "dsv3-fc1-8x4096": (8, 4096, 4096, 7168),
+}
+
+
+MLP_SHAPES = {
+    # name: (experts, tokens per expert, hidden, ffn); fc1 is hidden -> 2 x ffn (gate, linear)
+    "tiny-8x128-256x256": (8, 128, 256, 256),
+    # the training preset's configs (turbo_moe/bench/train_model.py), one layer and micro-batch
+    "moderate-16x256-1024x2048": (16, 256, 1024, 2048),
+    "expert-dominated-64x1536-1024x2048": (64, 1536, 1024, 2048),
+    "dsv3-32x512-7168x2048": (32, 512, 7168, 2048),
 }
 
 
@@ -143,6 +159,49 @@ def build(impl, shape, fmt, granularity, micro_batches):
     return step
 
 
+def build_mlp(impl, shape, fmt, granularity, micro_batches):
+    """One expert MLP fwd+bwd (see the module doc): turbo_moe's GroupedSwiGLUMLPFP8 or bf16."""
+    import turbo_moe
+    from turbo_moe.bench.recipes import bench_float8_config
+
+    g, t, hidden, ffn = MLP_SHAPES[shape]
+    m = g * t
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    x = torch.randn(m, hidden, device=dev, dtype=torch.bfloat16).requires_grad_(True)
+    probs = torch.rand(m, device=dev).requires_grad_(True)
+    w1 = torch.nn.Parameter(torch.randn(g, 2 * ffn, hidden, device=dev, dtype=torch.bfloat16) * hidden**-0.5)
+    w2 = torch.nn.Parameter(torch.randn(g, hidden, ffn, device=dev, dtype=torch.bfloat16) * ffn**-0.5)
+    dy = torch.randn(m, hidden, device=dev, dtype=torch.bfloat16)
+    lens = torch.full((g,), t, dtype=torch.int64, device=dev)
+    if impl == "bf16":
+        ends = torch.cumsum(lens, 0).to(torch.int32)
+
+        def step():
+            h = torch._grouped_mm(x, w1.transpose(-2, -1), offs=ends)
+            gate, linear = h.chunk(2, dim=-1)
+            a = (torch.nn.functional.silu(gate) * linear * probs[:, None]).to(h.dtype)
+            y = torch._grouped_mm(a, w2.transpose(-2, -1), offs=ends)
+            return torch.autograd.grad(y, (x, w1, w2, probs), dy)
+
+        return step
+    mlp = turbo_moe.GroupedSwiGLUMLPFP8(g, hidden, ffn, config=bench_float8_config(fmt, granularity), device="meta",
+                                        dtype=torch.bfloat16, cache_fp8_weight=micro_batches > 1)
+    mlp.fc1.weight, mlp.fc2.weight = w1, w2
+    state = {"i": 0}
+
+    def step():
+        if micro_batches > 1 and state["i"] % micro_batches == 0:
+            with torch.no_grad():
+                w1.add_(0.0)  # an optimizer step: bumps the versions, the caches re-quantize
+                w2.add_(0.0)
+        state["i"] += 1
+        y = mlp(x, lens, probs=probs)
+        return torch.autograd.grad(y, (x, w1, w2, probs), dy)
+
+    return step
+
+
 def _host_us_alternating(step, switch, rounds=7):
     """(median host us with ``switch(True)``, the same with ``switch(False)``), measured alternately
     so that the machine's drift hits both alike; ``switch`` returns the previous setting."""
@@ -174,8 +233,8 @@ def _planned_layers(flag):
 
 
 def measure(impl, shape, fmt, granularity, micro_batches, profile_top, compare_plans=False,
-            compare_allocations=False, compare_planned=False):
-    step = build(impl, shape, fmt, granularity, micro_batches)
+            compare_allocations=False, compare_planned=False, mlp=False):
+    step = (build_mlp if mlp else build)(impl, shape, fmt, granularity, micro_batches)
     for _ in range(3 * max(micro_batches, 1)):
         step()
     torch.cuda.synchronize()
@@ -198,8 +257,9 @@ def measure(impl, shape, fmt, granularity, micro_batches, profile_top, compare_p
     row["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
     if micro_batches == 1:
         row["graph_ms"], row["graph_note"] = _graph_ms(step)
-    g, t, n, k = SHAPES[shape]
-    row["tflops"] = 6 * g * t * n * k / (row["eager_ms"] * 1e-3) / 1e12
+    g, t, n, k = MLP_SHAPES[shape] if mlp else SHAPES[shape]
+    flops = 6 * g * t * n * k * (3 if mlp else 1)  # an MLP: fc1 (n -> 2k) and fc2 (k -> n)
+    row["tflops"] = flops / (row["eager_ms"] * 1e-3) / 1e12
     if profile_top:
         prof = cProfile.Profile()
         prof.enable()
@@ -230,6 +290,9 @@ def main(argv=None):
     p.add_argument("--compare-planned-layers", action="store_true",
                    help="turbo rows: host us with the layer's C++ autograd node (turbo_moe.planned_layer, the "
                         "default) and with its Python Function (host_us_no_planned_layer), interleaved")
+    p.add_argument("--mlp", action="store_true",
+                   help="a whole expert MLP per step (MLP_SHAPES; --compare-planned-layers: its C++ node, "
+                        "turbo_moe.planned_mlp, against the Python Functions)")
     p.add_argument("--label", default="")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
@@ -244,7 +307,7 @@ def main(argv=None):
                     row = measure(impl, shape, args.format, granularity, mb,
                                   args.profile_top if (si == 0 and impl == "turbo" and mb == 1) else 0,
                                   args.compare_host_plans, args.compare_plan_allocations,
-                                  args.compare_planned_layers)
+                                  args.compare_planned_layers, args.mlp)
                 except Exception as exc:
                     row = {"impl": impl, "shape": shape, "mb": mb, "error": f"{type(exc).__name__}: {exc}"}
                 row["granularity"], row["label"] = granularity, args.label

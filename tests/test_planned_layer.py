@@ -141,6 +141,29 @@ def test_kept_values_leave_with_the_backward_unless_the_graph_is_retained(ext):
         y.backward(dy)
 
 
+def test_the_profiler_ties_the_nodes_backward_to_its_forward(ext):
+    """apply_layer records a ``turbo_moe::PlannedLayer`` range with the sequence number its node
+    takes (as a Python Function's apply does), so the training benchmark's attribution
+    (bench.train_step.attributed_events) counts the C++ backward with the forward's range."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from turbo_moe.bench.train_step import attributed_events
+
+    layer, _ = _layer(ext, held=False)
+    x = torch.randn(4, 5, requires_grad=True)
+    w = torch.randn(3, 5, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with torch.profiler.record_function("experts"):
+            y = ext.apply_layer(layer, 0, _args(x, w))
+        y.backward(torch.randn(4, 3))
+    events = prof.events()
+    forward = [e for e in events if e.name == "turbo_moe::PlannedLayer"]
+    assert len(forward) == 1 and forward[0].sequence_nr >= 0
+    backward = [e for e in attributed_events(events, "experts") if "evaluate_function" in e.name]
+    assert [e.sequence_nr for e in backward] == [forward[0].sequence_nr]
+    assert "PlannedLayer" in backward[0].name
+
+
 def test_add_layer_refuses_what_it_cannot_run(ext):
     plan = _plan(ext, 2, [(4, 3)])
     step = (plan, [0, 1], [11], [])

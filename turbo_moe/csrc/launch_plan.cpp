@@ -553,6 +553,10 @@ at::Tensor apply_layer(int64_t layer_id, int64_t stream, const std::vector<std::
       tensors.push_back(*args[k]);
     }
   }
+  // As a Python Function's apply does: a profiler range named after the node and carrying the
+  // sequence number its node takes, which ties the node's backward (the engine's
+  // evaluate_function range) to this forward in a trace.
+  RECORD_FUNCTION("turbo_moe::PlannedLayer", std::vector<c10::IValue>(), at::sequence_number::peek());
   return PlannedLayer::apply(layer_id, stream, std::move(positions), at::TensorList(tensors));
 }
 
