@@ -92,6 +92,7 @@ class _Backward(NamedTuple):
 
 NOT_PLANNABLE = object()  # a signature some of whose regions keep their Python path for good
 calls = 0  # forwards run as planned layers (tests, benchmarks)
+fallbacks = 0  # backwards of planned layers (and MLPs) that ran the Python path (_python_backward)
 _BACKWARDS: Dict[int, object] = {}  # layer id -> its Python backward (register_backward)
 _LAYER_IDS: Dict[tuple, int] = {}  # (steps, forward step count, _Backward) -> extension layer id
 _FALLBACK_SET = False
@@ -276,6 +277,8 @@ def register_backward(layer_id: int, backward) -> None:
 def _python_backward(layer_id: int, dy, table, create_graph: bool):
     """The Python path's backward for what a layer's plans do not cover (module docstring);
     called by the C++ node."""
+    global fallbacks
+    fallbacks += 1
     return _BACKWARDS[layer_id](dy, table, create_graph)
 
 

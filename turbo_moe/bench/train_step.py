@@ -245,6 +245,7 @@ def train_variant(cfg: TrainConfig, variant: str, corpus: TextCorpus, args, devi
         losses = torch.zeros(steps, device=device)
         val_points = []
         events, host_s = [], []
+        planned_before = None
         for step in range(steps):
             if deadline is not None and time.monotonic() > deadline:
                 rec["reason"] = f"time budget: stopped after {step} of {steps} steps"
@@ -253,6 +254,8 @@ def train_variant(cfg: TrainConfig, variant: str, corpus: TextCorpus, args, devi
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
                 rec["base_mb"] = torch.cuda.memory_allocated(device) / 2**20
+            if step == args.warmup_steps:
+                planned_before = _planned_counts()
             opt.set_lr(_lr_at(step, steps, args.lr))
             t0 = time.perf_counter()
             if on_gpu:
@@ -267,6 +270,10 @@ def train_variant(cfg: TrainConfig, variant: str, corpus: TextCorpus, args, devi
             if (step + 1) % args.eval_interval == 0 or step + 1 == steps:
                 val_points.append((step + 1, _held_out_loss(model, sampler, inputs)))
         done = rec["steps"]
+        if planned_before is not None:  # the timed steps' expert calls that ran as one C++ node, and their
+            # backwards that fell back to the Python path (turbo_moe.planned_layer / planned_mlp)
+            rec["planned_calls"], rec["planned_fallbacks"] = (
+                now - before for now, before in zip(_planned_counts(), planned_before))
         if on_gpu:
             torch.cuda.synchronize(device)
             step_ms = [s.elapsed_time(e) for s, e in events]
@@ -363,6 +370,12 @@ def _triton_backend():
     return None if module is None else module.BACKEND
 
 
+def _planned_counts() -> Tuple[int, int]:
+    from .. import planned_layer, planned_mlp
+
+    return planned_layer.calls + planned_mlp.calls, planned_layer.fallbacks
+
+
 def _summary(rec: dict) -> str:
     parts = [f"    {rec['impl']:15s} {rec['experts'] or '':22s} {rec['steps']:4d} steps"]
     if rec["step_ms"] is not None:
@@ -371,6 +384,8 @@ def _summary(rec: dict) -> str:
         parts.append(f"experts {rec['expert_gpu_ms']:.2f}/{rec['gpu_ms']:.2f} ms ({100 * rec['expert_share']:.0f}%)")
     if rec["peak_mb"] is not None:
         parts.append(f"peak {rec['peak_mb']:.0f} MB")
+    if rec.get("planned_calls") is not None:
+        parts.append(f"planned calls {rec['planned_calls']} (backward fallbacks {rec['planned_fallbacks']})")
     if rec.get("expert_kernels"):
         parts.append("expert kernels: " + "; ".join(f"{name[:60]} {ms:.2f} ms x{n}"
                                                       for name, ms, n in rec["expert_kernels"]))
