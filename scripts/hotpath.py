@@ -146,15 +146,21 @@ def build(impl, shape, fmt, granularity, micro_batches):
     layer.weight = w
     if micro_batches == 1 and hasattr(layer, "cache_fp8_weight"):
         layer.cache_fp8_weight = False  # a fresh quantization every step (1 micro-batch per optimizer step)
+    return _micro_batch_step(micro_batches, (w,), lambda: torch.autograd.grad(layer(x, lens), (x, w), dy))
+
+
+def _micro_batch_step(micro_batches, weights, run):
+    """``run`` as one micro-batch of a trainer's step: every ``micro_batches`` calls the weights
+    change (an in-place add of 0: a version bump, so FP8 weight caches re-quantize)."""
     state = {"i": 0}
 
     def step():
         if micro_batches > 1 and state["i"] % micro_batches == 0:
             with torch.no_grad():
-                w.add_(0.0)  # an optimizer step: bumps the version, the cache re-quantizes
+                for w in weights:
+                    w.add_(0.0)
         state["i"] += 1
-        y = layer(x, lens)
-        return torch.autograd.grad(y, (x, w), dy)
+        return run()
 
     return step
 
@@ -188,18 +194,8 @@ def build_mlp(impl, shape, fmt, granularity, micro_batches):
     mlp = turbo_moe.GroupedSwiGLUMLPFP8(g, hidden, ffn, config=bench_float8_config(fmt, granularity), device="meta",
                                         dtype=torch.bfloat16, cache_fp8_weight=micro_batches > 1)
     mlp.fc1.weight, mlp.fc2.weight = w1, w2
-    state = {"i": 0}
-
-    def step():
-        if micro_batches > 1 and state["i"] % micro_batches == 0:
-            with torch.no_grad():
-                w1.add_(0.0)  # an optimizer step: bumps the versions, the caches re-quantize
-                w2.add_(0.0)
-        state["i"] += 1
-        y = mlp(x, lens, probs=probs)
-        return torch.autograd.grad(y, (x, w1, w2, probs), dy)
-
-    return step
+    return _micro_batch_step(micro_batches, (w1, w2),
+                             lambda: torch.autograd.grad(mlp(x, lens, probs=probs), (x, w1, w2, probs), dy))
 
 
 def _host_us_alternating(step, switch, rounds=7):

@@ -28,3 +28,17 @@ def _fresh_dispatch_decisions():
 
     clear_dispatch_cache()
     yield
+
+
+@pytest.fixture(scope="module")
+def plan_ext():
+    """The host-plan extension (turbo_moe/csrc/launch_plan.cpp) for CPU checks whose plans launch
+    nothing (tests/test_planned_*.py)."""
+    from turbo_moe import host_plan
+
+    if torch.cuda.is_available():
+        pytest.skip("a CPU-only check: its plans launch nothing")
+    extension = host_plan._extension()
+    if extension is None:
+        pytest.skip(host_plan.status())
+    return extension

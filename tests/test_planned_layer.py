@@ -3,25 +3,15 @@ wiring on the CPU, with plans that allocate and launch nothing. GPU equality wit
 path: tests/test_planned_layer_gpu.py."""
 
 import functools
-import shutil
 
 import pytest
 import torch
 
 from turbo_moe import host_plan, planned_layer
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                                reason="no C++ compiler")
+from _planned import needs_compiler
 
-
-@pytest.fixture(scope="module")
-def ext():
-    if torch.cuda.is_available():
-        pytest.skip("a CPU-only check: its plans launch nothing")
-    ext = host_plan._extension()
-    if ext is None:
-        pytest.skip(host_plan.status())
-    return ext
+pytestmark = needs_compiler
 
 
 def _plan(ext, num_inputs, allocs, fill=0.0):
@@ -57,7 +47,8 @@ def _layer(ext, held):
     return layer, backward
 
 
-def test_layer_runs_its_forward_steps_and_its_backward_in_a_cpp_node(ext):
+def test_layer_runs_its_forward_steps_and_its_backward_in_a_cpp_node(plan_ext):
+    ext = plan_ext
     layer, backward = _layer(ext, held=False)
     ext.take_replayed()
     x = torch.randn(4, 5, requires_grad=True)
@@ -74,10 +65,11 @@ def test_layer_runs_its_forward_steps_and_its_backward_in_a_cpp_node(ext):
         assert ext.apply_layer(layer, 0, _args(x, w)).grad_fn is None
 
 
-def test_what_the_plans_do_not_cover_goes_to_the_python_backward(ext):
+def test_what_the_plans_do_not_cover_goes_to_the_python_backward(plan_ext):
     """A second backward after the held value was released, a misaligned gradient and
     create_graph each call the registered fallback with the saved values; the planned backward
     runs otherwise."""
+    ext = plan_ext
     layer, _ = _layer(ext, held=True)
     calls = []
 
@@ -120,10 +112,11 @@ def test_what_the_plans_do_not_cover_goes_to_the_python_backward(ext):
         ext.set_layer_fallback(planned_layer._python_backward)
 
 
-def test_kept_values_leave_with_the_backward_unless_the_graph_is_retained(ext):
+def test_kept_values_leave_with_the_backward_unless_the_graph_is_retained(plan_ext):
     """A kept value (an intermediate the backward steps read, 12 here) stays with the node while
     the graph is retained -- a second backward is planned too -- and goes with the last backward:
     one more raises torch's "second time" advice instead of reading a freed value."""
+    ext = plan_ext
     forward = _plan(ext, 2, [(4, 3), (2,)])
     backward = _plan(ext, 2, [(4, 5), (3, 5)])
     error, layer = ext.add_layer(16, 11, [(forward, [0, 1], [11, 12], [])], [(backward, [13, 12], [14, 15], [12])],
@@ -141,10 +134,11 @@ def test_kept_values_leave_with_the_backward_unless_the_graph_is_retained(ext):
         y.backward(dy)
 
 
-def test_the_profiler_ties_the_nodes_backward_to_its_forward(ext):
+def test_the_profiler_ties_the_nodes_backward_to_its_forward(plan_ext):
     """apply_layer records a ``turbo_moe::PlannedLayer`` range with the sequence number its node
     takes (as a Python Function's apply does), so the training benchmark's attribution
     (bench.train_step.attributed_events) counts the C++ backward with the forward's range."""
+    ext = plan_ext
     from torch.profiler import ProfilerActivity, profile
 
     from turbo_moe.bench.train_step import attributed_events
@@ -164,7 +158,8 @@ def test_the_profiler_ties_the_nodes_backward_to_its_forward(ext):
     assert "PlannedLayer" in backward[0].name
 
 
-def test_add_layer_refuses_what_it_cannot_run(ext):
+def test_add_layer_refuses_what_it_cannot_run(plan_ext):
+    ext = plan_ext
     plan = _plan(ext, 2, [(4, 3)])
     step = (plan, [0, 1], [11], [])
     assert "no plan" in ext.add_layer(16, 11, [(10 ** 6, [0], [11], [])], [], [], [], [], 11, 13, _grads())[0]
@@ -220,11 +215,12 @@ class _FakeRegion:
         return False
 
 
-def test_plan_layer_asks_each_region_for_the_python_paths_key_and_wires_the_steps(ext, monkeypatch):
+def test_plan_layer_asks_each_region_for_the_python_paths_key_and_wires_the_steps(plan_ext, monkeypatch):
     """Tensorwise, no weight cache, group_lens: offsets, forward, dgrad, wgrad. Each step's key is
     made of the facts the earlier steps' recorded outputs give (fresh allocations: aligned), the
     layer is registered once per distinct set of steps, and it runs (launch-less plans: the
     gradients are the backward plans' allocations, of the inputs' shapes)."""
+    ext = plan_ext
     from turbo_moe import Float8Config, checks
 
     G, M, K, N = 3, 8, 16, 12
@@ -266,10 +262,11 @@ def test_plan_layer_asks_each_region_for_the_python_paths_key_and_wires_the_step
     assert dx.shape == x.shape and dw.shape == w.shape
 
 
-def test_plan_layer_with_the_weight_cache_and_delayed_scaling(ext, monkeypatch):
+def test_plan_layer_with_the_weight_cache_and_delayed_scaling(plan_ext, monkeypatch):
     """The cached weight's copies and each amax history's (state, ticket) join the regions' inputs
     as autograd.through_plan puts them; W^T passed through from the cache (kept) makes the backward
     one region, with W^T saved rather than held."""
+    ext = plan_ext
     from turbo_moe import Float8Config
     from turbo_moe.autograd import quantize_weight
     from turbo_moe.delayed_scaling import DelayedScalingState

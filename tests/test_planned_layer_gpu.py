@@ -15,6 +15,8 @@ from turbo_moe.backends import clear_recent_dispatches, recent_dispatches
 
 from _cuda_graph import capture_fwd_bwd, replay_against_eager
 
+from _planned import assert_bitwise, ragged_lens
+
 pytestmark = pytest.mark.gpu
 
 CONFIGS = {
@@ -23,23 +25,6 @@ CONFIGS = {
     "rowwise": Float8Config(granularity="rowwise"),
     "delayed": Float8Config(strategy="delayed", amax_history_len=4),
 }
-
-
-def _bitwise(a, b, what):
-    assert (a is None) == (b is None), what
-    if a is None:
-        return
-    assert a.shape == b.shape and a.dtype == b.dtype, what
-    assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), what
-
-
-def _lens(G, M, i):
-    g = torch.Generator().manual_seed(1000 + i)
-    cuts = torch.sort(torch.randint(0, M + 1, (G - 1,), generator=g)).values
-    lens = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([M])]))
-    lens[0] += lens[1]  # an empty expert every call
-    lens[1] = 0
-    return lens.cuda()
 
 
 def _run(planned, config, cache=True, bias=False, offsets=False, x_grad=True, w_grad=True, no_grad=False,
@@ -54,7 +39,7 @@ def _run(planned, config, cache=True, bias=False, offsets=False, x_grad=True, w_
         layer.weight.requires_grad_(w_grad)
         out = []
         for i in range(calls):
-            lens = _lens(G, M, i)
+            lens = ragged_lens(G, M, 1000 + i)
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(i))
             x.requires_grad_(x_grad)
             before = planned_layer.calls
@@ -91,7 +76,7 @@ def _compare(**kwargs):
     for i, ((a, used_a), (b, used_b)) in enumerate(zip(reference, got)):
         assert not used_a
         for what, ta, tb in zip(("y", "dx", "dW", "db"), a, b):
-            _bitwise(ta, tb, f"call {i}: {what}")
+            assert_bitwise(ta, tb, f"call {i}: {what}")
     return [used for _, used in got]
 
 
@@ -186,4 +171,4 @@ def test_planned_layer_captures_in_a_cuda_graph_and_follows_new_routing():
     replayed, eager = replay_against_eager(layer, x, lens, dy, graph, y, torch.tensor([0, 200, 0, 56]),
                                            planned_layer.set_enabled)
     for what, a, b in zip(("y", "dx", "dW"), replayed, eager):
-        _bitwise(a, b, what)
+        assert_bitwise(a, b, what)

@@ -2,31 +2,19 @@
 plans that allocate and launch nothing, and its Python backward against the Python Functions.
 GPU equality with the Python path: tests/test_planned_mlp_gpu.py and test_megatron_gpu.py."""
 
-import functools
-import shutil
-
 import pytest
 import torch
 
-from turbo_moe import Float8Config, GroupedSwiGLUMLPFP8, host_plan, planned_layer, planned_mlp as pm
+from turbo_moe import Float8Config, GroupedSwiGLUMLPFP8, host_plan, planned_mlp as pm
 from turbo_moe.autograd import _fp8_forward_tensors
 from turbo_moe.swiglu import _swiglu_gemm_forward_tensors
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                                reason="no C++ compiler")
+from _planned import needs_compiler
+
+pytestmark = needs_compiler
 
 G, M, HIDDEN, F = 3, 20, 32, 24
 E4M3, F32, BF16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16
-
-
-@pytest.fixture(scope="module")
-def ext():
-    if torch.cuda.is_available():
-        pytest.skip("a CPU-only check: its plans launch nothing")
-    ext = host_plan._extension()
-    if ext is None:
-        pytest.skip(host_plan.status())
-    return ext
 
 
 def _contiguous(*shape):
@@ -96,11 +84,12 @@ def _args(x, w1, w2, probs, lens, sides):
             *pm._side_args(sides[0])[4:], *pm._side_args(sides[1])[4:]]
 
 
-def test_plan_mlp_chains_the_regions_keys_and_runs_as_one_node(ext, monkeypatch):
+def test_plan_mlp_chains_the_regions_keys_and_runs_as_one_node(plan_ext, monkeypatch):
     """Each step is looked up by the Python path's key, with facts derived from the earlier steps'
     outputs (the handoff's dh layouts feed fc1's dgrad; its pass-through feeds fc1's wgrad); the node
     returns x's, both weights' and the routing weights' gradients; held and intermediate values
     leave with the backward."""
+    ext = plan_ext
     regions, swiglu_regions = _fake_regions(ext, monkeypatch)
     config = Float8Config()
     x = torch.randn(M, HIDDEN, dtype=BF16, requires_grad=True)
@@ -143,9 +132,10 @@ def test_plan_mlp_chains_the_regions_keys_and_runs_as_one_node(ext, monkeypatch)
     assert len(ext.take_replayed()) == 5  # fc2 dgrad + wgrad, the SwiGLU backward, fc1 dgrad + wgrad
 
 
-def test_plan_mlp_with_main_grad_returns_the_placeholder(ext, monkeypatch):
+def test_plan_mlp_with_main_grad_returns_the_placeholder(plan_ext, monkeypatch):
     """With main_grad targets the wgrad steps write into them (the plans pass them through) and the
     weights' gradients are their placeholders; a weight without the protocol gets none."""
+    ext = plan_ext
     regions, _ = _fake_regions(ext, monkeypatch, main_grad=True)
     x = torch.randn(M, HIDDEN, dtype=BF16, requires_grad=True)
     w1 = torch.randn(G, 2 * F, HIDDEN, dtype=BF16, requires_grad=True)

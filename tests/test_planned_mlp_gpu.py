@@ -11,6 +11,8 @@ import torch
 
 from turbo_moe import Float8Config, GroupedSwiGLUMLPFP8, host_plan, planned_layer, planned_mlp
 
+from _planned import assert_bitwise, ragged_lens
+
 pytestmark = pytest.mark.gpu
 
 CONFIGS = {
@@ -18,23 +20,6 @@ CONFIGS = {
     "hybrid": Float8Config(format="hybrid"),
     "delayed": Float8Config(strategy="delayed", amax_history_len=4),
 }
-
-
-def _bitwise(a, b, what):
-    assert (a is None) == (b is None), what
-    if a is None:
-        return
-    assert a.shape == b.shape and a.dtype == b.dtype, what
-    assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), what
-
-
-def _lens(G, M, i):
-    g = torch.Generator().manual_seed(2000 + i)
-    cuts = torch.sort(torch.randint(0, M + 1, (G - 1,), generator=g)).values
-    lens = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([M])]))
-    lens[0] += lens[1]  # an empty expert every call
-    lens[1] = 0
-    return lens.cuda()
 
 
 def _run(planned, config, cache=True, offsets=False, probs_grad=True, unweighted=False, x_grad=True,
@@ -48,7 +33,7 @@ def _run(planned, config, cache=True, offsets=False, probs_grad=True, unweighted
                                   cache_fp8_weight=cache)
         out = []
         for i in range(calls):
-            lens = _lens(G, M, i)
+            lens = ragged_lens(G, M, 2000 + i)
             gen = torch.Generator("cuda").manual_seed(i)
             x = torch.randn(M, hidden, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(x_grad)
             probs = None if unweighted else torch.rand(M, 1, device="cuda", generator=gen).requires_grad_(probs_grad)
@@ -86,7 +71,7 @@ def _compare(**kwargs):
     for i, ((a, used_a), (b, used_b)) in enumerate(zip(reference, got)):
         assert not used_a
         for what, ta, tb in zip(("y", "dx", "dW1", "dW2", "dprobs"), a, b):
-            _bitwise(ta, tb, f"call {i}: {what}")
+            assert_bitwise(ta, tb, f"call {i}: {what}")
     return [used for _, used in got]
 
 

@@ -125,17 +125,9 @@ class GroupedSwiGLUMLPFP8(nn.Module):
                host_plan.fact(src), sides[0].w_fp8 is None, sides[1].w_fp8 is None, x.requires_grad,
                w1.requires_grad, w2.requires_grad, p.requires_grad, out1, out2, grad)
         static = (self.config, fc1.num_cu, fc1.backend, fc2.num_cu, fc2.backend, host_plan.generation())
-        found = self._planned.get(key)
-        if found is None or found[0] != static:
-            layer = planned_mlp.plan_mlp(x, w1, w2, p, src, lens_given, sides[0], sides[1], self.config, out1, out2,
-                                         forward_only=not grad)
-            if layer is None:  # not all recorded yet
-                return None
-            if len(self._planned) >= 64:
-                self._planned.clear()
-            found = self._planned[key] = (static, layer)
-        layer = found[1]
-        if layer is planned_mlp.NOT_PLANNABLE:
+        layer = planned_layer.cached_plan(self._planned, key, static, lambda: planned_mlp.plan_mlp(
+            x, w1, w2, p, src, lens_given, sides[0], sides[1], self.config, out1, out2, forward_only=not grad))
+        if layer is None:
             return None
         return planned_mlp.apply_mlp(layer, x, w1, w2, p, src, sides[0], sides[1])
 

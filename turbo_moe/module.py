@@ -165,17 +165,10 @@ class GroupedLinearFP8(nn.Module):
         key = (offsets_step, host_plan.fact(x), host_plan.fact(w), host_plan.fact(src), w_fp8 is None,
                x.requires_grad, w.requires_grad, out_dtype, grad)
         static = (self.config, self.num_cu, self.backend, host_plan.generation())
-        found = self._planned_layers.get(key)
-        if found is None or found[0] != static:
-            layer = planned_layer.plan_layer(x, w, src, offsets_step, w_fp8, self.config, self.num_cu, self.backend,
-                                             out_dtype, key[5], key[6], forward_only=not grad, delayed=delayed)
-            if layer is None:  # not all recorded yet
-                return None, offs
-            if len(self._planned_layers) >= 64:
-                self._planned_layers.clear()
-            found = self._planned_layers[key] = (static, layer)
-        layer = found[1]
-        if layer is planned_layer.NOT_PLANNABLE:
+        layer = planned_layer.cached_plan(self._planned_layers, key, static, lambda: planned_layer.plan_layer(
+            x, w, src, offsets_step, w_fp8, self.config, self.num_cu, self.backend, out_dtype, key[5], key[6],
+            forward_only=not grad, delayed=delayed))
+        if layer is None:
             return None, offs
         y = planned_layer.apply_layer(layer, x, w, src, w_fp8, delayed)
         if self.bias is not None:

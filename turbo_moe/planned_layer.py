@@ -41,7 +41,7 @@ from .autograd import (_BACKWARD_REGION, _DGRAD_REGION, _FORWARD_REGION, _WGRAD_
 from .checks import OFFSETS_REGION, offsets_region_key
 from .delayed_scaling import AmaxHistory
 
-__all__ = ["enabled", "set_enabled", "PlannedLayer", "plan_layer", "apply_layer", "NOT_PLANNABLE"]
+__all__ = ["enabled", "set_enabled", "PlannedLayer", "plan_layer", "apply_layer", "cached_plan", "NOT_PLANNABLE"]
 
 _ENABLED = os.environ.get("TURBO_MOE_PLANNED_LAYERS", "1") not in ("", "0")
 
@@ -244,15 +244,37 @@ def apply_layer(layer: PlannedLayer, x, w_nk, src, w_fp8, delayed=None) -> torch
     """The layer's forward (one C++ call); the result's ``grad_fn`` runs its backward in C++."""
     global calls
     calls += 1
-    ext = host_plan._EXT
+    return run_extension_layer(layer.layer_id, layer.regions, x.get_device(),
+                               [x, w_nk, src, *cached_weight_inputs(w_fp8), *_history_tensors(delayed)])
+
+
+def run_extension_layer(layer_id: int, forward_regions, device: int, args) -> torch.Tensor:
+    """``apply_layer`` of the extension on ``args`` (its value table's arguments, None where
+    absent), on the current stream of ``device``; the forward steps' regions count a replay and
+    repeat their host-side records, as a Python-path replay does."""
     host_plan.flush_layer_replays()
-    for region, plan in layer.regions:
+    for region, plan in forward_regions:
         region._replays += 1
         for effect in plan.effects:
             effect()
-    stream = host_plan._raw_stream(x.get_device())
-    return ext.apply_layer(layer.layer_id, stream, [x, w_nk, src, *cached_weight_inputs(w_fp8),
-                                                    *_history_tensors(delayed)])
+    return host_plan._EXT.apply_layer(layer_id, host_plan._raw_stream(device), args)
+
+
+def cached_plan(cache: dict, key, static, build):
+    """A module's planned layer (or MLP) for a call signature: ``cache[key]`` holds
+    ``(static, layer or NOT_PLANNABLE)``, rebuilt by ``build()`` when missing or made under other
+    ``static`` settings (recipe, backend, the plans' generation). Returns the layer, or None for
+    the Python path (a plan not recorded yet, or a signature never planned). Bounded: a module
+    whose signatures keep changing starts its cache afresh."""
+    found = cache.get(key)
+    if found is None or found[0] != static:
+        layer = build()
+        if layer is None:  # not all recorded yet
+            return None
+        if len(cache) >= 64:
+            cache.clear()
+        found = cache[key] = (static, layer)
+    return None if found[1] is NOT_PLANNABLE else found[1]
 
 
 def _ensure_fallback(ext) -> None:

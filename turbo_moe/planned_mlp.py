@@ -258,15 +258,10 @@ def apply_mlp(layer: PlannedMLP, x, w1, w2, probs, src, fc1: MLPSide, fc2: MLPSi
     """The MLP's forward (one C++ call); the result's ``grad_fn`` runs its backward in C++."""
     global calls
     calls += 1
-    host_plan.flush_layer_replays()
-    for region, plan in layer.regions:
-        region._replays += 1
-        for effect in plan.effects:
-            effect()
-    stream = host_plan._raw_stream(x.get_device())
-    return host_plan._EXT.apply_layer(layer.layer_id, stream, [
-        x, w1, w2, probs, src, *_side_args(fc1)[:4], *_side_args(fc2)[:4], fc1.main_grad, fc2.main_grad,
-        fc1.placeholder, fc2.placeholder, *_side_args(fc1)[4:], *_side_args(fc2)[4:]])
+    side1, side2 = _side_args(fc1), _side_args(fc2)
+    return planned_layer.run_extension_layer(layer.layer_id, layer.regions, x.get_device(), [
+        x, w1, w2, probs, src, *side1[:4], *side2[:4], fc1.main_grad, fc2.main_grad, fc1.placeholder,
+        fc2.placeholder, *side1[4:], *side2[4:]])
 
 
 def _history(config, state, ticket) -> Optional[AmaxHistory]:

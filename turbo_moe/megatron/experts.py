@@ -172,16 +172,9 @@ class TurboMoEGroupedMLP(TEGroupedMLP):
         sides = tuple(planned_mlp.MLPSide(
             fc.num_cu, fc.options.backend, fc._cached_fp8_weight() if cached else None, fc.fp8_delayed, main_grad,
             None if main_grad is None else _main_grad_placeholder(fc.weight, fc.weight.dtype)) for fc, cached, main_grad in zip((fc1, fc2), caching, targets))
-        if found is None or found[0] != static:
-            layer = planned_mlp.plan_mlp(x, w1, w2, probs, lens, True, sides[0], sides[1], fc1.fp8_config, out1, out2,
-                                         forward_only=not grad)
-            if layer is None:  # not all recorded yet
-                return None
-            if len(self._planned) >= 64:
-                self._planned.clear()
-            found = self._planned[key] = (static, layer)
-        layer = found[1]
-        if layer is planned_mlp.NOT_PLANNABLE:
+        layer = planned_layer.cached_plan(self._planned, key, static, lambda: planned_mlp.plan_mlp(
+            x, w1, w2, probs, lens, True, sides[0], sides[1], fc1.fp8_config, out1, out2, forward_only=not grad))
+        if layer is None:
             return None
         output = planned_mlp.apply_mlp(layer, x, w1, w2, probs, lens, sides[0], sides[1])
         for linear, side in zip((fc1, fc2), sides):
