@@ -1,9 +1,12 @@
 """Helpers of the planned-layer tests (CPU and GPU)."""
 
+import contextlib
 import shutil
 
 import pytest
 import torch
+
+from turbo_moe import host_plan, planned_layer
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                     reason="no C++ compiler")
@@ -26,3 +29,30 @@ def ragged_lens(G, M, seed):
     lens[0] += lens[1]  # an empty expert every call
     lens[1] = 0
     return lens.cuda()
+
+
+@contextlib.contextmanager
+def planned_layers(flag: bool):
+    """Host plans on, fresh, and planned layers (and MLPs) on or off inside the block."""
+    previous = planned_layer.set_enabled(flag), host_plan.set_enabled(True)
+    host_plan.clear_all()
+    try:
+        yield
+    finally:
+        planned_layer.set_enabled(previous[0])
+        host_plan.set_enabled(previous[1])
+
+
+def compare_planned(run, names, **kwargs):
+    """``run(planned, **kwargs)`` -- a list of ``(outputs, used)``, one per call -- with planned
+    layers off, then on: every output bitwise equal, none planned on the first run. Returns
+    whether each call of the second ran as a planned node."""
+    reference = run(False, **kwargs)
+    got = run(True, **kwargs)
+    if host_plan.status() != "on":
+        pytest.skip(f"host plans unavailable here: {host_plan.status()}")
+    for i, ((a, used_a), (b, _)) in enumerate(zip(reference, got)):
+        assert not used_a
+        for what, ta, tb in zip(names, a, b):
+            assert_bitwise(ta, tb, f"call {i}: {what}")
+    return [used for _, used in got]

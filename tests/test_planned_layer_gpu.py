@@ -10,12 +10,12 @@ bitwise, and the planned path must have run (else the equality proves nothing).
 import pytest
 import torch
 
-from turbo_moe import Float8Config, GroupedLinearFP8, host_plan, planned_layer
+from turbo_moe import Float8Config, GroupedLinearFP8, planned_layer
 from turbo_moe.backends import clear_recent_dispatches, recent_dispatches
 
 from _cuda_graph import capture_fwd_bwd, replay_against_eager
 
-from _planned import assert_bitwise, ragged_lens
+from _planned import assert_bitwise, compare_planned, planned_layers, ragged_lens
 
 pytestmark = pytest.mark.gpu
 
@@ -30,9 +30,7 @@ CONFIGS = {
 def _run(planned, config, cache=True, bias=False, offsets=False, x_grad=True, w_grad=True, no_grad=False,
          calls=5, G=6, M=517, K=384, N=272, dy_of=None, retain=False):
     """Per call: (y, dx, dW, db) and whether the call ran as a planned layer."""
-    previous = planned_layer.set_enabled(planned), host_plan.set_enabled(True)
-    host_plan.clear_all()
-    try:
+    with planned_layers(planned):
         torch.manual_seed(0)
         layer = GroupedLinearFP8(G, K, N, bias=bias, config=config, device="cuda", dtype=torch.bfloat16,
                                  cache_fp8_weight=cache)
@@ -63,21 +61,10 @@ def _run(planned, config, cache=True, bias=False, offsets=False, x_grad=True, w_
             out.append(((y.detach(), *grads), used))
         torch.cuda.synchronize()
         return out
-    finally:
-        planned_layer.set_enabled(previous[0])
-        host_plan.set_enabled(previous[1])
 
 
 def _compare(**kwargs):
-    reference = _run(False, **kwargs)
-    got = _run(True, **kwargs)
-    if host_plan.status() != "on":
-        pytest.skip(f"host plans unavailable here: {host_plan.status()}")
-    for i, ((a, used_a), (b, used_b)) in enumerate(zip(reference, got)):
-        assert not used_a
-        for what, ta, tb in zip(("y", "dx", "dW", "db"), a, b):
-            assert_bitwise(ta, tb, f"call {i}: {what}")
-    return [used for _, used in got]
+    return compare_planned(_run, ("y", "dx", "dW", "db"), **kwargs)
 
 
 @pytest.mark.parametrize("cache", [True, False], ids=["wcache", "nocache"])

@@ -9,9 +9,9 @@ routing weights) must be equal bitwise, and the planned path must have run.
 import pytest
 import torch
 
-from turbo_moe import Float8Config, GroupedSwiGLUMLPFP8, host_plan, planned_layer, planned_mlp
+from turbo_moe import Float8Config, GroupedSwiGLUMLPFP8, planned_mlp
 
-from _planned import assert_bitwise, ragged_lens
+from _planned import compare_planned, planned_layers, ragged_lens
 
 pytestmark = pytest.mark.gpu
 
@@ -25,9 +25,7 @@ CONFIGS = {
 def _run(planned, config, cache=True, offsets=False, probs_grad=True, unweighted=False, x_grad=True,
          no_grad=False, retain=False, misaligned_dy=False, calls=6, G=5, M=389, hidden=256, ffn=192):
     """Per call: (y, dx, dW1, dW2, dprobs) and whether the call ran as a planned MLP."""
-    previous = planned_layer.set_enabled(planned), host_plan.set_enabled(True)
-    host_plan.clear_all()
-    try:
+    with planned_layers(planned):
         torch.manual_seed(0)
         mlp = GroupedSwiGLUMLPFP8(G, hidden, ffn, config=config, device="cuda", dtype=torch.bfloat16,
                                   cache_fp8_weight=cache)
@@ -58,21 +56,10 @@ def _run(planned, config, cache=True, offsets=False, probs_grad=True, unweighted
             out.append(((y.detach(), *grads), used))
         torch.cuda.synchronize()
         return out
-    finally:
-        planned_layer.set_enabled(previous[0])
-        host_plan.set_enabled(previous[1])
 
 
 def _compare(**kwargs):
-    reference = _run(False, **kwargs)
-    got = _run(True, **kwargs)
-    if host_plan.status() != "on":
-        pytest.skip(f"host plans unavailable here: {host_plan.status()}")
-    for i, ((a, used_a), (b, used_b)) in enumerate(zip(reference, got)):
-        assert not used_a
-        for what, ta, tb in zip(("y", "dx", "dW1", "dW2", "dprobs"), a, b):
-            assert_bitwise(ta, tb, f"call {i}: {what}")
-    return [used for _, used in got]
+    return compare_planned(_run, ("y", "dx", "dW1", "dW2", "dprobs"), **kwargs)
 
 
 @pytest.mark.parametrize("cache", [True, False], ids=["wcache", "nocache"])
