@@ -207,9 +207,10 @@ def test_main_grad_and_delayed_wgrad_on_gpu(world, delayed, granularity):
         assert torch.count_nonzero(w.main_grad[1]) == 0
 
 
-def _experts_calls(planned, fp8, main_grad, calls=5):
+def _experts_calls(planned, fp8, granularity, main_grad, calls=5):
     """Per call of a TurboMoEGroupedMLP: (output, dx, dprobs, fc1's and fc2's weight gradient or
-    main_grad) and whether it ran as a planned MLP (turbo_moe.planned_mlp)."""
+    main_grad) and whether it ran planned (one MLP node, turbo_moe.planned_mlp, or each linear as a
+    planned layer where the activation is not fused: rowwise)."""
     from turbo_moe import host_plan, planned_layer, planned_mlp
 
     previous = planned_layer.set_enabled(planned), host_plan.set_enabled(True)
@@ -217,7 +218,8 @@ def _experts_calls(planned, fp8, main_grad, calls=5):
     try:
         cfg = _gpu_config(num_moe_experts=4)
         cfg.gradient_accumulation_fusion = main_grad
-        layer = tm.TurboMoEGroupedMLP(4, cfg, pg_collection=_pg(), options=tm.TurboMoEOptions(fp8=fp8, backend="triton"))
+        layer = tm.TurboMoEGroupedMLP(4, cfg, pg_collection=_pg(),
+                                      options=tm.TurboMoEOptions(fp8=fp8, granularity=granularity, backend="triton"))
         randomize_(layer, scale=0.05, seed=27)
         weights = [layer.linear_fc1.weight, layer.linear_fc2.weight]
         if main_grad:
@@ -228,9 +230,9 @@ def _experts_calls(planned, fp8, main_grad, calls=5):
         for i in range(calls):
             x, tpe, probs = _routing([70 + 13 * i, 0, 37, 91 - 13 * i], 40 + i)  # 198 tokens: one signature
             x, tpe, probs = x.cuda().requires_grad_(), tpe.cuda(), probs.cuda().requires_grad_()
-            before = planned_mlp.calls
+            before = planned_mlp.calls, planned_layer.calls
             y = layer(x, tpe, probs)[0]
-            used = planned_mlp.calls > before
+            used = (planned_mlp.calls - before[0], planned_layer.calls - before[1])
             for w in weights:
                 w.grad = None
             dy = torch.randn(y.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(90 + i))
@@ -246,20 +248,22 @@ def _experts_calls(planned, fp8, main_grad, calls=5):
 
 
 @pytest.mark.parametrize("main_grad", [False, True], ids=["grad", "main_grad"])
-@pytest.mark.parametrize("fp8", ["e4m3", "hybrid"])
-def test_planned_experts_equal_the_python_path_bitwise(world, fp8, main_grad):
+@pytest.mark.parametrize("fp8,granularity", [("e4m3", "tensorwise"), ("hybrid", "tensorwise"), ("hybrid", "rowwise")])
+def test_planned_experts_equal_the_python_path_bitwise(world, fp8, granularity, main_grad):
     """The experts as one planned MLP node (fc1, the fused SwiGLU + fc2, the dh handoff, wgrads into
-    main_grad) give the Python Functions' output, dx, dprobs and weight gradients (accumulated into
-    main_grad across calls) bit for bit, with Megatron's grad_added_to_main_grad protocol kept."""
+    main_grad) -- or, rowwise (activation not fused), each linear as a planned layer -- give the
+    Python Functions' output, dx, dprobs and weight gradients (accumulated into main_grad across
+    calls) bit for bit, with Megatron's grad_added_to_main_grad protocol kept."""
     from turbo_moe import host_plan
 
-    reference = _experts_calls(False, fp8, main_grad)
-    got = _experts_calls(True, fp8, main_grad)
+    reference = _experts_calls(False, fp8, granularity, main_grad)
+    got = _experts_calls(True, fp8, granularity, main_grad)
     if host_plan.status() != "on":
         pytest.skip(f"host plans unavailable here: {host_plan.status()}")
     for i, ((a, used_a, flags_a), (b, used_b, flags_b)) in enumerate(zip(reference, got)):
-        assert not used_a and flags_a == flags_b
+        assert used_a == (0, 0) and flags_a == flags_b
         for what, ta, tb in zip(("y", "dx", "dprobs", "fc1 dW", "fc2 dW"), a, b):
             assert ta.shape == tb.shape and ta.dtype == tb.dtype, (i, what)
             assert torch.equal(ta.reshape(-1).view(torch.uint8), tb.reshape(-1).view(torch.uint8)), (i, what)
-    assert [used for _, used, _ in got] == [False, False, True, True, True]
+    planned = (1, 0) if granularity == "tensorwise" else (0, 2)  # one MLP node, or fc1 and fc2 as layers
+    assert [used for _, used, _ in got] == [(0, 0), (0, 0), planned, planned, planned]

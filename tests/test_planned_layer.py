@@ -29,6 +29,12 @@ def _args(*tensors):
     return list(tensors) + [None] * (11 - len(tensors))
 
 
+def _linear_args(*tensors):
+    """apply_layer's arguments of planned_layer's table (x, w, the offsets source, the cache, the
+    histories, main_grad, its placeholder), None where absent."""
+    return list(tensors) + [None] * (planned_layer.NUM_ARGS - len(tensors))
+
+
 def _grads(dx=-1, dw=-1):
     """add_layer's gradient of each argument: x's and w's, none for a0..a8."""
     return [dx, dw] + [-1] * 9
@@ -256,7 +262,7 @@ def test_plan_layer_asks_each_region_for_the_python_paths_key_and_wires_the_step
     # The same steps again (another module, or a rebuilt cache): the same extension layer.
     again = planned_layer.plan_layer(x, w, lens, True, None, config, None, "auto", bf16, True, True)
     assert again.layer_id == layer.layer_id
-    y = ext.apply_layer(layer.layer_id, 0, _args(x, w, lens))
+    y = ext.apply_layer(layer.layer_id, 0, _linear_args(x, w, lens))
     assert y.shape == (M, N) and y.dtype == bf16 and "PlannedLayer" in y.grad_fn.name()
     dx, dw = torch.autograd.grad(y, (x, w), torch.randn(M, N, dtype=bf16))
     assert dx.shape == x.shape and dw.shape == w.shape
@@ -302,19 +308,63 @@ def test_plan_layer_with_the_weight_cache_and_delayed_scaling(plan_ext, monkeypa
     info = planned_layer._BACKWARDS[layer.layer_id].args[0]
     assert info.kept and info.delayed and planned_layer.W_KN in info.saved
     assert set(planned_layer.DY_HISTORY) <= set(info.saved)
-    y = ext.apply_layer(layer.layer_id, 0, [x, w, offs, *planned_layer.cached_weight_inputs(w_fp8),
-                                            *planned_layer._history_tensors(delayed)])
+    y = ext.apply_layer(layer.layer_id, 0, _linear_args(x, w, offs, *planned_layer.cached_weight_inputs(w_fp8),
+                                                        *planned_layer._history_tensors(delayed)))
     dx, dw = torch.autograd.grad(y, (x, w), torch.randn(M, N, dtype=bf16))
     assert dx.shape == x.shape and dw.shape == w.shape
 
 
+def test_plan_layer_with_main_grad_accumulates_there_and_returns_the_placeholder(plan_ext, monkeypatch):
+    """WgradTarget (Megatron's main_grad): the wgrad region's key says float32 and its out= is the
+    buffer (the plan passes it through), the weight's gradient is the placeholder, and main_grad and
+    the placeholder stay with the node (kept), not saved."""
+    ext = plan_ext
+    from turbo_moe import Float8Config
+
+    G, M, K, N = 2, 8, 16, 12
+    e4m3, f32, bf16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16
+    config = Float8Config()
+    offs = torch.tensor([0, 3, 8])
+    forward = _FakeRegion(ext, [0, 1, 2], [((M, N), (N, 1), bf16), ((G, K, N), (K * N, N, 1), e4m3), ((), (), f32),
+                                           ((K, M), (M, 1), e4m3)],
+                          [("alloc", 0), ("alloc", 1), ("alloc", 2), ("alloc", 3), ("alloc", 2)])
+    dgrad = _FakeRegion(ext, [0, 4, 5, 6], [((M, K), (K, 1), bf16), ((N, M), (M, 1), e4m3), ((), (), f32)],
+                        [("alloc", 0), ("alloc", 1), ("alloc", 2)])
+    wgrad = _FakeRegion(ext, [1, 2, 3, 4, 5, 6], [], [("input", 6)])
+    for name, fake in (("_FORWARD_REGION", forward), ("_DGRAD_REGION", dgrad), ("_WGRAD_REGION", wgrad)):
+        monkeypatch.setattr(planned_layer, name, fake)
+    x = torch.randn(M, K, dtype=bf16, requires_grad=True)
+    w = torch.randn(G, N, K, dtype=bf16, requires_grad=True)
+    main_grad = torch.zeros(G, N, K)
+    placeholder = torch.full((G, N, K), 7.0, dtype=bf16)
+    layer = planned_layer.plan_layer(x, w, offs, False, None, config, None, "auto", bf16, True, True,
+                                     main_grad=main_grad, placeholder=placeholder)
+    assert isinstance(layer, planned_layer.PlannedLayer)
+    assert wgrad.keys[0][0] == ((config, None, "auto", f32), 0) and wgrad.keys[0][-1] == host_plan.fact(main_grad)
+    info = planned_layer._BACKWARDS[layer.layer_id].args[0]
+    assert info.main_grad and planned_layer.MAIN_GRAD not in info.saved
+    y = ext.apply_layer(layer.layer_id, 0, _linear_args(x, w, offs, *[None] * 8, main_grad, placeholder))
+    y.backward(torch.randn(M, N, dtype=bf16))
+    assert torch.equal(w.grad, placeholder) and x.grad.shape == x.shape
+    # Without the placeholder protocol the weight gets no gradient.
+    w.grad = None
+    layer = planned_layer.plan_layer(x, w, offs, False, None, config, None, "auto", bf16, True, True,
+                                     main_grad=main_grad)
+    ext.apply_layer(layer.layer_id, 0, _linear_args(x, w, offs, *[None] * 8, main_grad)).backward(
+        torch.randn(M, N, dtype=bf16))
+    assert w.grad is None
+
+
+@pytest.mark.parametrize("main_grad", [False, True], ids=["grad", "main_grad"])
 @pytest.mark.parametrize("held", [True, False], ids=["first-backward", "W^T-released"])
-def test_python_backward_fallback_equals_the_python_function(held):
+def test_python_backward_fallback_equals_the_python_function(held, main_grad):
     """The node's fallback (planned_layer._python_backward) rebuilds the Function's ctx from the
     saved values: its gradients equal GroupedGemmFP8Function's bit for bit (torch backend, CPU),
-    with W^T held or, after a first backward released it, re-derived from the saved weight."""
-    from turbo_moe import Float8Config, grouped_gemm_fp8
-    from turbo_moe.autograd import _fp8_forward_tensors
+    with W^T held or, after a first backward released it, re-derived from the saved weight; with
+    main_grad the wgrad accumulates into it exactly as the Function's WgradTarget does, and the
+    weight's gradient is the placeholder."""
+    from turbo_moe import Float8Config
+    from turbo_moe.autograd import WgradTarget, _fp8_forward_tensors, _grouped_gemm_fp8_resolved
 
     torch.manual_seed(0)
     G, M, K, N = 3, 20, 32, 24
@@ -323,23 +373,33 @@ def test_python_backward_fallback_equals_the_python_function(held):
     w = torch.randn(G, N, K, dtype=torch.bfloat16)
     offs = torch.tensor([0, 7, 7, M])
     dy = torch.randn(M, N, dtype=torch.bfloat16)
+    start = torch.randn(G, N, K)
+    placeholder = torch.zeros(G, N, K, dtype=torch.bfloat16)
     _, w_kn, w_kn_scale, x_km, x_km_scale = _fp8_forward_tensors(x, w, None, offs, config, None, "torch",
                                                                  torch.bfloat16, True, True, None)
     pl = planned_layer
     saved = (pl.W, pl.W_KN_SCALE, pl.X_KM, pl.X_KM_SCALE, pl.SRC)
-    info = pl._Backward(saved, pl.SRC, False, True, True, config, None, "torch", torch.bfloat16, torch.bfloat16, False)
+    info = pl._Backward(saved, pl.SRC, False, True, True, config, None, "torch", torch.bfloat16, torch.bfloat16,
+                        False, main_grad)
     pl.register_backward(-1, functools.partial(pl._linear_backward, info))
     try:
         table = [None] * pl.NUM_VALUES
         for v, t in zip(saved, (w, w_kn_scale, x_km, x_km_scale, offs)):
             table[v] = t
         table[pl.W_KN] = w_kn if held else None
+        if main_grad:
+            table[pl.MAIN_GRAD], table[pl.PLACEHOLDER] = start.clone(), placeholder
         grads = pl._python_backward(-1, dy, table, False)
         assert len(grads) == pl.NUM_ARGS and all(g is None for k, g in enumerate(grads) if k not in (pl.X, pl.W))
         dx, dw = grads[pl.X], grads[pl.W]
     finally:
         del pl._BACKWARDS[-1]
     x_ref, w_ref = x.clone().requires_grad_(), w.clone().requires_grad_()
-    grouped_gemm_fp8(x_ref, w_ref, group_offs=offs, config=config, backend="torch").backward(dy)
+    ref_main = start.clone()
+    target = WgradTarget(buffer=lambda: ref_main, placeholder=lambda: placeholder) if main_grad else None
+    _grouped_gemm_fp8_resolved(x_ref, w_ref, offs, config=config, backend="torch", wgrad_target=target).backward(dy)
     assert torch.equal(dx.view(torch.int16), x_ref.grad.view(torch.int16))
-    assert torch.equal(dw.view(torch.int16), w_ref.grad.view(torch.int16))
+    if main_grad:
+        assert dw is placeholder and torch.equal(table[pl.MAIN_GRAD], ref_main) and not torch.equal(ref_main, start)
+    else:
+        assert torch.equal(dw.view(torch.int16), w_ref.grad.view(torch.int16))

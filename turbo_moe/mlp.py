@@ -26,7 +26,7 @@ from .swiglu import fuses_swiglu, grouped_gemm_fp8_swiglu, weighted_swiglu
 __all__ = ["GroupedSwiGLUMLPFP8"]
 
 
-class GroupedSwiGLUMLPFP8(nn.Module):
+class GroupedSwiGLUMLPFP8(planned_layer.KeepsPlannedLayers, nn.Module):
     """``y[rows of g] = (silu(h[:, :F]) * h[:, F:] * probs) @ fc2.weight[g]^T`` with
     ``h = x[rows of g] @ fc1.weight[g]^T``, every GEMM in FP8.
 
@@ -131,15 +131,8 @@ class GroupedSwiGLUMLPFP8(nn.Module):
             return None
         return planned_mlp.apply_mlp(layer, x, w1, w2, p, src, sides[0], sides[1])
 
-    def __getstate__(self):
-        state = super().__getstate__()
-        state["_planned"] = {}  # extension ids of this process
-        state["_ones"] = None
-        return state
-
     def __setstate__(self, state):
-        state.setdefault("_planned", {})
-        state.setdefault("_ones", None)
+        state.setdefault("_ones", None)  # pickled before it kept the unit routing weights
         super().__setstate__(state)
 
     def extra_repr(self) -> str:

@@ -21,9 +21,11 @@ backward (``retain_graph``) after W^T's FP8 copy was released, a gradient laid o
 recorded one, and ``create_graph`` (which must stay once-differentiable). Dispatch records and
 replay counts of the C++ backward are accounted by ``host_plan.flush_layer_replays``.
 
-Served: the plain layer -- tensorwise (current or delayed scaling) or rowwise, with or without
-the FP8 weight cache, any ``requires_grad`` combination. The fine-grained recipes, ``WgradTarget``
-and the SwiGLU handoff keep the Python ``Function``. ``TURBO_MOE_PLANNED_LAYERS=0`` turns this off.
+Served: tensorwise (current or delayed scaling) or rowwise, with or without the FP8 weight cache,
+any ``requires_grad`` combination, and a float32 ``main_grad`` the wgrad accumulates into
+(``WgradTarget``: ``GroupedLinearFP8`` and Megatron's ``TurboGroupedLinear``). The fine-grained
+recipes and a deferred wgrad keep the Python ``Function``; the SwiGLU handoff is the planned MLP's
+(``turbo_moe.planned_mlp``). ``TURBO_MOE_PLANNED_LAYERS=0`` turns this off.
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 
 from . import host_plan
-from .autograd import (_BACKWARD_REGION, _DGRAD_REGION, _FORWARD_REGION, _WGRAD_REGION, cached_weight_inputs,
-                       cached_weight_key, fp8_gemm_backward, stash_for_fp8_gemm_backward)
+from .autograd import (_BACKWARD_REGION, _DGRAD_REGION, _FORWARD_REGION, _WGRAD_REGION, WgradTarget,
+                       cached_weight_inputs, cached_weight_key, fp8_gemm_backward, stash_for_fp8_gemm_backward)
 from .checks import OFFSETS_REGION, offsets_region_key
 from .delayed_scaling import AmaxHistory
 
-__all__ = ["enabled", "set_enabled", "PlannedLayer", "plan_layer", "apply_layer", "cached_plan", "NOT_PLANNABLE"]
+__all__ = ["enabled", "set_enabled", "PlannedLayer", "plan_layer", "apply_layer", "cached_plan", "known_unplannable",
+           "KeepsPlannedLayers", "NOT_PLANNABLE"]
 
 _ENABLED = os.environ.get("TURBO_MOE_PLANNED_LAYERS", "1") not in ("", "0")
 
@@ -60,11 +63,12 @@ def set_enabled(flag: bool) -> bool:
 # The value table (csrc/launch_plan.cpp, Layer): apply_layer's arguments, then what the steps make.
 X, W, SRC, CACHE = 0, 1, 2, (3, 4, 5, 6)  # SRC: the offsets, or group_lens when the offsets are a step
 X_HISTORY, DY_HISTORY = (7, 8), (9, 10)  # delayed scaling: each AmaxHistory's (state, ticket)
-NUM_ARGS = 11
-OFFS_MADE = 11
-Y, W_KN, W_KN_SCALE, X_KM, X_KM_SCALE = 12, 13, 14, 15, 16
-DY, DX, DW, DY_T, DY_T_SCALE = 17, 18, 19, 20, 21
-NUM_VALUES = 22
+MAIN_GRAD, PLACEHOLDER = 11, 12  # a float32 buffer wgrad accumulates into (WgradTarget), the weight's gradient then
+NUM_ARGS = 13
+OFFS_MADE = 13
+Y, W_KN, W_KN_SCALE, X_KM, X_KM_SCALE = 14, 15, 16, 17, 18
+DY, DX, DW, DY_T, DY_T_SCALE = 19, 20, 21, 22, 23
+NUM_VALUES = 24
 # Where the cache's W^T (Float8Weight.data_t) sits among the forward region's inputs
 # (x, w, offsets, *cached_weight_inputs(w_fp8), ...).
 _CACHED_W_KN_POSITION = 5
@@ -88,6 +92,7 @@ class _Backward(NamedTuple):
     x_dtype: torch.dtype
     w_dtype: torch.dtype
     delayed: bool
+    main_grad: bool
 
 
 NOT_PLANNABLE = object()  # a signature some of whose regions keep their Python path for good
@@ -147,22 +152,27 @@ class _Builder:
 
 
 def plan_layer(x, w_nk, src, from_lens: bool, w_fp8, config, num_cu, backend, out_dtype, need_dx: bool,
-               need_dw: bool, forward_only: bool = False, delayed=None):
+               need_dw: bool, forward_only: bool = False, delayed=None, main_grad=None, placeholder=None):
     """The :class:`PlannedLayer` for this call's signature, None if some plan is not recorded yet,
     or ``NOT_PLANNABLE``. ``src``: the offsets (``from_lens`` False: already checked) or the
     call's ``group_lens`` (the offsets kernel becomes the first step). ``need_dx``/``need_dw``:
     the inputs' requires_grad (what the forward prepares for backward, as the Python Function's
     needs_input_grad); ``forward_only``: grad mode is off, no backward will run (nor was one
     recorded). ``delayed``: the ``DelayedScalingState`` under delayed scaling, its histories
-    seeded on x's device (a history is a region input through ``autograd.through_plan``)."""
+    seeded on x's device (a history is a region input through ``autograd.through_plan``).
+    ``main_grad``: a float32 buffer the wgrad accumulates into (``autograd.WgradTarget``: Megatron's
+    ``gradient_accumulation_fusion``); the weight's gradient is then ``placeholder`` (None: none)."""
     ext = host_plan._extension()
     if ext is None:
         return NOT_PLANNABLE
     b = _Builder(x.get_device())
     cache = cached_weight_inputs(w_fp8)
     histories = _history_tensors(delayed)
-    for v, t in ((X, x), (W, w_nk), (SRC, src), *zip(CACHE, cache), *zip(X_HISTORY + DY_HISTORY, histories)):
+    for v, t in ((X, x), (W, w_nk), (SRC, src), *zip(CACHE, cache), *zip(X_HISTORY + DY_HISTORY, histories),
+                 (MAIN_GRAD, main_grad)):
         b.facts[v] = host_plan.fact(t)
+    # autograd._wgrad_destination: a float32 buffer is the wgrad's out=, accumulated in its epilogue.
+    out = MAIN_GRAD if main_grad is not None else None
     live = 1 if delayed is not None else 0  # through_plan's count of live histories per region
     x_history = X_HISTORY if delayed is not None else ()
     dy_history = DY_HISTORY if delayed is not None else ()
@@ -185,21 +195,22 @@ def plan_layer(x, w_nk, src, from_lens: bool, w_fp8, config, num_cu, backend, ou
     forward_plan = b.regions[-1][1]
     kept = forward_plan.outputs[1] == ("input", _CACHED_W_KN_POSITION)
     x_dtype, w_dtype = x.dtype, w_nk.dtype
-    # autograd.fp8_gemm_backward's choice of regions and their keys (no WgradTarget, no handoff).
+    dw_dtype = torch.float32 if out is not None else w_dtype
+    # autograd.fp8_gemm_backward's choice of regions and their keys (no handoff, no deferred wgrad).
     if forward_only:
         need_dx = need_dw = kept = False  # nothing saved or held: no node is made
     elif need_dw and (kept or not need_dx):
-        b.step(_BACKWARD_REGION, ((config, num_cu, backend, x_dtype, need_dx, w_dtype), live),
-               (DY, None, None, None, W_KN, W_KN_SCALE, X_KM, X_KM_SCALE, offs, None, *dy_history), (DX, DW))
+        b.step(_BACKWARD_REGION, ((config, num_cu, backend, x_dtype, need_dx, dw_dtype), live),
+               (DY, None, None, None, W_KN, W_KN_SCALE, X_KM, X_KM_SCALE, offs, out, *dy_history), (DX, DW))
     elif need_dx or need_dw:
         b.step(_DGRAD_REGION, ((config, num_cu, backend, x_dtype, need_dx, need_dw), live),
                (DY, None, None, None, W_KN, W_KN_SCALE, offs, *dy_history), (DX, DY_T, DY_T_SCALE),
                release=(W_KN,))
         if need_dw:
             dy_t_made = b.facts.get(DY_T) is not None
-            b.step(_WGRAD_REGION, ((config, num_cu, backend, w_dtype), 0),
+            b.step(_WGRAD_REGION, ((config, num_cu, backend, dw_dtype), 0),
                    (None if dy_t_made else DY, DY_T if dy_t_made else None, DY_T_SCALE if dy_t_made else None,
-                    X_KM, X_KM_SCALE, offs, None), (DW,))
+                    X_KM, X_KM_SCALE, offs, out), (DW,))
     if b.missing or b.refused:
         return NOT_PLANNABLE if b.refused else None
     saved = () if forward_only else tuple(
@@ -209,15 +220,19 @@ def plan_layer(x, w_nk, src, from_lens: bool, w_fp8, config, num_cu, backend, ou
     # One extension layer per distinct set of steps, shared by every module and signature that
     # maps to it (a module's own cache of layers is bounded and may be rebuilt).
     backward = _Backward(saved, offs, kept, need_dx, need_dw, config, num_cu, backend, x_dtype, w_dtype,
-                         delayed is not None)
+                         delayed is not None, main_grad is not None)
+    # main_grad and the placeholder stay with the node without version checks: DDP's gradient
+    # buffer is one storage whose version moves with every other parameter's gradient.
+    kept_args = [] if forward_only or main_grad is None else [MAIN_GRAD] + ([PLACEHOLDER] if placeholder is not None else [])
+    grads = [-1] * NUM_ARGS
+    grads[X] = DX if need_dx else -1
+    grads[W] = -1 if not need_dw else DW if main_grad is None else PLACEHOLDER if placeholder is not None else -1
     identity = (tuple((plan, tuple(ins), tuple(outs), tuple(rel)) for plan, ins, outs, rel in b.steps), forward_steps,
-                backward)
+                backward, tuple(kept_args), tuple(grads))
     layer_id = _LAYER_IDS.get(identity)
     if layer_id is None:
-        grads = [-1] * NUM_ARGS
-        grads[X], grads[W] = DX if need_dx else -1, DW if need_dw else -1
         error, layer_id = ext.add_layer(NUM_VALUES, NUM_ARGS, b.steps[:forward_steps], b.steps[forward_steps:],
-                                        list(saved), [] if held == -1 else [held], [], Y, DY, grads)
+                                        list(saved), [] if held == -1 else [held], kept_args, Y, DY, grads)
         if error:
             return NOT_PLANNABLE
         _LAYER_IDS[identity] = layer_id
@@ -240,12 +255,14 @@ def _history_tensors(delayed) -> tuple:
     return (delayed.input.state, delayed.input.ticket, delayed.grad_output.state, delayed.grad_output.ticket)
 
 
-def apply_layer(layer: PlannedLayer, x, w_nk, src, w_fp8, delayed=None) -> torch.Tensor:
+def apply_layer(layer: PlannedLayer, x, w_nk, src, w_fp8, delayed=None, main_grad=None,
+                placeholder=None) -> torch.Tensor:
     """The layer's forward (one C++ call); the result's ``grad_fn`` runs its backward in C++."""
     global calls
     calls += 1
     return run_extension_layer(layer.layer_id, layer.regions, x.get_device(),
-                               [x, w_nk, src, *cached_weight_inputs(w_fp8), *_history_tensors(delayed)])
+                               [x, w_nk, src, *cached_weight_inputs(w_fp8), *_history_tensors(delayed), main_grad,
+                                placeholder])
 
 
 def run_extension_layer(layer_id: int, forward_regions, device: int, args) -> torch.Tensor:
@@ -258,6 +275,28 @@ def run_extension_layer(layer_id: int, forward_regions, device: int, args) -> to
         for effect in plan.effects:
             effect()
     return host_plan._EXT.apply_layer(layer_id, host_plan._raw_stream(device), args)
+
+
+def known_unplannable(cache: dict, key, static) -> bool:
+    """Whether ``cache`` (see :func:`cached_plan`) already says this signature keeps the Python
+    path: a caller checks it before side effects that the Python path would repeat."""
+    found = cache.get(key)
+    return found is not None and found[0] == static and found[1] is NOT_PLANNABLE
+
+
+class KeepsPlannedLayers:
+    """Mixin of the modules that keep planned layers per call signature (``_planned``): those are
+    extension ids of this process, so pickling and ``copy.deepcopy`` leave them out (a copy plans
+    afresh), and an object pickled before it had them gets an empty cache."""
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["_planned"] = {}
+        return state
+
+    def __setstate__(self, state):
+        state.setdefault("_planned", {})
+        super().__setstate__(state)
 
 
 def cached_plan(cache: dict, key, static, build):
@@ -329,8 +368,12 @@ def _linear_backward(info: _Backward, dy, values, create_graph: bool):
     # What GroupedGemmFP8Function's forward leaves on its ctx, through the same function; kept
     # (W^T is the cache's) is known from the layer, not from a cached weight object.
     ctx = types.SimpleNamespace()
-    stash_for_fp8_gemm_backward(ctx, values[W_KN], info.config, info.num_cu, info.backend, info.x_dtype, info.w_dtype, None,
-                                grad_history=grad_history)
+    target = None
+    if info.main_grad:
+        main_grad, placeholder = values[MAIN_GRAD], values[PLACEHOLDER]
+        target = WgradTarget(buffer=lambda: main_grad, placeholder=lambda: placeholder)
+    stash_for_fp8_gemm_backward(ctx, values[W_KN], info.config, info.num_cu, info.backend, info.x_dtype, info.w_dtype,
+                                target, grad_history=grad_history)
     ctx.w_kn_kept = info.kept
     with torch.no_grad():
         dx, dw = fp8_gemm_backward(ctx, dy, values[W], values[W_KN_SCALE], values[X_KM], values[X_KM_SCALE],

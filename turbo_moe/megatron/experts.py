@@ -43,7 +43,7 @@ def _unsupported_options(config) -> List[str]:
     return bad
 
 
-class TurboMoEGroupedMLP(TEGroupedMLP):
+class TurboMoEGroupedMLP(planned_layer.KeepsPlannedLayers, TEGroupedMLP):
     """Megatron's grouped experts on turbo_moe kernels, with ``tokens_per_expert`` kept on the device.
 
     Same constructor, parameters, checkpoint layout (``sharded_state_dict`` is inherited from
@@ -163,8 +163,7 @@ class TurboMoEGroupedMLP(TEGroupedMLP):
                x.requires_grad, w1.requires_grad, w2.requires_grad, probs.requires_grad, out1, out2, grad)
         static = (fc1.fp8_config, fc1.num_cu, fc1.options.backend, fc2.num_cu, fc2.options.backend,
                   host_plan.generation())
-        found = self._planned.get(key)
-        if found is not None and found[0] == static and found[1] is planned_mlp.NOT_PLANNABLE:
+        if planned_layer.known_unplannable(self._planned, key, static):
             return None  # before any side effect: the Python path runs the linears as always
         for linear in (fc1, fc2):  # TurboGroupedLinear.forward's flag update, before the cache lookup
             if linear.is_first_microbatch and linear._cleared_first_microbatch:

@@ -10,6 +10,7 @@ import torch
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from .. import autograd as _autograd  # quantize_weight is looked up at call time (tests count it)
+from .. import host_plan, planned_layer
 from ..autograd import (
     DeferredWgrad,
     QuantizedGradHandoff,
@@ -21,11 +22,13 @@ from ..autograd import (
 from ..checks import resolve_group_offs
 from ..delayed_scaling import delayed_state_for
 from ..swiglu import fuses_swiglu, grouped_gemm_fp8_swiglu
+from ..module import _seeded_on
 from .checkpoint import GroupedLinearCheckpointMixin
 from .main_grad import (
     _AccumulateWgradIntoMainGrad,
     _StashGradOutputForWgrad,
     _main_grad_of,
+    _main_grad_placeholder,
     _mark_grad_added_to_main_grad,
     fp8_weight_cache_is_safe,
     fp8_weight_generation,
@@ -54,7 +57,7 @@ def _as_group_lens(m_splits, num_gemms: int, device: torch.device) -> torch.Tens
     raise TypeError(f"m_splits must be a list of ints or an integer tensor, got {type(m_splits).__name__}")
 
 
-class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
+class TurboGroupedLinear(planned_layer.KeepsPlannedLayers, GroupedLinearCheckpointMixin, torch.nn.Module):
     """Expert-parallel grouped linear ``y[rows of e] = x[rows of e] @ weight[e]^T (+ bias[e])``.
 
     Constructor and forward follow Megatron's ``GroupedLinearFc1Builder`` protocol (the signature
@@ -132,6 +135,8 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
         # options.num_cu="comm": the cap that leaves the expert-parallel all-to-all its SMs.
         self.num_cu = resolve_num_cu(self.options.num_cu, get_pg_size(getattr(pg_collection, "ep", None)))
         self._fp8_weight_cache = None  # (key, Float8Weight) under options.cache_fp8_weight
+        # call signature -> ((recipe, num_cu, backend, plans' generation), PlannedLayer or NOT_PLANNABLE)
+        self._planned = {}
         # Transformer Engine's micro-batch contract, which Megatron's schedules drive: they call
         # model.set_is_first_microbatch() at the first micro-batch of every step (only under
         # config.fp8 / fp4 / kitchen / quant_recipe), setting this flag True on every module that
@@ -352,6 +357,22 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
         weight = self.weight
         wants_wgrad = torch.is_grad_enabled() and weight.requires_grad
         fuse_main_grad = wants_wgrad and self._fuses_main_grad()
+        y = None
+        if swiglu_probs is None and grad_handoff is None:
+            y = self._forward_planned(x, offs, fuse_main_grad)
+        if y is None:
+            y = self._forward_gemm(x, offs, wants_wgrad, fuse_main_grad, swiglu_probs, grad_handoff)
+        self.is_first_microbatch = False  # as TE's linears: later micro-batches of this step reuse
+        self._cleared_first_microbatch = True
+        if self.bias is None:
+            return y, None
+        if self.skip_bias_add:
+            return y, self.bias
+        return add_group_bias(y, self.bias, offs), None
+
+    def _forward_gemm(self, x, offs, wants_wgrad: bool, fuse_main_grad: bool, swiglu_probs, grad_handoff):
+        """The GEMM of ``forward`` through the Python autograd ``Function``s."""
+        weight = self.weight
         if self.fp8_config is not None and wants_wgrad and (self.delay_wgrad_compute or fuse_main_grad):
             # The FP8 GEMM's own backward makes dW from the FP8 copies of x and dy it made for the
             # forward and dgrad (each quantized once per fwd+bwd): into main_grad at once (fp32: in
@@ -370,13 +391,48 @@ class TurboGroupedLinear(GroupedLinearCheckpointMixin, torch.nn.Module):
             y = self._gemm(x, _AccumulateWgradIntoMainGrad.apply(weight), offs)
         else:
             y = self._gemm(x, weight, offs)
-        self.is_first_microbatch = False  # as TE's linears: later micro-batches of this step reuse
-        self._cleared_first_microbatch = True
-        if self.bias is None:
-            return y, None
-        if self.skip_bias_add:
-            return y, self.bias
-        return add_group_bias(y, self.bias, offs), None
+        return y
+
+    def _forward_planned(self, x, offs, fuse_main_grad: bool) -> Optional[torch.Tensor]:
+        """The GEMM as one C++ call with a C++ backward node (``turbo_moe.planned_layer``), its
+        wgrad into ``main_grad`` under ``gradient_accumulation_fusion``; None: the Python path (a
+        signature whose plans are not all recorded yet, or one the planned layer does not serve:
+        high precision, the fine-grained recipes, delayed wgrad, a lazily allocated or non-float32
+        ``main_grad``). ``grad_added_to_main_grad`` is set here, at forward, as Megatron's own
+        CUDA-graphed layers set it: no Python runs in this backward."""
+        config = self.fp8_config
+        if config is None or config.fine_grained or self.delay_wgrad_compute or type(x) is not torch.Tensor \
+                or not x.is_cuda or not planned_layer.enabled() or torch.compiler.is_compiling():
+            return None
+        w = self.weight
+        grad = torch.is_grad_enabled()
+        delayed = self.fp8_delayed
+        if delayed is not None and not (_seeded_on(delayed.input, x) and (not grad or _seeded_on(delayed.grad_output, x))):
+            return None  # the Python path seeds (or moves) the histories first
+        main_grad = placeholder = None
+        if fuse_main_grad:
+            main_grad = getattr(w, "main_grad", None)
+            if not isinstance(main_grad, torch.Tensor) or main_grad.dtype != torch.float32 \
+                    or getattr(w, "zero_out_wgrad", False):
+                return None
+            placeholder = _main_grad_placeholder(w, w.dtype)
+        out_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+        caching = self._uses_fp8_weight_cache()
+        key = (host_plan.fact(x), host_plan.fact(w), host_plan.fact(offs), caching, host_plan.fact(main_grad),
+               placeholder is not None, x.requires_grad, w.requires_grad, out_dtype, grad)
+        static = (config, self.num_cu, self.options.backend, host_plan.generation())
+        if planned_layer.known_unplannable(self._planned, key, static):
+            return None  # before the cache lookup, which the Python path makes itself
+        w_fp8 = self._cached_fp8_weight() if caching else None
+        layer = planned_layer.cached_plan(self._planned, key, static, lambda: planned_layer.plan_layer(
+            x, w, offs, False, w_fp8, config, self.num_cu, self.options.backend, out_dtype, x.requires_grad,
+            w.requires_grad, forward_only=not grad, delayed=delayed, main_grad=main_grad, placeholder=placeholder))
+        if layer is None:
+            return None
+        y = planned_layer.apply_layer(layer, x, w, offs, w_fp8, delayed, main_grad, placeholder)
+        if placeholder is not None:
+            w.grad_added_to_main_grad = True
+        return y
 
     # -- delayed wgrad ------------------------------------------------------------------------
 
