@@ -36,6 +36,9 @@
 #               SERIAL_RESERVE seconds kept from the parallel run's cap for the serial tests (default
 #               90; the whole suite wants BUDGET_S ~585: ~320 s parallel, ~70 s serial). A run that
 #               prints a clean summary and then hangs past its cap keeps its summary's verdict.
+#               PYTEST_SHARD=i/n (without PYTEST_PATHS): only the i-th of n shards of the test files
+#               (sorted, every n-th from the i-th): since the ninth session the whole suite outgrew
+#               one 600 s device call (417 s parallel cap reached at ~99%); run 1/2 and 2/2.
 #   FUZZ_S, FUZZ_ARGS, HOTPATH_S, HOTPATH_ARGS, MEGATRON_S   caps and arguments of those steps
 #   BENCH_ARGS  extra benchmark arguments (e.g. "--levels kernel --num-cu 66")
 # Wheels in .whl/ (carried with the call) are installed into /tmp/site first; nothing is downloaded.
@@ -119,6 +122,11 @@ if has_step pytest; then
 # The serial tests run after the parallel ones: keep SERIAL_RESERVE seconds for them.
 SERIAL_RESERVE=${SERIAL_RESERVE:-90}
 PYTEST_CAP=$(( PYTEST_S < $(left) - 60 - SERIAL_RESERVE ? PYTEST_S : $(left) - 60 - SERIAL_RESERVE ))
+if [ -n "${PYTEST_SHARD:-}" ] && [ -z "${PYTEST_PATHS:-}" ]; then
+  IFS=/ read -r SHARD_I SHARD_N <<< "$PYTEST_SHARD"
+  PYTEST_PATHS=$(ls tests/test_*.py | sort | awk -v i="$SHARD_I" -v n="$SHARD_N" '(NR - 1) % n == i - 1' | tr '\n' ' ')
+  log "shard $PYTEST_SHARD: $(echo $PYTEST_PATHS | wc -w) test files"
+fi
 log "pytest -m gpu (cap ${PYTEST_CAP}s)"
 # TURBO_MOE_LAUNCH_CHECK: every lean Triton launch is checked against Triton's own dispatch.
 # With pytest-xdist (a carried wheel) the tests run in PYTEST_WORKERS processes: most of their time
