@@ -388,3 +388,38 @@ def test_megatron_fused_main_grad_bits_equal_fp32_accumulation(world, fp8, granu
 if __name__ == "__main__" and "--interpreter-child" in sys.argv:
     sys.path.insert(0, str(Path(__file__).parent.parent))
     print("RESULTS_JSON " + json.dumps(_interpreter_child()))
+
+
+def test_planned_wgrad_target_rules(world):
+    """Which main_grad a planned GEMM (turbo_moe.planned_layer / planned_mlp) may accumulate into,
+    and the placeholder it then hands back; None leaves the call to the Python path: a main_grad
+    Megatron-FSDP allocates lazily, a non-float32 one (added after the kernel), or zeroed wgrads."""
+    from _megatron_harness import make_config
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from turbo_moe.megatron import TurboMoEGroupedMLP, TurboMoEOptions
+    from turbo_moe.megatron.main_grad import _dummy_wgrad
+
+    config = make_config(num_moe_experts=2, params_dtype=torch.bfloat16)
+    config.gradient_accumulation_fusion = True
+    experts = TurboMoEGroupedMLP(2, config, pg_collection=get_default_pg_collection(),
+                                 options=TurboMoEOptions(fp8="e4m3", backend="torch"))
+    linear = experts.linear_fc1
+    w = linear.weight
+    assert linear._planned_wgrad_target(False) == (None, None)
+    w.get_main_grad = lambda: torch.zeros(w.shape)  # lazily allocated
+    assert linear._planned_wgrad_target(True) is None
+    del w.get_main_grad
+    w.main_grad = torch.zeros(w.shape, dtype=torch.bfloat16)
+    assert linear._planned_wgrad_target(True) is None
+    w.main_grad = torch.zeros(w.shape)
+    main_grad, placeholder = linear._planned_wgrad_target(True)
+    assert main_grad is w.main_grad and placeholder is None  # no grad_added_to_main_grad protocol
+    w.grad_added_to_main_grad = False
+    main_grad, placeholder = linear._planned_wgrad_target(True)
+    assert placeholder is _dummy_wgrad(w, w.dtype, False)
+    w.zero_out_wgrad = True
+    assert linear._planned_wgrad_target(True) is None
+    linear._mark_planned_wgrad(None)
+    assert w.grad_added_to_main_grad is False
+    linear._mark_planned_wgrad(placeholder)
+    assert w.grad_added_to_main_grad is True

@@ -20,7 +20,7 @@ from . import host_plan, planned_layer, planned_mlp
 from .autograd import QuantizedGradHandoff, _grouped_gemm_fp8_resolved
 from .checks import check_operands, resolve_group_offs
 from .config import Float8Config
-from .module import GroupedLinearFP8, _seeded_on
+from .module import GroupedLinearFP8
 from .swiglu import fuses_swiglu, grouped_gemm_fp8_swiglu, weighted_swiglu
 
 __all__ = ["GroupedSwiGLUMLPFP8"]
@@ -106,10 +106,8 @@ class GroupedSwiGLUMLPFP8(planned_layer.KeepsPlannedLayers, nn.Module):
                 or not isinstance(probs, torch.Tensor):
             return None
         grad = torch.is_grad_enabled()
-        for delayed in (fc1.fp8_delayed, fc2.fp8_delayed):
-            if delayed is not None and not (_seeded_on(delayed.input, x)
-                                            and (not grad or _seeded_on(delayed.grad_output, x))):
-                return None  # the Python path seeds (or moves) the histories first
+        if not all(planned_layer.histories_ready(fc.fp8_delayed, x, grad) for fc in (fc1, fc2)):
+            return None
         p = probs.reshape(-1) if probs.dim() == 2 and probs.shape[1] == 1 else probs
         if p.dim() != 1 or not p.is_contiguous():
             return None

@@ -17,11 +17,6 @@ from .delayed_scaling import delayed_state_for, restore_delayed_state
 __all__ = ["GroupedLinearFP8"]
 
 
-def _seeded_on(history, x) -> bool:
-    """Whether a delayed-scaling history has its state on x's device (what a replayed region reads)."""
-    return history.state is not None and history.state.device == x.device
-
-
 class GroupedLinearFP8(nn.Module):
     """``y[rows of g] = x[rows of g] @ weight[g]^T (+ bias[g])`` with FP8 grouped GEMMs.
 
@@ -150,9 +145,8 @@ class GroupedLinearFP8(nn.Module):
             return None, None
         delayed = self.fp8_delayed
         grad = torch.is_grad_enabled()
-        if delayed is not None and not (_seeded_on(delayed.input, x)
-                                        and (not grad or _seeded_on(delayed.grad_output, x))):
-            return None, None  # the Python path seeds (or moves) the histories first
+        if not planned_layer.histories_ready(delayed, x, grad):
+            return None, None
         w_fp8 = self._fp8_weight_now() if self.cache_fp8_weight else None  # not compiling: no wrapper needed
         out_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype  # as F.linear
         offsets_step = lens_given and self.bias is None  # else the offsets are needed here too (bias)

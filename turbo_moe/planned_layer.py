@@ -277,6 +277,19 @@ def run_extension_layer(layer_id: int, forward_regions, device: int, args) -> to
     return host_plan._EXT.apply_layer(layer_id, host_plan._raw_stream(device), args)
 
 
+def histories_ready(delayed, x: torch.Tensor, grad: bool) -> bool:
+    """Whether a call under ``delayed`` (a ``DelayedScalingState``, or None: current scaling) can
+    be planned: its amax histories hold their state on x's device (what a replayed region reads;
+    the dy history only when a backward will run). Else the Python path seeds (or moves) them."""
+    if delayed is None:
+        return True
+
+    def seeded(history):
+        return history.state is not None and history.state.device == x.device
+
+    return seeded(delayed.input) and (not grad or seeded(delayed.grad_output))
+
+
 def known_unplannable(cache: dict, key, static) -> bool:
     """Whether ``cache`` (see :func:`cached_plan`) already says this signature keeps the Python
     path: a caller checks it before side effects that the Python path would repeat."""

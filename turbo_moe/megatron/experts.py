@@ -14,8 +14,6 @@ from .. import host_plan, planned_layer, planned_mlp
 from ..autograd import QuantizedGradHandoff, add_group_bias, group_rows
 from ..checks import resolve_group_offs
 from .linear import TurboColumnParallelGroupedLinear, TurboGroupedLinear, TurboRowParallelGroupedLinear, _as_group_lens
-from ..module import _seeded_on
-from .main_grad import _main_grad_placeholder
 from .options import TurboMoEOptions
 
 __all__ = ["TurboMoEGroupedMLP"]
@@ -137,50 +135,38 @@ class TurboMoEGroupedMLP(planned_layer.KeepsPlannedLayers, TEGroupedMLP):
         if probs.dim() != 1 or not probs.is_contiguous() or probs.shape[0] != x.shape[0] or x.dim() != 2:
             return None
         grad = torch.is_grad_enabled()
-        for linear in (fc1, fc2):
-            delayed = linear.fp8_delayed
-            if delayed is not None and not (_seeded_on(delayed.input, x)
-                                            and (not grad or _seeded_on(delayed.grad_output, x))):
-                return None  # the Python path seeds (or moves) the histories first
         targets = []
         for linear in (fc1, fc2):
-            w = linear.weight
-            main_grad = None
-            if grad and w.requires_grad and linear._fuses_main_grad():
-                main_grad = getattr(w, "main_grad", None)
-                if not isinstance(main_grad, torch.Tensor) or main_grad.dtype != torch.float32 \
-                        or getattr(w, "zero_out_wgrad", False):
-                    return None  # lazily allocated, or not accumulated in the kernel: the Python path
-            targets.append(main_grad)
+            target = linear._planned_wgrad_target(grad and linear.weight.requires_grad and linear._fuses_main_grad())
+            if target is None or not planned_layer.histories_ready(linear.fp8_delayed, x, grad):
+                return None
+            targets.append(target)
         out_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
         out1 = x.dtype if out_dtype is None else out_dtype
         out2 = out1 if out_dtype is None else out_dtype
         w1, w2 = fc1.weight, fc2.weight
         caching = (fc1._uses_fp8_weight_cache(), fc2._uses_fp8_weight_cache())
         key = (host_plan.fact(x), host_plan.fact(w1), host_plan.fact(w2), host_plan.fact(probs), host_plan.fact(lens),
-               *caching, *(host_plan.fact(t) for t in targets),
-               *(hasattr(fc.weight, "grad_added_to_main_grad") for fc in (fc1, fc2)),
+               *caching, *(host_plan.fact(main_grad) for main_grad, _ in targets),
+               *(placeholder is not None for _, placeholder in targets),
                x.requires_grad, w1.requires_grad, w2.requires_grad, probs.requires_grad, out1, out2, grad)
         static = (fc1.fp8_config, fc1.num_cu, fc1.options.backend, fc2.num_cu, fc2.options.backend,
                   host_plan.generation())
         if planned_layer.known_unplannable(self._planned, key, static):
             return None  # before any side effect: the Python path runs the linears as always
-        for linear in (fc1, fc2):  # TurboGroupedLinear.forward's flag update, before the cache lookup
-            if linear.is_first_microbatch and linear._cleared_first_microbatch:
-                linear._first_microbatch_driven = True
-        sides = tuple(planned_mlp.MLPSide(
-            fc.num_cu, fc.options.backend, fc._cached_fp8_weight() if cached else None, fc.fp8_delayed, main_grad,
-            None if main_grad is None else _main_grad_placeholder(fc.weight, fc.weight.dtype)) for fc, cached, main_grad in zip((fc1, fc2), caching, targets))
+        for linear in (fc1, fc2):  # as TurboGroupedLinear.forward, before the cache lookup
+            linear._note_first_microbatch_flag()
+        sides = tuple(planned_mlp.MLPSide(fc.num_cu, fc.options.backend, fc._cached_fp8_weight() if cached else None,
+                                          fc.fp8_delayed, main_grad, placeholder)
+                      for fc, cached, (main_grad, placeholder) in zip((fc1, fc2), caching, targets))
         layer = planned_layer.cached_plan(self._planned, key, static, lambda: planned_mlp.plan_mlp(
             x, w1, w2, probs, lens, True, sides[0], sides[1], fc1.fp8_config, out1, out2, forward_only=not grad))
         if layer is None:
             return None
         output = planned_mlp.apply_mlp(layer, x, w1, w2, probs, lens, sides[0], sides[1])
-        for linear, side in zip((fc1, fc2), sides):
-            if side.placeholder is not None:  # Megatron's protocol (main_grad._mark_grad_added_to_main_grad)
-                linear.weight.grad_added_to_main_grad = True
-            linear.is_first_microbatch = False  # as TurboGroupedLinear.forward
-            linear._cleared_first_microbatch = True
+        for linear, side in zip((fc1, fc2), sides):  # as each linear's planned forward
+            linear._mark_planned_wgrad(side.placeholder)
+            linear._clear_first_microbatch_flag()
         return output
 
     def _fuses_activation(self) -> bool:

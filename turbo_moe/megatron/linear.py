@@ -22,7 +22,6 @@ from ..autograd import (
 from ..checks import resolve_group_offs
 from ..delayed_scaling import delayed_state_for
 from ..swiglu import fuses_swiglu, grouped_gemm_fp8_swiglu
-from ..module import _seeded_on
 from .checkpoint import GroupedLinearCheckpointMixin
 from .main_grad import (
     _AccumulateWgradIntoMainGrad,
@@ -352,8 +351,7 @@ class TurboGroupedLinear(planned_layer.KeepsPlannedLayers, GroupedLinearCheckpoi
             offs = self.group_offsets(x, m_splits)
         else:
             offs = resolve_group_offs(None, group_offs, self.num_gemms, x.shape[0], x.device)
-        if self.is_first_microbatch and self._cleared_first_microbatch:
-            self._first_microbatch_driven = True  # set True again since our last forward: driven
+        self._note_first_microbatch_flag()
         weight = self.weight
         wants_wgrad = torch.is_grad_enabled() and weight.requires_grad
         fuse_main_grad = wants_wgrad and self._fuses_main_grad()
@@ -362,8 +360,7 @@ class TurboGroupedLinear(planned_layer.KeepsPlannedLayers, GroupedLinearCheckpoi
             y = self._forward_planned(x, offs, fuse_main_grad)
         if y is None:
             y = self._forward_gemm(x, offs, wants_wgrad, fuse_main_grad, swiglu_probs, grad_handoff)
-        self.is_first_microbatch = False  # as TE's linears: later micro-batches of this step reuse
-        self._cleared_first_microbatch = True
+        self._clear_first_microbatch_flag()
         if self.bias is None:
             return y, None
         if self.skip_bias_add:
@@ -407,15 +404,10 @@ class TurboGroupedLinear(planned_layer.KeepsPlannedLayers, GroupedLinearCheckpoi
         w = self.weight
         grad = torch.is_grad_enabled()
         delayed = self.fp8_delayed
-        if delayed is not None and not (_seeded_on(delayed.input, x) and (not grad or _seeded_on(delayed.grad_output, x))):
-            return None  # the Python path seeds (or moves) the histories first
-        main_grad = placeholder = None
-        if fuse_main_grad:
-            main_grad = getattr(w, "main_grad", None)
-            if not isinstance(main_grad, torch.Tensor) or main_grad.dtype != torch.float32 \
-                    or getattr(w, "zero_out_wgrad", False):
-                return None
-            placeholder = _main_grad_placeholder(w, w.dtype)
+        target = self._planned_wgrad_target(fuse_main_grad)
+        if target is None or not planned_layer.histories_ready(delayed, x, grad):
+            return None
+        main_grad, placeholder = target
         out_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
         caching = self._uses_fp8_weight_cache()
         key = (host_plan.fact(x), host_plan.fact(w), host_plan.fact(offs), caching, host_plan.fact(main_grad),
@@ -430,9 +422,39 @@ class TurboGroupedLinear(planned_layer.KeepsPlannedLayers, GroupedLinearCheckpoi
         if layer is None:
             return None
         y = planned_layer.apply_layer(layer, x, w, offs, w_fp8, delayed, main_grad, placeholder)
-        if placeholder is not None:
-            w.grad_added_to_main_grad = True
+        self._mark_planned_wgrad(placeholder)
         return y
+
+    def _planned_wgrad_target(self, fuse_main_grad: bool):
+        """``(main_grad, placeholder)`` a planned GEMM's wgrad accumulates into and hands back as the
+        weight's gradient (both None without ``gradient_accumulation_fusion``), or None where the
+        planned paths leave it to the Python one: a ``main_grad`` allocated lazily (Megatron-FSDP),
+        not float32 (added after the kernel), or a placeholder that must be zeroed each time."""
+        if not fuse_main_grad:
+            return None, None
+        w = self.weight
+        main_grad = getattr(w, "main_grad", None)
+        if not isinstance(main_grad, torch.Tensor) or main_grad.dtype != torch.float32 \
+                or getattr(w, "zero_out_wgrad", False):
+            return None
+        return main_grad, _main_grad_placeholder(w, w.dtype)
+
+    def _mark_planned_wgrad(self, placeholder: Optional[torch.Tensor]) -> None:
+        """After a planned forward: Megatron's ``grad_added_to_main_grad``, set now (as Megatron's own
+        CUDA-graphed layers set it) since no Python runs in the planned backward."""
+        if placeholder is not None:
+            self.weight.grad_added_to_main_grad = True
+
+    def _note_first_microbatch_flag(self) -> None:
+        """Before a forward's FP8 weight cache lookup: a flag set True again since this layer's last
+        forward cleared it proves that something (Megatron's schedule) drives it."""
+        if self.is_first_microbatch and self._cleared_first_microbatch:
+            self._first_microbatch_driven = True
+
+    def _clear_first_microbatch_flag(self) -> None:
+        """After a forward: as TE's linears, later micro-batches of this step reuse the FP8 weight."""
+        self.is_first_microbatch = False
+        self._cleared_first_microbatch = True
 
     # -- delayed wgrad ------------------------------------------------------------------------
 
