@@ -99,6 +99,8 @@ def test_unweighted_and_bad_input():
                                                                                                     probs=ones[:-1])
     with pytest.raises(ValueError, match="x"):
         mlp(x[:, :-1], lens)
+    with pytest.raises(TypeError, match="x"):  # checked before the unweighted call's ones are made
+        mlp(x.tolist(), lens)
     with pytest.raises(ValueError, match="group_lens"):
         mlp(x, torch.tensor([9, 0, 14]))
     assert turbo_moe.GroupedSwiGLUMLPFP8 is GroupedSwiGLUMLPFP8

@@ -62,15 +62,15 @@ class GroupedSwiGLUMLPFP8(planned_layer.KeepsPlannedLayers, nn.Module):
     def forward(self, x: torch.Tensor, group_lens: Optional[torch.Tensor] = None, *,
                 group_offs: Optional[torch.Tensor] = None, probs: Optional[torch.Tensor] = None) -> torch.Tensor:
         fc1, fc2 = self.fc1, self.fc2
-        if probs is None:
-            probs = self._unit_probs(x)
         if type(x) is torch.Tensor and x.is_cuda and planned_layer.enabled() and fuses_swiglu(self.config) \
                 and fc1.bias is None and fc2.bias is None and not torch.compiler.is_compiling():
-            y = self._forward_planned(x, group_lens, group_offs, probs)
+            y = self._forward_planned(x, group_lens, group_offs, self._unit_probs(x) if probs is None else probs)
             if y is not None:
                 return y
         check_operands(x, fc1.weight, trans_b=True)  # first: every error names the argument
         offs = resolve_group_offs(group_lens, group_offs, fc1.num_groups, x.shape[0], x.device)
+        if probs is None:
+            probs = self._unit_probs(x)
         if not fuses_swiglu(self.config):
             h = fc1(x, group_offs=offs)
             weights = probs.reshape(-1) if probs.dim() == 2 and probs.shape[1] == 1 else probs
@@ -89,6 +89,7 @@ class GroupedSwiGLUMLPFP8(planned_layer.KeepsPlannedLayers, nn.Module):
             delayed_state=fc2.fp8_delayed)
 
     def _unit_probs(self, x: torch.Tensor) -> torch.Tensor:
+        """The routing weights of an unweighted call (ones), kept across calls of one token count."""
         ones = self._ones
         if ones is None or ones.shape[0] != x.shape[0] or ones.device != x.device:
             ones = self._ones = torch.ones(x.shape[0], dtype=torch.float32, device=x.device)
