@@ -202,3 +202,21 @@ def test_mlp_python_backward_equals_the_python_functions(held, main_grad):
     for v, want in expected.items():
         assert torch.equal(grads[v].view(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), v
     assert all(g is None for k, g in enumerate(grads) if k not in (pm.X, pm.W1, pm.W2, pm.PROBS))
+
+
+def test_planned_caches_are_left_out_of_copies():
+    """A module's planned layers are extension ids of this process (KeepsPlannedLayers): deepcopy
+    and pickle leave them out, and an object pickled before it had them gets an empty cache."""
+    import copy
+    import pickle
+
+    mlp = GroupedSwiGLUMLPFP8(2, 16, 8, backend="torch")
+    mlp._planned[("key",)] = ("static", host_plan)  # a module object: cannot be copied or pickled
+    assert copy.deepcopy(mlp)._planned == {}
+    assert pickle.loads(pickle.dumps(mlp))._planned == {}
+    state = mlp.__getstate__()
+    del state["_planned"], state["_ones"]  # as pickled before this session
+    fresh = GroupedSwiGLUMLPFP8.__new__(GroupedSwiGLUMLPFP8)
+    fresh.__setstate__(state)
+    assert fresh._planned == {} and fresh._ones is None
+    assert mlp._planned  # the original keeps its own
