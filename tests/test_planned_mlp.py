@@ -154,6 +154,72 @@ def test_plan_mlp_with_main_grad_returns_the_placeholder(plan_ext, monkeypatch):
     assert x.grad.shape == x.shape and probs.grad.shape == probs.shape
 
 
+def test_plan_mlp_with_weight_caches_and_delayed_scaling(plan_ext, monkeypatch):
+    """The caches' copies and each amax history's (state, ticket) join the regions' inputs as
+    through_plan puts them (live histories counted in the static key); W^T passed through from a
+    cache makes each GEMM's backward one region, and the node keeps that W^T (not held: the cache
+    owns it) with everything else the backward reads; saved are the weights and routing weights."""
+    ext = plan_ext
+    from turbo_moe.autograd import quantize_weight
+    from turbo_moe.delayed_scaling import DelayedScalingState
+
+    config = Float8Config(strategy="delayed", amax_history_len=4)
+    alloc = [("alloc", k) for k in range(3)]
+    fc1_forward = _Plans(ext, ([0, 1, 2, 3, 4, 5, 7, 8], [((M, 2 * F), BF16), ((HIDDEN, M), E4M3), ((), F32)],
+                               [alloc[0], ("input", 5), ("input", 4), alloc[1], alloc[2]]))
+    fc2_forward = _Plans(ext, ([0, 1, 2, 3, 4, 5, 6, 8, 9], [((M, HIDDEN), BF16), ((F, M), E4M3), ((), F32)],
+                               [alloc[0], ("input", 6), ("input", 5), alloc[1], alloc[2]]))
+    backward = _Plans(ext, ([0, 4, 5, 6, 7, 8, 10, 11], [((M, F), BF16), ((G, HIDDEN, F), BF16)], alloc[:2]),
+                      ([1, 2, 3, 4, 5, 6, 7, 8, 10, 11], [((M, HIDDEN), BF16), ((G, 2 * F, HIDDEN), BF16)], alloc[:2]))
+    swiglu_backward = _Plans(ext, ([0, 1, 2, 3, 4], [((M, 2 * F), E4M3), ((2 * F, M), E4M3), ((), F32), ((M,), F32)],
+                                   [("alloc", k) for k in range(4)]))
+    monkeypatch.setattr(pm, "_FORWARD_REGION", fc1_forward)
+    monkeypatch.setattr(pm, "_BACKWARD_REGION", backward)
+    monkeypatch.setattr(pm.swiglu, "_FORWARD_REGION", fc2_forward)
+    monkeypatch.setattr(pm.swiglu, "_BACKWARD_REGION", swiglu_backward)
+    x = torch.randn(M, HIDDEN, dtype=BF16, requires_grad=True)
+    w1 = torch.randn(G, 2 * F, HIDDEN, dtype=BF16, requires_grad=True)
+    w2 = torch.randn(G, HIDDEN, F, dtype=BF16, requires_grad=True)
+    probs = torch.rand(M, requires_grad=True)
+    offs = torch.tensor([0, 7, 7, M])
+    sides = []
+    for k, w in enumerate((w1, w2)):
+        delayed = DelayedScalingState(config)
+        # States of distinct lengths per tensor role: their facts tell the four histories apart.
+        for j, history in enumerate((delayed.input, delayed.grad_output)):
+            history.state, history.ticket = torch.zeros(6 + 2 * k + j), torch.zeros(1, dtype=torch.int32)
+        sides.append(_side(w_fp8=quantize_weight(w.detach(), config, transposed=True), delayed=delayed))
+    layer = pm.plan_mlp(x, w1, w2, probs, offs, False, *sides, config, BF16, BF16)
+    assert isinstance(layer, pm.PlannedMLP)
+    fact = host_plan.fact
+
+    def cache_facts(side):
+        return fact(side.w_fp8.data), fact(side.w_fp8.scale), fact(side.w_fp8.data_t), None
+
+    def history_facts(history):
+        return fact(history.state), fact(history.ticket)
+
+    h = (torch.Size([M, 2 * F]), _contiguous(M, 2 * F), BF16, -1, 0)
+    assert fc1_forward.keys == [(((config, None, "auto", BF16, True, True, False, True), 1), fact(x), fact(w1),
+                                 fact(offs), *cache_facts(sides[0]), *history_facts(sides[0].delayed.input))]
+    assert fc2_forward.keys == [(((config, None, "auto", BF16, True, True, False, True), 1), h, fact(probs), fact(w2),
+                                 fact(offs), *cache_facts(sides[1]), *history_facts(sides[1].delayed.input))]
+    fc2_backward, fc1_backward = backward.keys
+    assert fc2_backward[0] == ((config, None, "auto", BF16, True, BF16), 1)
+    assert fc2_backward[-2:] == history_facts(sides[1].delayed.grad_output)
+    assert fc1_backward[0] == ((config, None, "auto", BF16, True, BF16), 1) and fc1_backward[1] is None
+    assert fc1_backward[-2:] == history_facts(sides[0].delayed.grad_output)
+    # The dh handoff writes with fc1's gradient history.
+    assert swiglu_backward.keys[0][-2:] == history_facts(sides[0].delayed.grad_output)
+    identity = next(k for k, v in pm._LAYER_IDS.items() if v == layer.layer_id)
+    saved, held, kept = identity[2:5]
+    assert saved == (pm.W1, pm.W2, pm.PROBS, pm.SRC) and held == ()
+    assert {pm.W1_KN, pm.W2_KN, pm.H, pm.X_KM, pm.A_KM, *pm.HISTORIES1[2:], *pm.HISTORIES2[2:]} <= set(kept)
+    y = ext.apply_layer(layer.layer_id, 0, _args(x, w1, w2, probs, offs, sides))
+    grads = torch.autograd.grad(y, (x, w1, w2, probs), torch.randn(M, HIDDEN, dtype=BF16))
+    assert [g.shape for g in grads] == [x.shape, w1.shape, w2.shape, probs.shape]
+
+
 @pytest.mark.parametrize("held", [True, False], ids=["first-backward", "W^T-released"])
 @pytest.mark.parametrize("main_grad", [False, True], ids=["grad", "main_grad"])
 def test_mlp_python_backward_equals_the_python_functions(held, main_grad):
