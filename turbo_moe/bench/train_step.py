@@ -270,8 +270,9 @@ def train_variant(cfg: TrainConfig, variant: str, corpus: TextCorpus, args, devi
             if (step + 1) % args.eval_interval == 0 or step + 1 == steps:
                 val_points.append((step + 1, _held_out_loss(model, sampler, inputs)))
         done = rec["steps"]
-        if planned_before is not None:  # the timed steps' expert calls that ran as one C++ node, and their
-            # backwards that fell back to the Python path (turbo_moe.planned_layer / planned_mlp)
+        if planned_before is not None:  # expert calls from the first timed step on (held-out evaluations
+            # included) that ran as one C++ node, and their backwards that fell back to the Python path
+            # (turbo_moe.planned_layer / planned_mlp)
             rec["planned_calls"], rec["planned_fallbacks"] = (
                 now - before for now, before in zip(_planned_counts(), planned_before))
         if on_gpu:
