@@ -66,8 +66,8 @@ def _fake_regions(ext, monkeypatch, main_grad=False):
         "_BACKWARD_REGION": _Plans(ext, ([0, 1, 2], [((M, 2 * F), E4M3), ((2 * F, M), E4M3), ((), F32), ((M,), F32)],
                                          alloc[:4])),
     }
-    for name, region in regions.items():
-        monkeypatch.setattr(pm, name, region)
+    for name, region in regions.items():  # the GEMM backward regions are looked up by planned_layer's steps
+        monkeypatch.setattr(pm if name in ("OFFSETS_REGION", "_FORWARD_REGION") else pm.planned_layer, name, region)
     for name, region in swiglu_regions.items():
         monkeypatch.setattr(pm.swiglu, name, region)
     return regions, swiglu_regions
@@ -174,7 +174,7 @@ def test_plan_mlp_with_weight_caches_and_delayed_scaling(plan_ext, monkeypatch):
     swiglu_backward = _Plans(ext, ([0, 1, 2, 3, 4], [((M, 2 * F), E4M3), ((2 * F, M), E4M3), ((), F32), ((M,), F32)],
                                    [("alloc", k) for k in range(4)]))
     monkeypatch.setattr(pm, "_FORWARD_REGION", fc1_forward)
-    monkeypatch.setattr(pm, "_BACKWARD_REGION", backward)
+    monkeypatch.setattr(pm.planned_layer, "_BACKWARD_REGION", backward)
     monkeypatch.setattr(pm.swiglu, "_FORWARD_REGION", fc2_forward)
     monkeypatch.setattr(pm.swiglu, "_BACKWARD_REGION", swiglu_backward)
     x = torch.randn(M, HIDDEN, dtype=BF16, requires_grad=True)

@@ -171,7 +171,6 @@ def plan_layer(x, w_nk, src, from_lens: bool, w_fp8, config, num_cu, backend, ou
     for v, t in ((X, x), (W, w_nk), (SRC, src), *zip(CACHE, cache), *zip(X_HISTORY + DY_HISTORY, histories),
                  (MAIN_GRAD, main_grad)):
         b.facts[v] = host_plan.fact(t)
-    # autograd._wgrad_destination: a float32 buffer is the wgrad's out=, accumulated in its epilogue.
     out = MAIN_GRAD if main_grad is not None else None
     live = 1 if delayed is not None else 0  # through_plan's count of live histories per region
     x_history = X_HISTORY if delayed is not None else ()
@@ -195,22 +194,12 @@ def plan_layer(x, w_nk, src, from_lens: bool, w_fp8, config, num_cu, backend, ou
     forward_plan = b.regions[-1][1]
     kept = forward_plan.outputs[1] == ("input", _CACHED_W_KN_POSITION)
     x_dtype, w_dtype = x.dtype, w_nk.dtype
-    dw_dtype = torch.float32 if out is not None else w_dtype
-    # autograd.fp8_gemm_backward's choice of regions and their keys (no handoff, no deferred wgrad).
     if forward_only:
         need_dx = need_dw = kept = False  # nothing saved or held: no node is made
-    elif need_dw and (kept or not need_dx):
-        b.step(_BACKWARD_REGION, ((config, num_cu, backend, x_dtype, need_dx, dw_dtype), live),
-               (DY, None, None, None, W_KN, W_KN_SCALE, X_KM, X_KM_SCALE, offs, out, *dy_history), (DX, DW))
-    elif need_dx or need_dw:
-        b.step(_DGRAD_REGION, ((config, num_cu, backend, x_dtype, need_dx, need_dw), live),
-               (DY, None, None, None, W_KN, W_KN_SCALE, offs, *dy_history), (DX, DY_T, DY_T_SCALE),
-               release=(W_KN,))
-        if need_dw:
-            dy_t_made = b.facts.get(DY_T) is not None
-            b.step(_WGRAD_REGION, ((config, num_cu, backend, dw_dtype), 0),
-                   (None if dy_t_made else DY, DY_T if dy_t_made else None, DY_T_SCALE if dy_t_made else None,
-                    X_KM, X_KM_SCALE, offs, out), (DW,))
+    else:
+        gemm_backward_steps(b, config, num_cu, backend, live, x_dtype, w_dtype, need_dx, need_dw, kept,
+                            (DY, None, None, None), W_KN, W_KN_SCALE, X_KM, X_KM_SCALE, offs, out, dy_history,
+                            (DX, DW), (DX, DY_T, DY_T_SCALE), DW)
     if b.missing or b.refused:
         return NOT_PLANNABLE if b.refused else None
     saved = () if forward_only else tuple(
@@ -223,7 +212,8 @@ def plan_layer(x, w_nk, src, from_lens: bool, w_fp8, config, num_cu, backend, ou
                          delayed is not None, main_grad is not None)
     # main_grad and the placeholder stay with the node without version checks: DDP's gradient
     # buffer is one storage whose version moves with every other parameter's gradient.
-    kept_args = [] if forward_only or main_grad is None else [MAIN_GRAD] + ([PLACEHOLDER] if placeholder is not None else [])
+    kept_args = [] if forward_only or main_grad is None else (
+        [MAIN_GRAD] + ([PLACEHOLDER] if placeholder is not None else []))
     grads = [-1] * NUM_ARGS
     grads[X] = DX if need_dx else -1
     grads[W] = -1 if not need_dw else DW if main_grad is None else PLACEHOLDER if placeholder is not None else -1
@@ -239,6 +229,33 @@ def plan_layer(x, w_nk, src, from_lens: bool, w_fp8, config, num_cu, backend, ou
         register_backward(layer_id, functools.partial(_linear_backward, backward))
     _ensure_fallback(ext)
     return PlannedLayer(layer_id, tuple(b.regions[:forward_steps]))
+
+
+def gemm_backward_steps(b: _Builder, config, num_cu, backend, live: int, x_dtype, w_dtype, need_dx: bool,
+                        need_dw: bool, kept: bool, dy_in, w_kn, w_kn_scale, x_km, x_km_scale, offs, out, dy_history,
+                        fused_out, dgrad_out, dw) -> None:
+    """``autograd.fp8_gemm_backward``'s regions and keys for one FP8 GEMM (no deferred wgrad), as
+    steps of ``b``: one region when nothing is freed between dgrad and wgrad (W^T is the cache's, or
+    there is no dgrad), else dgrad (releasing W^T) then wgrad. Value indices: ``dy_in`` the (dy,
+    handed rows, handed token-major, handed scale) inputs; ``out`` the float32 buffer the wgrad
+    accumulates into (``WgradTarget``) or None; ``fused_out`` / ``dgrad_out`` where the one-region
+    backward's (dx, dW) and dgrad's (dx, dy token-major, its scale) go; ``dw`` the wgrad's output."""
+    # autograd._wgrad_destination: a float32 buffer is the wgrad's out=, accumulated in its epilogue.
+    dw_dtype = torch.float32 if out is not None else w_dtype
+    if need_dw and (kept or not need_dx):
+        b.step(_BACKWARD_REGION, ((config, num_cu, backend, x_dtype, need_dx, dw_dtype), live),
+               (*dy_in, w_kn, w_kn_scale, x_km, x_km_scale, offs, out, *dy_history), fused_out)
+        return
+    if not (need_dx or need_dw):
+        return
+    b.step(_DGRAD_REGION, ((config, num_cu, backend, x_dtype, need_dx, need_dw), live),
+           (*dy_in, w_kn, w_kn_scale, offs, *dy_history), dgrad_out, release=(w_kn,))
+    if need_dw:
+        dy_t, dy_t_scale = dgrad_out[1], dgrad_out[2]
+        made = b.facts.get(dy_t) is not None
+        b.step(_WGRAD_REGION, ((config, num_cu, backend, dw_dtype), 0),
+               (None if made else dy_in[0], dy_t if made else None, dy_t_scale if made else None, x_km, x_km_scale,
+                offs, out), (dw,))
 
 
 def _contiguous_strides(shape) -> tuple:
@@ -371,22 +388,31 @@ def once_differentiable(grads, dy, create_graph: bool):
     return grads
 
 
+def history_from(config, state, ticket) -> Optional[AmaxHistory]:
+    """The ``AmaxHistory`` whose device tensors a call passed (a layer's table holds the tensors,
+    the Python path's functions take the object); None where the call had none."""
+    if state is None:
+        return None
+    history = AmaxHistory(config.amax_history_len, config.amax_compute_algo == "most_recent")
+    history.state, history.ticket = state, ticket
+    return history
+
+
+def wgrad_target_from(main_grad, placeholder) -> Optional[WgradTarget]:
+    """The ``WgradTarget`` a call's ``main_grad`` and placeholder stood for (None: no main_grad)."""
+    if main_grad is None:
+        return None
+    return WgradTarget(buffer=lambda: main_grad, placeholder=lambda: placeholder)
+
+
 def _linear_backward(info: _Backward, dy, values, create_graph: bool):
     """A grouped linear's Python-path backward, from its value table (W^T None once released)."""
-    grad_history = None
-    if info.delayed:  # the history's tensors as the call passed them
-        config = info.config
-        grad_history = AmaxHistory(config.amax_history_len, config.amax_compute_algo == "most_recent")
-        grad_history.state, grad_history.ticket = values[DY_HISTORY[0]], values[DY_HISTORY[1]]
     # What GroupedGemmFP8Function's forward leaves on its ctx, through the same function; kept
     # (W^T is the cache's) is known from the layer, not from a cached weight object.
     ctx = types.SimpleNamespace()
-    target = None
-    if info.main_grad:
-        main_grad, placeholder = values[MAIN_GRAD], values[PLACEHOLDER]
-        target = WgradTarget(buffer=lambda: main_grad, placeholder=lambda: placeholder)
     stash_for_fp8_gemm_backward(ctx, values[W_KN], info.config, info.num_cu, info.backend, info.x_dtype, info.w_dtype,
-                                target, grad_history=grad_history)
+                                wgrad_target_from(values[MAIN_GRAD], values[PLACEHOLDER]),
+                                grad_history=history_from(info.config, *(values[v] for v in DY_HISTORY)))
     ctx.w_kn_kept = info.kept
     with torch.no_grad():
         dx, dw = fp8_gemm_backward(ctx, dy, values[W], values[W_KN_SCALE], values[X_KM], values[X_KM_SCALE],

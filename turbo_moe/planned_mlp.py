@@ -40,12 +40,10 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 
 from . import host_plan, planned_layer, swiglu
-from .autograd import (_BACKWARD_REGION, _DGRAD_REGION, _FORWARD_REGION, _WGRAD_REGION, QuantizedGradHandoff,
-                       WgradTarget, cached_weight_inputs, cached_weight_key, fp8_gemm_backward,
-                       stash_for_fp8_gemm_backward)
+from .autograd import (_FORWARD_REGION, QuantizedGradHandoff, cached_weight_inputs, cached_weight_key,
+                       fp8_gemm_backward, stash_for_fp8_gemm_backward)
 from .checks import OFFSETS_REGION, offsets_region_key
-from .delayed_scaling import AmaxHistory
-from .planned_layer import NOT_PLANNABLE, _Builder, _contiguous_strides, _history_tensors
+from .planned_layer import NOT_PLANNABLE, _Builder, _contiguous_strides, _history_tensors, gemm_backward_steps
 
 __all__ = ["MLPSide", "PlannedMLP", "plan_mlp", "apply_mlp", "NOT_PLANNABLE"]
 
@@ -160,16 +158,18 @@ def plan_mlp(x, w1, w2, probs, src, from_lens: bool, fc1: MLPSide, fc2: MLPSide,
         y_fact = b.facts[Y]
         b.facts[DY] = (y_fact[0], _contiguous_strides(y_fact[0]), y_fact[2], y_fact[3], 0)  # backward's dy.contiguous()
         # fc2's backward (autograd.fp8_gemm_backward), da for the SwiGLU backward.
-        _gemm_backward(b, config, fc2, live2, h_dtype, need_da, need_dw2, kept2, w2.dtype,
-                       (DY, None, None, None), W2_KN, W2_KN_SCALE, A_KM, A_SCALE, offs, MAIN_GRAD2, dy_hist2,
-                       (DA, DW2), (DA, DY_T, DY_T_SCALE), DW2)
+        gemm_backward_steps(b, config, fc2.num_cu, fc2.backend, live2, h_dtype, w2.dtype, need_da, need_dw2, kept2,
+                            (DY, None, None, None), W2_KN, W2_KN_SCALE, A_KM, A_SCALE, offs,
+                            MAIN_GRAD2 if fc2.main_grad is not None else None, dy_hist2, (DA, DW2),
+                            (DA, DY_T, DY_T_SCALE), DW2)
         # The SwiGLU backward with the handoff: dh's FP8 layouts as fc1's backward asked for them.
         b.step(swiglu._BACKWARD_REGION, ((config.grad_dtype, config.margin, need_dx1, need_dw1), live1),
                (H, PROBS, DA, *dy_hist1), (DH_ROWS, DH_T, DH_SCALE, DPROBS))
         # fc1's backward on the handed-over dh.
-        _gemm_backward(b, config, fc1, live1, x.dtype, need_dx1, need_dw1, kept1, w1.dtype,
-                       (None, *present((DH_ROWS, DH_T)), DH_SCALE), W1_KN, W1_KN_SCALE, X_KM, X_KM_SCALE, offs,
-                       MAIN_GRAD1, dy_hist1, (DX, DW1), (DX, DH_T_PASSED, DH_SCALE_PASSED), DW1)
+        gemm_backward_steps(b, config, fc1.num_cu, fc1.backend, live1, x.dtype, w1.dtype, need_dx1, need_dw1, kept1,
+                            (None, *present((DH_ROWS, DH_T)), DH_SCALE), W1_KN, W1_KN_SCALE, X_KM, X_KM_SCALE, offs,
+                            MAIN_GRAD1 if fc1.main_grad is not None else None, dy_hist1, (DX, DW1),
+                            (DX, DH_T_PASSED, DH_SCALE_PASSED), DW1)
     if b.missing or b.refused:
         return NOT_PLANNABLE if b.refused else None
     grads = [-1] * NUM_ARGS
@@ -219,29 +219,6 @@ def _weight_grad(need_dw: bool, side: MLPSide, placeholder: int, dw: int) -> int
     return dw
 
 
-def _gemm_backward(b: _Builder, config, side: MLPSide, live: int, x_dtype, need_dx, need_dw, kept, w_dtype, dy_in,
-                   w_kn, w_kn_scale, x_km, x_km_scale, offs, main_grad, dy_history, fused_out, dgrad_out, dw):
-    """``autograd.fp8_gemm_backward``'s regions and keys for one GEMM (no deferred wgrad): one region
-    when nothing is freed between dgrad and wgrad, else dgrad (releasing W^T) then wgrad.
-    ``dy_in``: the (dy, handed rows, handed transposed, handed scale) value indices."""
-    out = main_grad if side.main_grad is not None else None
-    dw_dtype = torch.float32 if out is not None else w_dtype  # autograd._wgrad_destination (float32 buffers only)
-    if need_dw and (kept or not need_dx):
-        b.step(_BACKWARD_REGION, ((config, side.num_cu, side.backend, x_dtype, need_dx, dw_dtype), live),
-               (*dy_in, w_kn, w_kn_scale, x_km, x_km_scale, offs, out, *dy_history), fused_out)
-        return
-    if not (need_dx or need_dw):
-        return
-    b.step(_DGRAD_REGION, ((config, side.num_cu, side.backend, x_dtype, need_dx, need_dw), live),
-           (*dy_in, w_kn, w_kn_scale, offs, *dy_history), dgrad_out, release=(w_kn,))
-    if need_dw:
-        dy_t, dy_t_scale = dgrad_out[1], dgrad_out[2]
-        made = b.facts.get(dy_t) is not None
-        b.step(_WGRAD_REGION, ((config, side.num_cu, side.backend, dw_dtype), 0),
-               (None if made else dy_in[0], dy_t if made else None, dy_t_scale if made else None, x_km, x_km_scale,
-                offs, out), (dw,))
-
-
 def _with_releases(steps, grads):
     """Each backward step also releases what no later step reads: the node's reference to an
     intermediate goes as soon as it is dead, as autograd frees a Function's saved tensors after
@@ -264,30 +241,17 @@ def apply_mlp(layer: PlannedMLP, x, w1, w2, probs, src, fc1: MLPSide, fc2: MLPSi
         fc2.placeholder, *side1[4:], *side2[4:]])
 
 
-def _history(config, state, ticket) -> Optional[AmaxHistory]:
-    if state is None:
-        return None
-    history = AmaxHistory(config.amax_history_len, config.amax_compute_algo == "most_recent")
-    history.state, history.ticket = state, ticket
-    return history
-
-
-def _target(main_grad, placeholder) -> Optional[WgradTarget]:
-    if main_grad is None:
-        return None
-    return WgradTarget(buffer=lambda: main_grad, placeholder=lambda: placeholder)
-
-
 def _mlp_backward(info: _MLPBackward, dy, v, create_graph: bool):
     """The Python path's backward of the MLP (fc2's GEMM backward, the SwiGLU backward with the
     handoff, fc1's GEMM backward), from the node's value table; W^T None once released."""
     config = info.config
     offs = v[info.offs]
-    dy_history1 = _history(config, v[HISTORIES1[2]], v[HISTORIES1[3]])
-    dy_history2 = _history(config, v[HISTORIES2[2]], v[HISTORIES2[3]])
+    dy_history1 = planned_layer.history_from(config, v[HISTORIES1[2]], v[HISTORIES1[3]])
+    dy_history2 = planned_layer.history_from(config, v[HISTORIES2[2]], v[HISTORIES2[3]])
     ctx2 = types.SimpleNamespace()
     stash_for_fp8_gemm_backward(ctx2, v[W2_KN], config, info.num_cu2, info.backend2, info.h_dtype, info.w2_dtype,
-                                _target(v[MAIN_GRAD2], v[PLACEHOLDER2]), grad_history=dy_history2)
+                                planned_layer.wgrad_target_from(v[MAIN_GRAD2], v[PLACEHOLDER2]),
+                                grad_history=dy_history2)
     ctx2.w_kn_kept = info.kept2
     with torch.no_grad():
         da, dw2 = fp8_gemm_backward(ctx2, dy, v[W2], v[W2_KN_SCALE], v[A_KM], v[A_SCALE], offs, True, info.need_dw2)
@@ -299,8 +263,8 @@ def _mlp_backward(info: _MLPBackward, dy, v, create_graph: bool):
         placeholder = handoff.give(rows, transposed, scale, like=v[H])
         ctx1 = types.SimpleNamespace()
         stash_for_fp8_gemm_backward(ctx1, v[W1_KN], config, info.num_cu1, info.backend1, info.x_dtype, info.w1_dtype,
-                                    _target(v[MAIN_GRAD1], v[PLACEHOLDER1]), grad_handoff=handoff,
-                                    grad_history=dy_history1)
+                                    planned_layer.wgrad_target_from(v[MAIN_GRAD1], v[PLACEHOLDER1]),
+                                    grad_handoff=handoff, grad_history=dy_history1)
         ctx1.w_kn_kept = info.kept1
         dx, dw1 = fp8_gemm_backward(ctx1, placeholder, v[W1], v[W1_KN_SCALE], v[X_KM], v[X_KM_SCALE], offs,
                                     info.need_dx1, info.need_dw1)
