@@ -102,9 +102,9 @@ def test_extension_replay_makes_the_registered_allocations_then_launches():
     assert error == ""
     error, allocs = ext.replay(plan, [torch.empty(8)], 0)
     assert "has no allocations set" in error and allocs == []
-    specs = [([4, 3], [3, 1], torch.empty(0), False, []),
-             ([2, 5], [1, 2], torch.empty(0, dtype=torch.float8_e4m3fn), False, [0]),  # drops the first
-             ([6], [1], torch.empty(0, dtype=torch.int32), True, [])]
+    specs = [([4, 3], [3, 1], torch.empty(0), False, [], []),
+             ([2, 5], [1, 2], torch.empty(0, dtype=torch.float8_e4m3fn), False, [0], [0]),  # drops the first, and x
+             ([6], [1], torch.empty(0, dtype=torch.int32), True, [], [])]
     assert ext.set_allocs(plan, specs) == ""
     error, allocs = ext.replay(plan, [torch.empty(8)], 0)
     assert "libcuda" in error or "cuLaunchKernel" in error, error
@@ -112,7 +112,8 @@ def test_extension_replay_makes_the_registered_allocations_then_launches():
     assert allocs[1].shape == (2, 5) and allocs[1].stride() == (1, 2) and allocs[1].dtype == torch.float8_e4m3fn
     assert allocs[2].dtype == torch.int32 and torch.equal(allocs[2], torch.zeros(6, dtype=torch.int32))
     # Refusals come back as text, naming what is wrong.
-    assert "released before it is made" in ext.set_allocs(plan, [([1], [1], torch.empty(0), False, [0])])
+    assert "released before it is made" in ext.set_allocs(plan, [([1], [1], torch.empty(0), False, [0], [])])
+    assert "an input release out of range" in ext.set_allocs(plan, [([1], [1], torch.empty(0), False, [], [3])])
     assert "more allocations than address slots" in ext.set_allocs(plan, specs + specs)
     assert "no plan" in ext.set_allocs(10**6, [])
 
@@ -131,6 +132,21 @@ def test_release_schedule_frees_what_the_python_path_frees_between_launches():
     assert host_plan.release_schedule([[0]], 2, kept=set()) == [(), (0,)]
     # A zero-filled allocation is filled when made, before any launch: no block is handed on.
     assert host_plan.release_schedule(uses, 5, kept={2, 3, 4}, zero_filled=True) == [()] * 5
+
+
+def test_input_release_schedule_drops_a_handed_over_input_after_its_last_launch():
+    """A backward's fused region (inputs 0 dy, 1 W^T, 2 x token-major; allocations 0 dy's rows
+    copy, 1 its token-major copy, 2 dx, 3 dW): dy is last read by its cast (launch 0), so it is
+    dropped before dx is made, which may then take its block; W^T and x's copy are read to the end.
+    An input that is also an output is never dropped; nor anything before a zero-filled allocation."""
+    alloc_uses = [[0, 1], [0, 2], [1, 3]]  # cast dy -> both layouts, dgrad, wgrad
+    input_uses = [[0], [1], [2]]
+    assert host_plan.input_release_schedule(alloc_uses, input_uses, 3, 4, kept=set()) == [(), (), (0,), (1,)]
+    assert host_plan.input_release_schedule(alloc_uses, input_uses, 3, 4, kept={0}) == [(), (), (), (1,)]
+    # An input no launch reads is dropped before the first allocation; with none made, nothing is.
+    assert host_plan.input_release_schedule([[0]], [[]], 1, 1, kept=set()) == [(0,)]
+    assert host_plan.input_release_schedule([[]], [[0]], 1, 0, kept=set()) == []
+    assert host_plan.input_release_schedule(alloc_uses, input_uses, 3, 4, kept=set(), zero_filled=True) == [()] * 4
 
 
 class _FakeExt:

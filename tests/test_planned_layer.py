@@ -18,7 +18,7 @@ def _plan(ext, num_inputs, allocs, fill=0.0):
     """A plan without launches: its allocations (shape; zero filled) are its outputs, in order."""
     error, plan = ext.add_plan(num_inputs + len(allocs), [])
     assert error == ""
-    specs = [(list(shape), [shape[1], 1] if len(shape) == 2 else [1], torch.empty(0), True, []) for shape in allocs]
+    specs = [(list(shape), [shape[1], 1] if len(shape) == 2 else [1], torch.empty(0), True, [], []) for shape in allocs]
     assert ext.set_allocs(plan, specs) == ""
     assert ext.set_outputs(plan, [(2, j, [], [], 0) for j in range(len(allocs))]) == ""
     return plan
@@ -206,10 +206,10 @@ class _FakeRegion:
     def __init__(self, ext, positions, allocs, outputs):
         error, self.plan_id = ext.add_plan(len(positions) + len(allocs), [])
         assert error == ""
-        specs = [(list(shape), list(strides), torch.empty(0, dtype=dtype), False, []) for shape, strides, dtype in allocs]
+        specs = [(list(shape), list(strides), torch.empty(0, dtype=dtype), False, [], []) for shape, strides, dtype in allocs]
         assert ext.set_allocs(self.plan_id, specs) == ""
         assert ext.set_outputs(self.plan_id, [host_plan._cpp_output_spec(o, positions) for o in outputs]) == ""
-        self.plan = host_plan._Plan(self.plan_id, positions, tuple((*a, False, ()) for a in allocs), tuple(outputs),
+        self.plan = host_plan._Plan(self.plan_id, positions, tuple((*a, False, (), ()) for a in allocs), tuple(outputs),
                                     ext)
         self.keys = []
 
@@ -248,6 +248,11 @@ def test_plan_layer_asks_each_region_for_the_python_paths_key_and_wires_the_step
     lens = torch.tensor([3, 0, 5])
     layer = planned_layer.plan_layer(x, w, lens, True, None, config, None, "auto", bf16, True, True)
     assert isinstance(layer, planned_layer.PlannedLayer)
+    # dy is read by dgrad alone (the wgrad reads dgrad's token-major copy), which releases it: the
+    # node holds the engine's reference, so dy is freed once quantized.
+    steps = next(k for k, v in planned_layer._LAYER_IDS.items() if v == layer.layer_id)[0]
+    readers = [step for step in steps if planned_layer.DY in step[1]]
+    assert [step[0] for step in readers] == [dgrad.plan_id] and planned_layer.DY in readers[0][3]
     fact = host_plan.fact
     assert offsets.keys == [(checks.offsets_region_key(M, True), fact(lens))]
     offs_fact = (torch.Size([G + 1]), (1,), torch.int64, -1, 0)

@@ -10,12 +10,12 @@ bitwise, and the planned path must have run (else the equality proves nothing).
 import pytest
 import torch
 
-from turbo_moe import Float8Config, GroupedLinearFP8, planned_layer
+from turbo_moe import Float8Config, GroupedLinearFP8, host_plan, planned_layer
 from turbo_moe.backends import clear_recent_dispatches, recent_dispatches
 
 from _cuda_graph import capture_fwd_bwd, replay_against_eager
 
-from _planned import assert_bitwise, compare_planned, planned_layers, ragged_lens
+from _planned import HandOver, assert_bitwise, compare_planned, planned_layers, ragged_lens
 
 pytestmark = pytest.mark.gpu
 
@@ -28,7 +28,7 @@ CONFIGS = {
 
 
 def _run(planned, config, cache=True, bias=False, offsets=False, x_grad=True, w_grad=True, no_grad=False,
-         calls=5, G=6, M=517, K=384, N=272, dy_of=None, retain=False):
+         calls=5, G=6, M=517, K=384, N=272, dy_of=None, retain=False, hand_over=False):
     """Per call: (y, dx, dW, db) and whether the call ran as a planned layer."""
     with planned_layers(planned):
         torch.manual_seed(0)
@@ -53,9 +53,10 @@ def _run(planned, config, cache=True, bias=False, offsets=False, x_grad=True, w_
                     dy = dy_of(i, dy)
                 for p in layer.parameters():
                     p.grad = None
-                y.backward(dy, retain_graph=retain)
+                out_y = HandOver.apply(y) if hand_over else y
+                out_y.backward(dy, retain_graph=retain)
                 if retain:  # a second backward accumulates the same gradients again
-                    y.backward(dy)
+                    out_y.backward(dy)
                 grads = (x.grad if x_grad else None, layer.weight.grad if w_grad else None,
                          layer.bias.grad if bias else None)
             out.append(((y.detach(), *grads), used))
@@ -79,10 +80,15 @@ def test_planned_layer_equals_the_python_function_bitwise(name, cache):
 
 
 @pytest.mark.parametrize("case", ["bias", "offsets", "x-no-grad", "w-frozen", "no-grad", "retain-graph",
-                                  "strided-dy", "misaligned-dy"])
+                                  "strided-dy", "misaligned-dy", "handed-over-dy", "handed-over-dy-nocache",
+                                  "handed-over-dy-retain-graph"])
 def test_planned_layer_cases_equal_the_python_function(case):
-    kwargs = dict(config=CONFIGS["tensorwise"], cache=case != "retain-graph")
+    kwargs = dict(config=CONFIGS["tensorwise"], cache=case not in ("retain-graph", "handed-over-dy-nocache"))
     kwargs.update({
+        # dy owned by the engine alone (freed by the node once quantized): with the weight cache
+        # (one backward region), without (dgrad, then wgrad), and with the graph retained.
+        "handed-over-dy": dict(hand_over=True), "handed-over-dy-nocache": dict(hand_over=True),
+        "handed-over-dy-retain-graph": dict(hand_over=True, retain=True),
         "bias": dict(bias=True), "offsets": dict(offsets=True), "x-no-grad": dict(x_grad=False),
         "w-frozen": dict(w_grad=False), "no-grad": dict(no_grad=True), "retain-graph": dict(retain=True),
         # From the fourth call, dy laid out column-major (the node makes it contiguous), or 2 bytes off
@@ -159,3 +165,36 @@ def test_planned_layer_captures_in_a_cuda_graph_and_follows_new_routing():
                                            planned_layer.set_enabled)
     for what, a, b in zip(("y", "dx", "dW"), replayed, eager):
         assert_bitwise(a, b, what)
+
+
+def test_planned_backward_frees_a_handed_over_gradient_once_quantized():
+    """The node takes the engine's reference to dy and its plans drop it after its cast, so dgrad's
+    output can take its memory; a Python Function holds dy to the end of its backward. Shape of an
+    fc1 (K > N, no weight cache): the backward's peak is at dgrad's output, and the planned one is
+    lower by about dy's bytes."""
+    G, M, K, N = 4, 8192, 2048, 256
+    dy_bytes = M * N * 2
+    peaks = {}
+    for planned in (False, True):
+        with planned_layers(planned):
+            torch.manual_seed(0)
+            layer = GroupedLinearFP8(G, K, N, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+            lens = ragged_lens(G, M, 7)
+            before = planned_layer.calls
+            for _ in range(4):
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                y = HandOver.apply(layer(x.clone(), group_lens=lens))  # x and dy activations, as in a model
+                dx, dw = torch.autograd.grad(y, (x, layer.weight), dy)
+                torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated()
+                del y, dx, dw
+            used = planned_layer.calls > before
+            peaks[planned] = peak
+    if host_plan.status() != "on":
+        pytest.skip(f"host plans unavailable here: {host_plan.status()}")
+    assert used, "the last calls did not run as planned layers"
+    saved = peaks[False] - peaks[True]
+    assert saved >= 0.9 * dy_bytes, (peaks, dy_bytes)

@@ -30,11 +30,11 @@ class _Plans:
         for positions, allocs, outputs in plans:
             error, plan_id = ext.add_plan(len(positions) + len(allocs), [])
             assert error == ""
-            specs = [(list(shape), list(_contiguous(*shape)), torch.empty(0, dtype=dtype), True, [])
+            specs = [(list(shape), list(_contiguous(*shape)), torch.empty(0, dtype=dtype), True, [], [])
                      for shape, dtype in allocs]
             assert ext.set_allocs(plan_id, specs) == ""
             assert ext.set_outputs(plan_id, [host_plan._cpp_output_spec(o, positions) for o in outputs]) == ""
-            allocs_t = tuple((shape, _contiguous(*shape), dtype, True, ()) for shape, dtype in allocs)
+            allocs_t = tuple((shape, _contiguous(*shape), dtype, True, (), ()) for shape, dtype in allocs)
             self.plans.append(host_plan._Plan(plan_id, positions, allocs_t, tuple(outputs), ext))
 
     def plan_for(self, key):
@@ -100,6 +100,10 @@ def test_plan_mlp_chains_the_regions_keys_and_runs_as_one_node(plan_ext, monkeyp
     sides = (_side(), _side())
     layer = pm.plan_mlp(x, w1, w2, probs, lens, True, *sides, config, BF16, BF16)
     assert isinstance(layer, pm.PlannedMLP)
+    # dy is read by fc2's dgrad alone, which releases it (freed once quantized).
+    steps = next(k for k, v in pm._LAYER_IDS.items() if v == layer.layer_id)[0]
+    readers = [step for step in steps if pm.DY in step[1]]
+    assert [step[0] for step in readers] == [regions["_DGRAD_REGION"].plans[0].plan_id] and pm.DY in readers[0][3]
     fact = host_plan.fact
     offs = (torch.Size([G + 1]), (1,), torch.int64, -1, 0)
 

@@ -11,7 +11,7 @@ import torch
 
 from turbo_moe import Float8Config, GroupedSwiGLUMLPFP8, planned_mlp
 
-from _planned import compare_planned, planned_layers, ragged_lens
+from _planned import HandOver, compare_planned, planned_layers, ragged_lens
 
 pytestmark = pytest.mark.gpu
 
@@ -23,7 +23,8 @@ CONFIGS = {
 
 
 def _run(planned, config, cache=True, offsets=False, probs_grad=True, unweighted=False, x_grad=True,
-         no_grad=False, retain=False, misaligned_dy=False, calls=6, G=5, M=389, hidden=256, ffn=192):
+         no_grad=False, retain=False, misaligned_dy=False, hand_over=False, calls=6, G=5, M=389, hidden=256,
+         ffn=192):
     """Per call: (y, dx, dW1, dW2, dprobs) and whether the call ran as a planned MLP."""
     with planned_layers(planned):
         torch.manual_seed(0)
@@ -48,9 +49,10 @@ def _run(planned, config, cache=True, offsets=False, probs_grad=True, unweighted
                     dy = torch.cat([dy.new_zeros(1), dy.reshape(-1)])[1:].view(dy.shape)
                 for p in mlp.parameters():
                     p.grad = None
-                y.backward(dy, retain_graph=retain)
+                out_y = HandOver.apply(y) if hand_over else y
+                out_y.backward(dy, retain_graph=retain)
                 if retain:
-                    y.backward(dy)
+                    out_y.backward(dy)
                 grads = (x.grad if x_grad else None, mlp.fc1.weight.grad, mlp.fc2.weight.grad,
                          None if probs is None or not probs_grad else probs.grad)
             out.append(((y.detach(), *grads), used))
@@ -73,9 +75,10 @@ def test_planned_mlp_equals_the_python_functions_bitwise(name, cache):
 
 
 @pytest.mark.parametrize("case", ["offsets", "unweighted", "probs-no-grad", "x-no-grad", "no-grad", "retain-graph",
-                                  "misaligned-dy"])
+                                  "misaligned-dy", "handed-over-dy", "handed-over-dy-nocache"])
 def test_planned_mlp_cases_equal_the_python_functions(case):
-    kwargs = {"offsets": dict(offsets=True), "unweighted": dict(unweighted=True),
+    kwargs = {"handed-over-dy": dict(hand_over=True), "handed-over-dy-nocache": dict(hand_over=True, cache=False),
+              "offsets": dict(offsets=True), "unweighted": dict(unweighted=True),
               "probs-no-grad": dict(probs_grad=False), "x-no-grad": dict(x_grad=False), "no-grad": dict(no_grad=True),
               "retain-graph": dict(retain=True, cache=False), "misaligned-dy": dict(misaligned_dy=True)}[case]
     used = _compare(config=CONFIGS["tensorwise"], **kwargs)

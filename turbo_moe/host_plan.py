@@ -171,7 +171,7 @@ class _Plan:
     def __init__(self, plan_id, tensor_positions, allocs, outputs, ext, effects=()):
         self.plan_id = plan_id
         self.tensor_positions = tensor_positions  # positions of the non-None inputs
-        self.allocs = allocs  # per allocation: (shape, strides, dtype, zero, allocations released before it)
+        self.allocs = allocs  # per allocation: (shape, strides, dtype, zero, allocations and inputs released before it)
         self.outputs = outputs  # per output: None, ("input", i), ("alloc", j) or ("view", j, sizes, strides, offset)
         self.ext = ext
         self.effects = effects  # repeat_on_replay's callables
@@ -194,7 +194,7 @@ class _Plan:
         device = tensors[0].device
         addresses = [t.data_ptr() for t in tensors]
         allocs = []
-        for shape, strides, dtype, zero, release in self.allocs:
+        for shape, strides, dtype, zero, release, _ in self.allocs:  # the caller keeps its inputs
             for j in release:  # dead before this one is first used: its block may be reused (stream order)
                 allocs[j] = None
             alloc = torch.zeros(shape, dtype=dtype, device=device) if zero else \
@@ -632,12 +632,18 @@ def _make_plan(ext, inputs, outputs, alloc_log, launch_log) -> _Plan:
             out_specs.append(("view", j, tuple(out.shape), tuple(out.stride()), out.storage_offset()))
     plan_id = _checked(ext.add_plan(len(tensors) + len(allocs), launches))
     kept = {spec[1] for spec in out_specs if spec is not None and spec[0] in ("alloc", "view")}
-    release = release_schedule([[slot - len(tensors) for _, slot, _ in launch[6] if slot >= len(tensors)]
-                                for launch in launches], len(allocs), kept, any(zero for _, zero in allocs))
-    alloc_specs = tuple((tuple(a.shape), tuple(a.stride()), a.dtype, zero, release[j])
+    alloc_uses = [[slot - len(tensors) for _, slot, _ in launch[6] if slot >= len(tensors)] for launch in launches]
+    input_uses = [[slot for _, slot, _ in launch[6] if slot < len(tensors)] for launch in launches]
+    zero_filled = any(zero for _, zero in allocs)
+    release = release_schedule(alloc_uses, len(allocs), kept, zero_filled)
+    outputs_of_inputs = {positions.index(spec[1]) for spec in out_specs if spec is not None and spec[0] == "input"}
+    release_inputs = input_release_schedule(alloc_uses, input_uses, len(tensors), len(allocs), outputs_of_inputs,
+                                            zero_filled)
+    alloc_specs = tuple((tuple(a.shape), tuple(a.stride()), a.dtype, zero, release[j], release_inputs[j])
                         for j, (a, zero) in enumerate(allocs))
     error = ext.set_allocs(plan_id, [(list(shape), list(strides), torch.empty(0, dtype=dtype, device=device), zero,
-                                      list(drop)) for shape, strides, dtype, zero, drop in alloc_specs])
+                                      list(drop), list(drop_inputs))
+                                     for shape, strides, dtype, zero, drop, drop_inputs in alloc_specs])
     error = error or ext.set_outputs(plan_id, [_cpp_output_spec(spec, positions) for spec in out_specs])
     if error:
         raise RecordingRefused(error)
@@ -668,12 +674,7 @@ def release_schedule(uses: List[List[int]], num_allocs: int, kept, zero_filled: 
     kernels after the fill; then nothing is dropped."""
     if zero_filled:
         return [()] * num_allocs
-    first = [len(uses)] * num_allocs
-    last = [-1] * num_allocs
-    for k, used in enumerate(uses):
-        for j in used:
-            first[j] = min(first[j], k)
-            last[j] = max(last[j], k)
+    first, last = _first_and_last_uses(uses, num_allocs)
     released = set()
     schedule = []
     for j in range(num_allocs):
@@ -681,6 +682,39 @@ def release_schedule(uses: List[List[int]], num_allocs: int, kept, zero_filled: 
         released.update(drop)
         schedule.append(drop)
     return schedule
+
+
+def input_release_schedule(alloc_uses: List[List[int]], input_uses: List[List[int]], num_inputs: int,
+                           num_allocs: int, kept, zero_filled: bool = False) -> List[tuple]:
+    """Per allocation j, the inputs to drop just before j is made: those not in ``kept`` (inputs
+    that are outputs) whose last launch comes before j's first (``input_uses[k]`` / ``alloc_uses[k]``:
+    the inputs / allocations launch k reads or writes). Dropping frees an input only where the
+    caller handed over its reference: a planned layer's step does for what its table releases
+    (``csrc/launch_plan.cpp``, run_step), so the gradient a layer's backward receives is freed once
+    quantized, before dgrad's output takes memory (a Python ``Function`` holds it to the end of
+    its backward). Safe for the reason of :func:`release_schedule`, with the same exception."""
+    if zero_filled:
+        return [()] * num_allocs
+    first, _ = _first_and_last_uses(alloc_uses, num_allocs)
+    _, last = _first_and_last_uses(input_uses, num_inputs)
+    released = set()
+    schedule = []
+    for j in range(num_allocs):
+        drop = tuple(i for i in range(num_inputs) if i not in kept and i not in released and last[i] < first[j])
+        released.update(drop)
+        schedule.append(drop)
+    return schedule
+
+
+def _first_and_last_uses(uses: List[List[int]], count: int) -> Tuple[List[int], List[int]]:
+    """Per index 0..count-1, the first and last launch using it (len(uses) and -1 for none)."""
+    first = [len(uses)] * count
+    last = [-1] * count
+    for k, used in enumerate(uses):
+        for j in used:
+            first[j] = min(first[j], k)
+            last[j] = max(last[j], k)
+    return first, last
 
 
 def _verify(plan: _Plan, inputs, holder: list) -> Tuple[tuple, str]:

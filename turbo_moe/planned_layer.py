@@ -202,6 +202,7 @@ def plan_layer(x, w_nk, src, from_lens: bool, w_fp8, config, num_cu, backend, ou
                             (DX, DW), (DX, DY_T, DY_T_SCALE), DW)
     if b.missing or b.refused:
         return NOT_PLANNABLE if b.refused else None
+    b.steps[forward_steps:] = release_after_last_read(b.steps[forward_steps:], DY)
     saved = () if forward_only else tuple(
         v for v in ((W,) if need_dx else ()) + (W_KN_SCALE, X_KM, X_KM_SCALE, offs) + ((W_KN,) if kept else ())
         + dy_history if b.facts.get(v) is not None)
@@ -256,6 +257,19 @@ def gemm_backward_steps(b: _Builder, config, num_cu, backend, live: int, x_dtype
         b.step(_WGRAD_REGION, ((config, num_cu, backend, dw_dtype), 0),
                (None if made else dy_in[0], dy_t if made else None, dy_t_scale if made else None, x_km, x_km_scale,
                 offs, out), (dw,))
+
+
+def release_after_last_read(steps: list, value: int) -> list:
+    """``steps`` with ``value`` released by the last step that reads it. For a layer's dy: the
+    node's backward took the engine's reference (``csrc/launch_plan.cpp``), so released by the
+    step that quantizes it, dy is freed after its cast launch, before dgrad's output is allocated
+    (a Python ``Function`` holds its gradient to the end of its backward)."""
+    for k in reversed(range(len(steps))):
+        plan, inputs, outputs, release = steps[k]
+        if value in inputs:
+            steps[k] = (plan, inputs, outputs, sorted({*release, value}))
+            break
+    return steps
 
 
 def _contiguous_strides(shape) -> tuple:

@@ -222,11 +222,12 @@ def _weight_grad(need_dw: bool, side: MLPSide, placeholder: int, dw: int) -> int
 def _with_releases(steps, grads):
     """Each backward step also releases what no later step reads: the node's reference to an
     intermediate goes as soon as it is dead, as autograd frees a Function's saved tensors after
-    its backward (the gradients stay: the node returns them)."""
+    its backward (the gradients stay: the node returns them). dy too: the node holds the engine's
+    reference, so fc2's backward frees it once quantized (``planned_layer.release_after_last_read``)."""
     result = []
     for k, (plan, inputs, outputs, release) in enumerate(steps):
         later = {v for step in steps[k + 1:] for v in step[1]}
-        dead = {v for v in inputs if v not in later and v >= NUM_ARGS and v != DY and v not in grads}
+        dead = {v for v in inputs if v not in later and v >= NUM_ARGS and v not in grads}
         result.append((plan, inputs, outputs, sorted(set(release) | dead)))
     return result
 

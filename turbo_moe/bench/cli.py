@@ -310,7 +310,7 @@ _WARM_CALLS = 2
 
 
 def _activation_input_peak_mb(step, device: torch.device) -> float:
-    """Peak MB of one fwd+bwd whose input x is an activation (``end_to_end``'s module docstring)."""
+    """Peak MB of one fwd+bwd whose x and dy are activations (``end_to_end``'s module docstring)."""
     _release_device_memory(device)
     torch.cuda.reset_peak_memory_stats(device)
     outs = step.on_activation()
@@ -373,7 +373,7 @@ def _run_e2e_case(case: Case, args, device: torch.device, records: list, label: 
                 rec.update(status="error", reason=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
                 _check_device_alive(device)
             timing = f"{rec['ms']:.3f} ms {rec['tflops']:7.1f} TF" if rec["ms"] is not None else rec["reason"][:120]
-            mem = (f" peak {rec['peak_mb']:.0f} MB (input an activation: {rec['peak_act_mb']:.0f})"
+            mem = (f" peak {rec['peak_mb']:.0f} MB (x and dy activations: {rec['peak_act_mb']:.0f})"
                    if rec["peak_mb"] is not None else "")
             errs = (f" err y/dx/dW {rec['err_y']:.1e}/{rec['err_dx']:.1e}/{rec['err_dw']:.1e}"
                     if rec["err_y"] is not None else "")

@@ -17,10 +17,14 @@ just before it, the inputs (x, W, dy: the same for all) included, measured two w
 
 * ``peak_mb``: x held by the caller through the step (the timed step), so keeping x for backward
   costs an implementation nothing;
-* ``peak_act_mb``: x an activation, as the permuted tokens entering an expert layer are in a
-  model: made inside the step (a copy of the leaf, whose gradient flows back to it) and owned by
-  nothing but the layer's autograd once the forward returns. What each implementation saves of x
-  for backward then counts: bf16 ``_grouped_mm`` keeps x itself, turbo_moe an FP8 copy of it.
+* ``peak_act_mb``: x and dy activations, as the permuted tokens entering an expert layer and the
+  gradient its next layer hands back are in a model. x is made inside the step (a copy of the leaf,
+  whose gradient flows back to it) and owned by nothing but the layer's autograd once the forward
+  returns; dy is a fresh copy made by the backward of an identity after the layer, owned by the
+  autograd engine alone. What each implementation saves of x for backward then counts (bf16
+  ``_grouped_mm`` keeps x itself, turbo_moe an FP8 copy of it), and so does how long it holds dy
+  (turbo_moe's planned layers free it once quantized; a Python ``Function`` holds it to the end of
+  its backward). Both copies count in every implementation's peak, beside the held inputs.
 """
 
 from __future__ import annotations
@@ -74,6 +78,19 @@ def prepare_e2e(case: Case, device: torch.device, seed: int) -> E2EInputs:
 Step = Callable[[], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
+class _HandOverGrad(torch.autograd.Function):
+    """Identity whose backward hands on a fresh copy of its gradient, owned by the autograd engine
+    alone, as the gradient of an expert layer's output is in a model."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.clone()
+
+
 def _grad_step(inputs: E2EInputs, forward: Callable[[torch.Tensor], torch.Tensor]) -> Step:
     def step():
         y = forward(inputs.x)
@@ -82,7 +99,7 @@ def _grad_step(inputs: E2EInputs, forward: Callable[[torch.Tensor], torch.Tensor
 
     def step_on_activation():
         y = forward(inputs.x.clone())  # nothing outside autograd holds the copy after this line
-        dx, dw = torch.autograd.grad(y, (inputs.x, inputs.w), inputs.dy)
+        dx, dw = torch.autograd.grad(_HandOverGrad.apply(y), (inputs.x, inputs.w), inputs.dy)
         return y, dx, dw
 
     step.on_activation = step_on_activation

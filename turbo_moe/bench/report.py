@@ -167,7 +167,7 @@ def e2e_hot_path_table(records: Sequence[dict]) -> List[str]:
     peers = {name: {r["case"]: r for r in records if r["impl"] == name} for name in ("bf16", "torchao_fp8")}
     rows = [["case", "impl", "ms", "ms/µb of 4", "TF/µb of 4", "ms/µb of 1", "µb of 4 vs bf16", "µb of 4 vs torchao",
              "graph ms", "eager/graph", "host µs", "launches", "GPU ms/µb of 4 (quant/gemm/other)",
-             "quant % µb of 4 / of 1", "peak MB", "peak MB, input an activation"]]
+             "quant % µb of 4 / of 1", "peak MB", "peak MB, x and dy activations"]]
     for r in records:
         vs = []
         for name in ("bf16", "torchao_fp8"):

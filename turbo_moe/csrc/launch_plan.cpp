@@ -21,6 +21,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -95,7 +96,8 @@ struct Alloc {
   std::vector<int64_t> strides;
   at::TensorOptions options;
   bool zero;
-  std::vector<int64_t> release;
+  std::vector<int64_t> release;         // earlier allocations to drop first
+  std::vector<int64_t> release_inputs;  // inputs to drop first (freed if the caller handed over its reference)
 };
 using Allocs = std::vector<Alloc>;
 
@@ -163,10 +165,12 @@ std::tuple<std::string, int64_t> add_plan(int64_t num_slots, const std::vector<L
   return {std::string(), static_cast<int64_t>(plans.size()) - 1};
 }
 
-using AllocSpec = std::tuple<std::vector<int64_t>, std::vector<int64_t>, at::Tensor, bool, std::vector<int64_t>>;
+using AllocSpec = std::tuple<std::vector<int64_t>, std::vector<int64_t>, at::Tensor, bool, std::vector<int64_t>,
+                             std::vector<int64_t>>;
 
 // A plan's allocations, for replay(): (shape, strides, a tensor of their dtype and device, zero
-// filled, the earlier allocations to drop first). The plan's address slots are its inputs, then these.
+// filled, the earlier allocations to drop first, the inputs to drop first). The plan's address
+// slots are its inputs, then these.
 std::string set_allocs(int64_t id, const std::vector<AllocSpec>& specs) {
   auto plan = plan_at(id);
   if (plan == nullptr) return kPrefix + "no plan " + std::to_string(id);
@@ -175,10 +179,14 @@ std::string set_allocs(int64_t id, const std::vector<AllocSpec>& specs) {
   auto allocs = std::make_shared<Allocs>();
   for (size_t j = 0; j < specs.size(); ++j) {
     const auto& spec = specs[j];
-    Alloc alloc{std::get<0>(spec), std::get<1>(spec), std::get<2>(spec).options(), std::get<3>(spec), std::get<4>(spec)};
+    Alloc alloc{std::get<0>(spec), std::get<1>(spec), std::get<2>(spec).options(), std::get<3>(spec), std::get<4>(spec),
+                std::get<5>(spec)};
     if (alloc.shape.size() != alloc.strides.size()) return kPrefix + "shape and strides differ in length";
     for (int64_t k : alloc.release) {
       if (k < 0 || k >= static_cast<int64_t>(j)) return kPrefix + "an allocation released before it is made";
+    }
+    for (int64_t k : alloc.release_inputs) {
+      if (k < 0 || k >= inputs) return kPrefix + "an input release out of range";
     }
     allocs->push_back(std::move(alloc));
   }
@@ -243,9 +251,12 @@ std::string launch(int64_t id, const std::vector<int64_t>& addresses, int64_t st
 
 // A replay in one call: the plan's allocations (as set_allocs registered them), then its
 // launches with the inputs' and allocations' addresses. Returns (error, the allocations; a
-// released one is undefined, None in Python).
-std::tuple<std::string, std::vector<at::Tensor>> replay(int64_t id, const std::vector<at::Tensor>& inputs,
-                                                        int64_t stream) {
+// released one is undefined, None in Python). An input is dropped from `inputs` before the first
+// allocation made after its last launch: where the caller handed over the only reference (a
+// layer's gradient, an intermediate of its table), its block may be reused by that allocation,
+// which is safe because the launches run in the recorded order on one stream.
+std::tuple<std::string, std::vector<at::Tensor>> replay_dropping(int64_t id, std::vector<at::Tensor>& inputs,
+                                                                 int64_t stream) {
   std::vector<at::Tensor> made;
   std::shared_ptr<const Allocs> allocs;
   {
@@ -258,12 +269,18 @@ std::tuple<std::string, std::vector<at::Tensor>> replay(int64_t id, const std::v
   for (const at::Tensor& t : inputs) addresses.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
   made.reserve(allocs->size());
   for (const Alloc& alloc : *allocs) {
+    for (int64_t j : alloc.release_inputs) inputs[j] = at::Tensor();
     for (int64_t j : alloc.release) made[j] = at::Tensor();  // dead before this one is first used
     made.push_back(alloc.zero ? at::zeros(alloc.shape, alloc.options)
                               : at::empty_strided(alloc.shape, alloc.strides, alloc.options));
     addresses.push_back(reinterpret_cast<int64_t>(made.back().data_ptr()));
   }
   return {launch(id, addresses, stream), made};
+}
+
+// replay_dropping on the caller's inputs, which keeps its references (Python's replay()).
+std::tuple<std::string, std::vector<at::Tensor>> replay(int64_t id, std::vector<at::Tensor> inputs, int64_t stream) {
+  return replay_dropping(id, inputs, stream);
 }
 
 
@@ -303,14 +320,14 @@ std::string set_outputs(int64_t id, const std::vector<OutputSpecTuple>& specs) {
 
 // replay() and the region's outputs as set_outputs registered them; throws (as torch's
 // RuntimeError) on any error.
-std::vector<at::Tensor> run_plan(int64_t id, const std::vector<at::Tensor>& inputs, int64_t stream) {
+std::vector<at::Tensor> run_plan(int64_t id, std::vector<at::Tensor> inputs, int64_t stream) {
   std::shared_ptr<const OutputSpecs> specs;
   {
     std::lock_guard<std::mutex> lock(plans_mutex);
     if (id >= 0 && id < static_cast<int64_t>(plan_outputs.size())) specs = plan_outputs[id];
   }
   TORCH_CHECK(specs != nullptr, kPrefix, "plan ", id, " has no outputs set");
-  auto [error, allocs] = replay(id, inputs, stream);
+  auto [error, allocs] = replay_dropping(id, inputs, stream);  // never drops an input that is an output
   TORCH_CHECK(error.empty(), error);
   std::vector<at::Tensor> outputs;
   outputs.reserve(specs->size());
@@ -431,8 +448,13 @@ void run_step(const Step& step, std::vector<at::Tensor>& values, int64_t stream)
     TORCH_CHECK(values[v].defined(), kPrefix, "a step input (value ", v, ") is missing");
     inputs.push_back(values[v]);
   }
-  std::vector<at::Tensor> outputs = run_plan(step.plan, inputs, stream);
-  inputs.clear();
+  // The inputs this step releases leave the table before its plan runs: where the table held the
+  // only reference (the gradient the engine handed over, an intermediate), the replay frees each
+  // after its last launch, so the allocations made after that may take its block.
+  for (int64_t v : step.release) {
+    if (std::find(step.inputs.begin(), step.inputs.end(), v) != step.inputs.end()) values[v] = at::Tensor();
+  }
+  std::vector<at::Tensor> outputs = run_plan(step.plan, std::move(inputs), stream);
   TORCH_CHECK(outputs.size() == step.outputs.size(), kPrefix, "plan ", step.plan, " made ", outputs.size(),
               " outputs, the step expects ", step.outputs.size());
   for (size_t k = 0; k < outputs.size(); ++k) {
@@ -472,7 +494,10 @@ struct PlannedLayer : public torch::autograd::Function<PlannedLayer> {
     return values[layer->y];
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  // `grads` by reference (a template, whichever way torch passes its list): the engine's list is
+  // the only other owner of dy, so clearing it lets the steps free dy once they quantized it.
+  template <typename Grads>
+  static variable_list backward(AutogradContext* ctx, Grads&& grads) {
     const int64_t layer_id = ctx->saved_data["layer"].toInt();
     const int64_t stream = ctx->saved_data["stream"].toInt();
     const std::vector<int64_t> positions = ctx->saved_data["positions"].toIntVector();
@@ -492,6 +517,7 @@ struct PlannedLayer : public torch::autograd::Function<PlannedLayer> {
       all_held = all_held && held[k].defined();
     }
     at::Tensor dy = grads[0].contiguous();
+    grads[0] = at::Tensor();
     // The plans were recorded on a 16-byte aligned dy; under create_graph the result must stay
     // once-differentiable (an error if differentiated again): both go to the Python path.
     // Kept values leave the node with this backward unless the graph is retained for another.
@@ -511,7 +537,7 @@ struct PlannedLayer : public torch::autograd::Function<PlannedLayer> {
     std::vector<at::Tensor> grad_of(layer->num_args);
     if (planned) {
       for (size_t k = 0; k < held.size(); ++k) values[layer->held[k]] = std::move(held[k]);
-      values[layer->dy] = dy;
+      values[layer->dy] = std::move(dy);
       for (const Step& step : layer->backward) run_step(step, values, stream);
       {
         std::lock_guard<std::mutex> lock(plans_mutex);
