@@ -169,10 +169,11 @@ def test_planned_layer_captures_in_a_cuda_graph_and_follows_new_routing():
 
 def test_planned_backward_frees_a_handed_over_gradient_once_quantized():
     """The node takes the engine's reference to dy and its plans drop it after its cast, so dgrad's
-    output can take its memory; a Python Function holds dy to the end of its backward. Shape of an
-    fc1 (K > N, no weight cache): the backward's peak is at dgrad's output, and the planned one is
-    lower by about dy's bytes."""
-    G, M, K, N = 4, 8192, 2048, 256
+    output can take its memory; a Python Function holds dy to the end of its backward. With N = K
+    (no weight cache) the Python backward's peak is at dgrad's output, dy beside it (x's clone and
+    FP8 copies make the forward's peak lower), and the planned one is lower by dy's bytes:
+    docs/design.md, "Peak memory"."""
+    G, M, K, N = 4, 8192, 1024, 1024
     dy_bytes = M * N * 2
     peaks = {}
     for planned in (False, True):
