@@ -15,9 +15,7 @@ instruction stream, with a producer cursor that walks this program's (tile, box)
 
 * the first loads of a tile are issued while the previous tile's last MMAs and epilogue run;
 * the epilogue's TMA store is waited for only when its shared buffer is written again, one tile
-  later;
-* accumulating into float32 (``main_grad``), the tile's old values are read into that buffer as
-  the tile begins, under its MMAs (the epilogue used to wait for that read).
+  later.
 
 Token walk, identical to the Triton TMA kernel's so that the two give the same bits. A group's
 tokens [lo, hi) are read in 128-token boxes from ``start = lo // 16 * 16`` (TMA coordinates along
@@ -155,27 +153,17 @@ if gluon is not None:
         return a_bufs, b_bufs, ready, out_buf, out_ready
 
     @gluon.jit
-    def _prefetch_tile(out_desc, out_buf, out_ready, out_row, row_b, has_tokens, ACCUMULATE: gl.constexpr):
-        """ACCUMULATE: start reading what out[out_row:, row_b:] holds into out_buf as the tile
-        begins, so that the read runs under the tile's MMAs instead of stalling its epilogue (a
-        128 x 128 float32 tile is 64 KB: at 32-128 experts the tile's few K steps took about as
-        long as that read). A tile without tokens reads nothing."""
+    def _store_tile(tile, out_desc, out_buf, out_ready, out_loads, out_row, row_b, has_tokens,
+                    mma_layout: gl.constexpr, ACCUMULATE: gl.constexpr):
+        """The finished float32 tile to out[out_row:, row_b:] through the copy engine (which clips
+        columns past K); ACCUMULATE: added to what is there, and a tile without tokens neither read
+        nor written (adding +0.0 would turn -0.0 into +0.0). The store is waited for only when
+        out_buf is written again, one tile later. Returns the count of out_ready's loads."""
         if ACCUMULATE:
             if has_tokens:
                 tma.store_wait(pendings=0)  # the previous tile's store has read out_buf
                 mbarrier.expect(out_ready, out_desc.block_type.nbytes)
                 _tma_load(out_desc, [out_row, row_b], out_ready, out_buf)
-
-    @gluon.jit
-    def _store_tile(tile, out_desc, out_buf, out_ready, out_loads, out_row, row_b, has_tokens,
-                    mma_layout: gl.constexpr, ACCUMULATE: gl.constexpr):
-        """The finished float32 tile to out[out_row:, row_b:] through the copy engine (which clips
-        columns past K); ACCUMULATE: added to what _prefetch_tile read there, and a tile without
-        tokens neither read nor written (adding +0.0 would turn -0.0 into +0.0). The store is waited
-        for only when out_buf is written again, one tile later. Returns the count of out_ready's
-        loads."""
-        if ACCUMULATE:
-            if has_tokens:
                 mbarrier.wait(out_ready, out_loads & 1)
                 out_loads += 1
                 previous = out_buf.load(mma_layout)
@@ -246,7 +234,6 @@ if gluon is not None:
             group, row_a, row_b, lo, hi, start, boxes = _tile_of(
                 i, pid, num_programs, G, num_m_blocks, num_n_blocks, group_offs_ptr, BLOCK_M, BLOCK_N, BLOCK_K,
                 GROUP_M, BAND_CYCLIC)
-            _prefetch_tile(out_desc, out_buf, out_ready, group * N + row_a, row_b, hi > lo, ACCUMULATE)
             acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma_layout)
             for box in range(boxes):
                 slot = consumed % STAGES
