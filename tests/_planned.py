@@ -21,20 +21,6 @@ def assert_bitwise(a, b, what):
     assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), what
 
 
-class HandOver(torch.autograd.Function):
-    """Identity whose backward hands on a fresh copy of its gradient, owned by the autograd engine
-    alone, as a model's next layer hands on the gradient of its input: a planned layer's node may
-    free it once quantized (``planned_layer.release_after_last_read``)."""
-
-    @staticmethod
-    def forward(ctx, y):
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.clone()
-
-
 def ragged_lens(G, M, seed):
     """``G`` random group sizes summing to ``M`` on the GPU, group 1 empty."""
     g = torch.Generator().manual_seed(seed)

@@ -12,10 +12,11 @@ import torch
 
 from turbo_moe import Float8Config, GroupedLinearFP8, host_plan, planned_layer
 from turbo_moe.backends import clear_recent_dispatches, recent_dispatches
+from turbo_moe.bench.end_to_end import HandOverGrad
 
 from _cuda_graph import capture_fwd_bwd, replay_against_eager
 
-from _planned import HandOver, assert_bitwise, compare_planned, planned_layers, ragged_lens
+from _planned import assert_bitwise, compare_planned, planned_layers, ragged_lens
 
 pytestmark = pytest.mark.gpu
 
@@ -53,7 +54,7 @@ def _run(planned, config, cache=True, bias=False, offsets=False, x_grad=True, w_
                     dy = dy_of(i, dy)
                 for p in layer.parameters():
                     p.grad = None
-                out_y = HandOver.apply(y) if hand_over else y
+                out_y = HandOverGrad.apply(y) if hand_over else y
                 out_y.backward(dy, retain_graph=retain)
                 if retain:  # a second backward accumulates the same gradients again
                     out_y.backward(dy)
@@ -187,7 +188,7 @@ def test_planned_backward_frees_a_handed_over_gradient_once_quantized():
             for _ in range(4):
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-                y = HandOver.apply(layer(x.clone(), group_lens=lens))  # x and dy activations, as in a model
+                y = HandOverGrad.apply(layer(x.clone(), group_lens=lens))  # x and dy activations, as in a model
                 dx, dw = torch.autograd.grad(y, (x, layer.weight), dy)
                 torch.cuda.synchronize()
                 peak = torch.cuda.max_memory_allocated()

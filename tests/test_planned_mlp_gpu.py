@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from turbo_moe import Float8Config, GroupedSwiGLUMLPFP8, planned_mlp
+from turbo_moe.bench.end_to_end import HandOverGrad
 
-from _planned import HandOver, compare_planned, planned_layers, ragged_lens
+from _planned import compare_planned, planned_layers, ragged_lens
 
 pytestmark = pytest.mark.gpu
 
@@ -49,7 +50,7 @@ def _run(planned, config, cache=True, offsets=False, probs_grad=True, unweighted
                     dy = torch.cat([dy.new_zeros(1), dy.reshape(-1)])[1:].view(dy.shape)
                 for p in mlp.parameters():
                     p.grad = None
-                out_y = HandOver.apply(y) if hand_over else y
+                out_y = HandOverGrad.apply(y) if hand_over else y
                 out_y.backward(dy, retain_graph=retain)
                 if retain:
                     out_y.backward(dy)

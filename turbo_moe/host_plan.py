@@ -675,13 +675,7 @@ def release_schedule(uses: List[List[int]], num_allocs: int, kept, zero_filled: 
     if zero_filled:
         return [()] * num_allocs
     first, last = _first_and_last_uses(uses, num_allocs)
-    released = set()
-    schedule = []
-    for j in range(num_allocs):
-        drop = tuple(i for i in range(j) if i not in kept and i not in released and last[i] < first[j])
-        released.update(drop)
-        schedule.append(drop)
-    return schedule
+    return _drops(first, last, kept, lambda j: range(j))
 
 
 def input_release_schedule(alloc_uses: List[List[int]], input_uses: List[List[int]], num_inputs: int,
@@ -697,10 +691,16 @@ def input_release_schedule(alloc_uses: List[List[int]], input_uses: List[List[in
         return [()] * num_allocs
     first, _ = _first_and_last_uses(alloc_uses, num_allocs)
     _, last = _first_and_last_uses(input_uses, num_inputs)
+    return _drops(first, last, kept, lambda j: range(num_inputs))
+
+
+def _drops(first: List[int], last: List[int], kept, candidates) -> List[tuple]:
+    """Per allocation j (``first[j]``: its first launch), the ``candidates(j)`` not in ``kept`` nor
+    dropped earlier whose last launch (``last[i]``) comes before it."""
     released = set()
     schedule = []
-    for j in range(num_allocs):
-        drop = tuple(i for i in range(num_inputs) if i not in kept and i not in released and last[i] < first[j])
+    for j in range(len(first)):
+        drop = tuple(i for i in candidates(j) if i not in kept and i not in released and last[i] < first[j])
         released.update(drop)
         schedule.append(drop)
     return schedule

@@ -40,8 +40,8 @@ from .kernel_level import Missing, peer_impls
 from .recipes import bench_float8_config
 from .shapes import Case
 
-__all__ = ["E2E_PEERS", "E2E_EXTRAS", "MICRO_BATCHES", "E2EInputs", "prepare_e2e", "e2e_impls", "reference_errors",
-           "hot_path_metrics"]
+__all__ = ["E2E_PEERS", "E2E_EXTRAS", "MICRO_BATCHES", "E2EInputs", "HandOverGrad", "prepare_e2e", "e2e_impls",
+           "reference_errors", "hot_path_metrics"]
 
 E2E_PEERS = ("bf16", "torchao_fp8")
 
@@ -78,9 +78,10 @@ def prepare_e2e(case: Case, device: torch.device, seed: int) -> E2EInputs:
 Step = Callable[[], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-class _HandOverGrad(torch.autograd.Function):
+class HandOverGrad(torch.autograd.Function):
     """Identity whose backward hands on a fresh copy of its gradient, owned by the autograd engine
-    alone, as the gradient of an expert layer's output is in a model."""
+    alone, as the gradient of an expert layer's output is in a model (a planned layer's node may
+    then free it once quantized: ``planned_layer.release_after_last_read``)."""
 
     @staticmethod
     def forward(ctx, y):
@@ -99,7 +100,7 @@ def _grad_step(inputs: E2EInputs, forward: Callable[[torch.Tensor], torch.Tensor
 
     def step_on_activation():
         y = forward(inputs.x.clone())  # nothing outside autograd holds the copy after this line
-        dx, dw = torch.autograd.grad(_HandOverGrad.apply(y), (inputs.x, inputs.w), inputs.dy)
+        dx, dw = torch.autograd.grad(HandOverGrad.apply(y), (inputs.x, inputs.w), inputs.dy)
         return y, dx, dw
 
     step.on_activation = step_on_activation
