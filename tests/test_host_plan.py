@@ -48,6 +48,50 @@ def test_region_keeps_the_python_run_when_recording_is_refused(monkeypatch):
     assert len(region.refusals) == host_plan.MAX_ATTEMPTS
 
 
+def test_region_stops_recording_a_static_key_whose_token_counts_keep_changing(monkeypatch):
+    """Token counts that change call to call (expert parallelism, dropless routing) repeat now and
+    then; each repeat would be recorded (a host sync, a plan kept for good). Past
+    MAX_PLANS_PER_STATIC_KEY plans of one static key, new signatures of it keep the Python path and
+    say so once; its recorded plans still replay, and other static keys still record."""
+    recorded = []
+
+    class _Plan:
+        def __init__(self, tag):
+            self.plan_id, self.tag = 10**6 + len(recorded), tag
+
+        def replay(self, inputs):
+            return ("replayed", self.tag)
+
+    def record(ext, inputs, fn, pure):
+        recorded.append(inputs[0].shape[0])
+        return fn(), _Plan(inputs[0].shape[0]), ""
+
+    monkeypatch.setattr(host_plan, "_extension", lambda: object())
+    monkeypatch.setattr(host_plan, "_record", record)
+    monkeypatch.setattr(host_plan, "MAX_PLANS_PER_STATIC_KEY", 4)
+    region = host_plan.Region("test")
+
+    def call(rows, static=("k",)):
+        t = torch.empty(rows, 2)
+        return region(static, (t,), lambda: ("python", rows), pure=True)
+
+    for rows in range(1, 8):  # seven token counts, each called twice: the first four are recorded
+        assert call(rows) == ("python", rows)
+        assert call(rows) == ("python", rows)
+    assert recorded == [1, 2, 3, 4]
+    assert call(3) == ("replayed", 3) and call(7) == ("python", 7)
+    assert region.refused((("k",), host_plan.fact(torch.empty(7, 2))))
+    assert not region.refused((("k",), host_plan.fact(torch.empty(3, 2))))
+    assert sum("keep the Python path" in r for r in region.refusals) == 1, region.refusals
+    call(9, static=("other",))
+    call(9, static=("other",))
+    assert recorded[-1] == 9
+    region.clear()  # forgets the counts too
+    call(7)
+    call(7)
+    assert recorded[-1] == 7
+
+
 def test_region_is_bypassed_when_plans_are_off():
     region = host_plan.Region("test")
     previous = host_plan.set_enabled(False)

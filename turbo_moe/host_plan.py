@@ -69,6 +69,12 @@ _EXT_LOCK = threading.Lock()
 # Signatures remembered per region (a run whose token counts change every call makes a new
 # signature each time and is served by the Python path; the cap bounds what it accumulates).
 _MAX_SIGNATURES = 1024
+# Plans recorded per region and static key (recipe, flags) before new signatures of that key stop
+# being recorded. A run whose token counts change call to call (expert parallelism with dropless
+# routing) repeats some counts, and each repeat would otherwise be recorded: a host sync (the
+# recording's check copies its outputs to the host) and a plan kept by the extension for good,
+# again and again. Past the cap such signatures keep the Python path, as unrepeated ones do.
+MAX_PLANS_PER_STATIC_KEY = 64
 _ENABLED = os.environ.get("TURBO_MOE_HOST_PLANS", "1") not in ("", "0")
 
 
@@ -260,6 +266,7 @@ class Region:
         _REGIONS.append(self)
         self._plans: Dict[tuple, object] = {}
         self._calls: Dict[tuple, int] = {}
+        self._recorded: Dict[object, int] = {}  # static key -> plans recorded (MAX_PLANS_PER_STATIC_KEY)
         self._replays = 0
         self.refusals: List[str] = []
 
@@ -286,6 +293,8 @@ class Region:
         self._calls[key] = calls
         if calls < RECORD_AFTER or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             return fn()
+        if self._saturated(static_key):
+            return fn()
         ext = _extension()
         if ext is None:
             self._plans[key] = _FAILED
@@ -293,9 +302,10 @@ class Region:
         outputs, plan, why = _record(ext, inputs, fn, pure)
         if plan is not None:
             if len(self._plans) >= _MAX_SIGNATURES:
-                self._plans.clear()
+                self._forget_plans()
             self._plans[key] = plan
             _BY_ID[plan.plan_id] = (self, plan)
+            self._recorded[static_key] = self._recorded.get(static_key, 0) + 1
         else:
             if len(self.refusals) < 64:
                 self.refusals.append(f"{self.name}: {why}")
@@ -311,15 +321,32 @@ class Region:
 
     def refused(self, key: tuple) -> bool:
         """Whether this signature keeps its Python path for good."""
-        return self._plans.get(key) is _FAILED
+        plan = self._plans.get(key)
+        return plan is _FAILED or (plan is None and self._recorded.get(key[0], 0) >= MAX_PLANS_PER_STATIC_KEY)
 
-    def clear(self) -> None:
-        """Forget every plan and count (tests, benchmarks)."""
+    def _saturated(self, static_key) -> bool:
+        """Whether ``static_key`` has its MAX_PLANS_PER_STATIC_KEY plans (said once in ``refusals``)."""
+        count = self._recorded.get(static_key, 0)
+        if count < MAX_PLANS_PER_STATIC_KEY:
+            return False
+        if count == MAX_PLANS_PER_STATIC_KEY:  # first time: say why new signatures stay in Python
+            self._recorded[static_key] = count + 1
+            if len(self.refusals) < 64:
+                self.refusals.append(f"{self.name}: {count} signatures of one static key recorded (token counts "
+                                     "that change call to call?); new ones keep the Python path")
+        return True
+
+    def _forget_plans(self) -> None:
         for plan in self._plans.values():
             if plan is not _FAILED:
                 _BY_ID.pop(plan.plan_id, None)
         self._plans.clear()
+
+    def clear(self) -> None:
+        """Forget every plan and count (tests, benchmarks)."""
+        self._forget_plans()
         self._calls.clear()
+        self._recorded.clear()
         self._replays = 0
         self.refusals = []
 
