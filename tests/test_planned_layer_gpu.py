@@ -104,7 +104,10 @@ def test_planned_layer_cases_equal_the_python_function(case):
 
 
 def _warmed_layer():
-    """A layer, its routing and input after three fwd+bwd: the next call is planned if enabled."""
+    """A layer, its routing and input after three fwd+bwd: the next call is planned if enabled
+    (plans cleared first: earlier tests of this process may have used up their static key's
+    recordings, host_plan.MAX_PLANS_PER_STATIC_KEY)."""
+    host_plan.clear_all()
     layer = GroupedLinearFP8(4, 256, 128, device="cuda", dtype=torch.bfloat16)
     lens = torch.tensor([100, 0, 56, 100], device="cuda")
     x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -152,6 +155,7 @@ def test_planned_layer_captures_in_a_cuda_graph_and_follows_new_routing():
     """Planned eagerly, then captured (no weight cache: capture re-quantizes): replaying the graph
     with new routing gives the eager Python Function's results."""
     G, M, K, N = 4, 256, 256, 128
+    host_plan.clear_all()  # as _warmed_layer
     torch.manual_seed(1)
     layer = GroupedLinearFP8(G, K, N, device="cuda", dtype=torch.bfloat16, cache_fp8_weight=False)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
