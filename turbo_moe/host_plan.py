@@ -267,6 +267,7 @@ class Region:
         self._plans: Dict[tuple, object] = {}
         self._calls: Dict[tuple, int] = {}
         self._recorded: Dict[object, int] = {}  # static key -> plans recorded (MAX_PLANS_PER_STATIC_KEY)
+        self._saturated_keys: set = set()  # static keys whose saturation refusals already name
         self._replays = 0
         self.refusals: List[str] = []
 
@@ -320,7 +321,7 @@ class Region:
         return None if plan is _FAILED else plan
 
     def refused(self, key: tuple) -> bool:
-        """Whether this signature keeps its Python path for good."""
+        """Whether this signature (``(static_key, *facts)``) keeps its Python path for good."""
         plan = self._plans.get(key)
         return plan is _FAILED or (plan is None and self._recorded.get(key[0], 0) >= MAX_PLANS_PER_STATIC_KEY)
 
@@ -329,8 +330,8 @@ class Region:
         count = self._recorded.get(static_key, 0)
         if count < MAX_PLANS_PER_STATIC_KEY:
             return False
-        if count == MAX_PLANS_PER_STATIC_KEY:  # first time: say why new signatures stay in Python
-            self._recorded[static_key] = count + 1
+        if static_key not in self._saturated_keys:  # first time: say why new signatures stay in Python
+            self._saturated_keys.add(static_key)
             if len(self.refusals) < 64:
                 self.refusals.append(f"{self.name}: {count} signatures of one static key recorded (token counts "
                                      "that change call to call?); new ones keep the Python path")
@@ -347,6 +348,7 @@ class Region:
         self._forget_plans()
         self._calls.clear()
         self._recorded.clear()
+        self._saturated_keys.clear()
         self._replays = 0
         self.refusals = []
 
