@@ -32,6 +32,13 @@ costs no device memory beyond a call's: the Python run's outputs are compared th
 and freed before the replay allocates (:func:`_verify`). The GPU tests
 compare replayed and Python results for every recipe. ``TURBO_MOE_HOST_PLANS=0`` turns plans off.
 
+A replay frees as it goes: an allocation, or an input whose caller handed over its reference (a
+planned layer's step), is dropped just before the first allocation whose first launch comes after
+its last one, so that allocation may take its block (:func:`release_schedule`,
+:func:`input_release_schedule`). A region records at most
+``MAX_PLANS_PER_STATIC_KEY`` signatures of one static key; past that, new ones keep the Python path
+(token counts that change call to call would otherwise be recorded at every repeat).
+
 The C++ extension is built on first use with ``torch.utils.cpp_extension`` (needs a C++ compiler
 and ninja; 25-60 s, cached in torch's extension directory). Where it cannot be built, regions
 run their Python path and :func:`status` says why.
