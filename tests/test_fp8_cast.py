@@ -86,7 +86,7 @@ def test_fp8_cast_kernel_matches_torch_on_gpu():
 ROWWISE_CHECK = textwrap.dedent(
     """
     import torch
-    from turbo_moe.kernels.triton.fp8_cast import fp8_rowwise_cast, fp8_colwise_grouped_cast
+    from turbo_moe.kernels.triton.fp8_cast import fp8_rowwise_cast, fp8_colwise_grouped_cast, fp8_rowwise_layouts
     from turbo_moe.config import fp8_max
     import turbo_moe.quantize as Q
     device = DEVICE
@@ -116,7 +116,8 @@ ROWWISE_CHECK = textwrap.dedent(
     for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
         for margin in (0, 1):
             for shape, lens, dtype in (((37, 70), [5, 0, 20, 12], torch.float32), ((3, 33, 129), None, torch.bfloat16),
-                                       ((320, 80), [100, 100, 120, 0], torch.float32), ((2, 128, 96), None, torch.bfloat16)):
+                                       ((320, 80), [100, 100, 120, 0], torch.float32), ((2, 128, 96), None, torch.bfloat16),
+                ((70, 1100), [0, 65, 5], torch.bfloat16)):  # 1100 columns: two column splits
                 offs = [0] if lens else [0, shape[-2]]
                 for n in lens or []:
                     offs.append(offs[-1] + n)
@@ -134,6 +135,27 @@ ROWWISE_CHECK = textwrap.dedent(
                 for g, n in enumerate(lens or []):
                     if n == 0:  # an empty group's scales are 1
                         assert torch.equal(st[g], torch.ones_like(st[g]))
+                # both layouts in two passes: the bits of the two one-pass kernels (and of torch)
+                both = Q.quantize_rowwise_layouts(x, fp8, margin, group_offs=g_offs) if device != "cpu" else \
+                    (lambda r: r[:3] + (r[3] if lens else r[3].squeeze(-2),))(
+                        fp8_rowwise_layouts(x, g_offs, fp8, fp8_max(fp8), margin))
+                for got, want in zip(both, (q_ref, s_ref, qt_ref, st_ref)):
+                    assert got.shape == want.shape and got.is_contiguous(), ("layouts", shape, got.shape, want.shape)
+                    assert same(got, want) if got.dtype == fp8 else torch.equal(got, want), ("layouts", shape, fp8)
+    # many groups, one row each and empty ones between (a tile per group; groups found by the vector scan)
+    offs = torch.tensor([0] + [min(i // 2, 60) for i in range(2, 128)] + [64], device=device)
+    x = data((64, 48), offs.tolist(), torch.float32, 0)
+    got = fp8_rowwise_layouts(x, offs, torch.float8_e4m3fn, 448.0, 0)
+    want = torch_path(Q.quantize_rowwise_layouts, x, torch.float8_e4m3fn, 0, group_offs=offs)
+    assert all(same(a, b) if a.dtype != torch.float32 else torch.equal(a, b) for a, b in zip(got, want)), "many groups"
+    if not EXACT:  # NaN: its row and its (group, column) slice go NaN, nothing else (compiled only)
+        x = torch.randn(300, 1500, generator=gen).to(device)
+        x[250, 1300] = float("nan")
+        offs = torch.tensor([0, 100, 240, 300], device=device)
+        rows, rs, trans, cs = fp8_rowwise_layouts(x, offs, torch.float8_e4m3fn, 448.0, 0)
+        assert torch.isnan(rs[250]) and torch.isfinite(rs[:250]).all() and torch.isfinite(rs[251:]).all()
+        assert torch.isnan(cs[2, 1300]) and torch.isnan(cs).sum() == 1 and torch.isnan(rows[250].float()).all()
+        assert torch.isnan(trans[1300, 240:].float()).all() and not torch.isnan(trans[1300, :240].float()).any()
     print("ok")
     """
 )
@@ -151,7 +173,7 @@ def test_rowwise_cast_kernels_match_torch_on_gpu():
 TINY_CHECK = textwrap.dedent(
     """
     import torch
-    from turbo_moe.kernels.triton.fp8_cast import fp8_rowwise_cast, fp8_colwise_grouped_cast
+    from turbo_moe.kernels.triton.fp8_cast import fp8_rowwise_cast, fp8_colwise_grouped_cast, fp8_rowwise_layouts
     from turbo_moe.config import fp8_max
     import turbo_moe.quantize as Q
     device = DEVICE
@@ -189,6 +211,9 @@ TINY_CHECK = textwrap.dedent(
         qt_ref, st_ref = torch_path(Q.quantize_columnwise, xs, fp8, 0, group_offs=offs)
         assert same(qt, qt_ref) and torch.equal(st, st_ref), ("colwise", fp8)
         assert torch.isfinite(st).all() and (st >= 2.0**-126).all()
+        both = fp8_rowwise_layouts(xs, offs, fp8, fp8_max(fp8))
+        assert same(both[0], q_ref) and torch.equal(both[1], s_ref), ("layouts rows", fp8)
+        assert same(both[2], qt_ref) and torch.equal(both[3], st_ref), ("layouts columns", fp8)
     print("ok")
     """
 )

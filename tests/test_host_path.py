@@ -68,9 +68,10 @@ def test_tensorwise_fwd_bwd_launches_and_allocations(cache, monkeypatch):
 @pytest.mark.parametrize("cache", [False, True])
 def test_rowwise_fwd_bwd_launches(cache, monkeypatch):
     launches, _ = _one_step_counts("rowwise", cache, monkeypatch)
-    weight = 0 if cache else 1  # W's rowwise and columnwise copies
-    assert launches == {"resolve_group_offs_kernel": 1, "fp8_rowwise_cast_kernel": 2 + weight,
-                        "fp8_colwise_grouped_cast_kernel": 2 + weight,
+    casts = 2 if cache else 3  # x, dy (and W unless its FP8 copies are cached): both layouts each
+    # per cast: zero the column amaxes, the stats pass, the cast pass writing both layouts
+    assert launches == {"resolve_group_offs_kernel": 1, "zero_f32_kernel": casts,
+                        "fp8_rowwise_layouts_stats_kernel": casts, "fp8_rowwise_layouts_cast_kernel": casts,
                         "m_grouped_gemm_tma_kernel": 2, "k_grouped_gemm_tma_kernel": 1}
 
 

@@ -123,8 +123,8 @@ def _recorded():
 
 # What the hot path launches with the recipes above (the test fails if one goes unrecorded, so a
 # renamed or new cast kernel is added here knowingly).
-KERNELS = ["resolve_group_offs_kernel", "amax_partials_kernel", "fp8_cast_kernel", "fp8_rowwise_cast_kernel",
-           "fp8_colwise_grouped_cast_kernel", "fp8_cast_delayed_kernel", "swiglu_amax_partials_kernel",
+KERNELS = ["resolve_group_offs_kernel", "amax_partials_kernel", "fp8_cast_kernel", "zero_f32_kernel",
+           "fp8_rowwise_layouts_stats_kernel", "fp8_rowwise_layouts_cast_kernel", "fp8_cast_delayed_kernel", "swiglu_amax_partials_kernel",
            "swiglu_fp8_cast_kernel", "swiglu_backward_amax_kernel", "swiglu_backward_fp8_cast_kernel",
            "swiglu_fp8_cast_delayed_kernel", "swiglu_backward_fp8_delayed_kernel", "swiglu_dprobs_sum_kernel"]
 
@@ -174,8 +174,7 @@ def test_every_quantization_kernel_of_the_hot_path_is_recorded():
     recorded = _recorded()
     assert sorted({name for name, _ in recorded}) == sorted(KERNELS)
     # the tensorwise, rowwise and delayed casts write e5m2 (gradients) as well as e4m3
-    for name in ("fp8_cast_kernel", "fp8_rowwise_cast_kernel", "fp8_colwise_grouped_cast_kernel",
-                 "fp8_cast_delayed_kernel"):
+    for name in ("fp8_cast_kernel", "fp8_rowwise_layouts_cast_kernel", "fp8_cast_delayed_kernel"):
         assert {formats for n, formats in recorded if n == name} == {
             ("torch.float8_e4m3fn",), ("torch.float8_e5m2",)}, name
 

@@ -30,7 +30,8 @@ from .checks import HIGH_PRECISION_DTYPES, check_group_offs, check_operands, che
 from .config import Float8Config, ScalingGranularity
 from . import host_plan
 from .delayed_scaling import AmaxHistory, DelayedScalingState
-from .quantize import quantize_columnwise, quantize_rowwise, quantize_tensorwise_layouts, row_group_ids
+from .quantize import (quantize_columnwise, quantize_rowwise, quantize_rowwise_layouts, quantize_tensorwise_layouts,
+                       row_group_ids)
 
 __all__ = [
     "GroupedGemmFP8Function",
@@ -128,9 +129,10 @@ def quantize_weight(w_nk: torch.Tensor, config: Float8Config, transposed: bool =
     if config.granularity is ScalingGranularity.TENSORWISE:
         w_fp8, w_kn, w_scale = quantize_tensorwise_layouts(w_nk, dtype, margin, transposed=transposed)
         return Float8Weight(w_fp8, w_scale, w_kn, w_scale if transposed else None)
+    if transposed:  # per (g, n) over K for the forward, per (g, k) over N for dgrad: two passes over W
+        return Float8Weight(*quantize_rowwise_layouts(w_nk, dtype, margin))
     w_fp8, w_scale = quantize_rowwise(w_nk, dtype, margin)
-    w_kn, w_kn_scale = quantize_columnwise(w_nk, dtype, margin) if transposed else (None, None)
-    return Float8Weight(w_fp8, w_scale, w_kn, w_kn_scale)
+    return Float8Weight(w_fp8, w_scale, None, None)
 
 
 class DeferredWgrad:
@@ -313,7 +315,7 @@ def fp8_gemm_backward(ctx, dy, w_nk, w_kn_scale, x_km, x_km_scale, group_offs, n
     if not need_dw:
         return dx, None
     if target is not None and target.defer is not None:
-        if dy_t is None:  # rowwise: made after dgrad's rows copy is freed
+        if dy_t is None:  # rowwise without dgrad
             dy_t, dy_t_scale = _token_major_operand(dy, group_offs, config.grad_dtype, config.margin, rowwise=True)
         return dx, finish_wgrad(target, DeferredWgrad(functools.partial(
             _run, GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs,
@@ -376,13 +378,15 @@ def _dgrad_tensors(dy, handed, w_kn, w_kn_scale, group_offs, config, num_cu, bac
                    history):
     """Backward's first GPU work: quantize ``dy`` (unless ``handed`` its FP8 copies) and run
     dgrad. Returns ``(dx, dy token-major in FP8, its scale)``; the last two None where the wgrad
-    makes its own (rowwise)."""
+    makes its own (rowwise without dgrad)."""
     rowwise = config.granularity is ScalingGranularity.ROWWISE
     gdtype, margin = config.grad_dtype, config.margin
     dy_t = dy_t_scale = None
     if handed is not None:  # tensorwise, in the layouts this backward asked for (expect)
         dy_fp8, dy_t, dy_scale = handed
         dy_t_scale = dy_scale
+    elif rowwise and need_dx and need_dw:  # both copies from two passes over dy (not four)
+        dy_fp8, dy_scale, dy_t, dy_t_scale = quantize_rowwise_layouts(dy, gdtype, margin, group_offs)
     elif rowwise:
         dy_fp8, dy_scale = quantize_rowwise(dy, gdtype, margin) if need_dx else (None, None)
     else:  # one pass writes both layouts (tensorwise shares one amax)
@@ -398,7 +402,7 @@ def _dgrad_tensors(dy, handed, w_kn, w_kn_scale, group_offs, config, num_cu, bac
 
 def _wgrad_tensors(dy, dy_t, dy_t_scale, x_km, x_km_scale, group_offs, config, num_cu, backend, dw_dtype, out):
     """Backward's wgrad: ``(dW,)``, added into ``out`` (float32) when given. ``dy_t`` None
-    (rowwise): dy's token-major copy made here, after dgrad's rows copy is freed."""
+    (rowwise without dgrad): dy's token-major copy made here."""
     if dy_t is None:
         dy_t, dy_t_scale = _token_major_operand(dy, group_offs, config.grad_dtype, config.margin, rowwise=True)
     return (_run(GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs, dw_dtype, num_cu, backend,
@@ -412,7 +416,9 @@ def _fp8_forward_tensors(x, w_nk, w_fp8, group_offs, config, num_cu, backend, ou
     # [G, K, N] (contracted over N), wgrad reads x as [K, M] (contracted over tokens).
     w_q, w_scale, w_kn, w_kn_scale = fp8_weight_for(w_nk, w_fp8, config, need_dx)
     rowwise = config.granularity is ScalingGranularity.ROWWISE
-    if rowwise:
+    if rowwise and need_dw:  # both copies from two passes over x (not four)
+        x_fp8, x_scale, x_km, x_km_scale = quantize_rowwise_layouts(x, dtype, margin, group_offs)
+    elif rowwise:
         x_fp8, x_scale = quantize_rowwise(x, dtype, margin)
         x_km = x_km_scale = None
     else:
@@ -422,11 +428,6 @@ def _fp8_forward_tensors(x, w_nk, w_fp8, group_offs, config, num_cu, backend, ou
     if not need_dx:
         w_kn = w_kn_scale = None
     y = _run(GemmKind.M_GROUPED, x_fp8, w_q, x_scale, w_scale, group_offs, out_dtype, num_cu, backend, "fwd", config)
-    if rowwise and need_dw:
-        # Rowwise makes each layout in its own pass: the token-major copy for wgrad only after
-        # the forward's rows copy is freed (one FP8 copy of x less at the forward's peak).
-        del x_fp8
-        x_km, x_km_scale = _token_major_operand(x, group_offs, dtype, margin, rowwise=True)
     return y, w_kn, w_kn_scale, x_km, x_km_scale
 
 

@@ -702,8 +702,8 @@ def release_schedule(uses: List[List[int]], num_allocs: int, kept, zero_filled: 
     """Per allocation j, the earlier allocations to drop just before j is made: those not in
     ``kept`` (the outputs) whose last launch comes before j's first (``uses[k]``: the allocations
     launch k reads or writes). A replay makes every allocation before launching anything, so
-    without this it would hold at once buffers the Python path frees between its launches (the
-    rowwise forward frees x's rows copy before making its token-major one); dropped before a later
+    without this it would hold at once buffers the Python path frees between its launches (W^T's
+    FP8 copy, dead once dgrad has run, before wgrad's dW); dropped before a later
     allocation, a block may be handed to it, which is safe because the launches run in the
     recorded order on one stream. Not with ``zero_filled`` allocations: their fill runs when they
     are made, before the launches, so a reused block would be written by its earlier owner's

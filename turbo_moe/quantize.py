@@ -43,6 +43,7 @@ __all__ = [
     "quantize_tensorwise_layouts",
     "quantize_rowwise",
     "quantize_columnwise",
+    "quantize_rowwise_layouts",
     "row_group_ids",
 ]
 
@@ -155,3 +156,22 @@ def quantize_columnwise(t: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0
     if single:
         dequant = dequant.squeeze(-2)
     return (q_t, dequant) if t.dim() == 3 else (q_t[0], dequant[0])
+
+
+def quantize_rowwise_layouts(t: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, group_offs=None):
+    """``quantize_rowwise(t)`` and ``quantize_columnwise(t, group_offs=group_offs)`` together:
+    ``(rows_fp8, row_dequant, transposed_fp8, column_dequant)``, the same bits.
+
+    On a GPU (``kernels/triton/fp8_cast.py``'s ``fp8_rowwise_layouts``) a stats pass finds the row
+    and the (group, column) amaxes in one read of ``t`` and a cast pass writes both copies, where
+    the two one-pass kernels read ``t`` twice each. Both copies then exist at once; callers that
+    would rather free the row copy before the transposed one is made call the two functions.
+    """
+    kernels = _cast_kernels(t)
+    groups = 1 if group_offs is None else group_offs.shape[0] - 1
+    if kernels is not None and groups <= kernels.LAYOUTS_MAX_GROUPS:
+        rows, row_dequant, q_t, col_dequant = kernels.fp8_rowwise_layouts(t, group_offs, fp8_dtype,
+                                                                          fp8_max(fp8_dtype), margin)
+        return rows, row_dequant, q_t, (col_dequant.squeeze(-2) if group_offs is None else col_dequant)
+    rows, row_dequant = quantize_rowwise(t, fp8_dtype, margin)
+    return (rows, row_dequant) + tuple(quantize_columnwise(t, fp8_dtype, margin, group_offs=group_offs))

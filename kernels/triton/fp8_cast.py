@@ -6,8 +6,10 @@ needed twice: row-major (``x`` for the forward, ``dy`` for dgrad) and transposed
 instead of three times (cast, read back, transpose).
 
 Tensorwise: two launches per tensor (an amax pass, then a cast that reduces the amax partials and
-derives the scale itself: no torch scalar ops between them). Rowwise: one launch (each program
-owns whole rows, or whole (group, column) slices, so it finds their amax and casts them).
+derives the scale itself: no torch scalar ops between them). Rowwise: one launch per layout (each
+program owns whole rows, or whole (group, column) slices, so it finds their amax and casts them),
+or, for a tensor needed in both layouts, :func:`fp8_rowwise_layouts`: a stats pass and one cast
+writing both (two reads of the source instead of four).
 
 ``out[b, r, c] = fp8(clamp(x[b, r, c] * scale, -max, max))`` and ``out_t[b, c, r]`` the same value;
 the multiply is in float32 and the cast rounds to nearest even, bit-for-bit what
@@ -34,6 +36,7 @@ import triton
 import triton.language as tl
 
 from .launch import arg_fact, lean
+from . import scheduler as S
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -350,7 +353,257 @@ def fp8_colwise_grouped_cast(x, group_offs, fp8_dtype, fp8_max: float, margin: i
     return out_t, dequant
 
 
+# ---------------------------------------------------------------------------------------------
+# Rowwise, both layouts in two passes. A wgrad operand needs two FP8 copies with different scales:
+# row-major scaled per row (over the columns: the forward / dgrad operand) and token-major scaled
+# per (group, column) over the group's rows (the wgrad operand). The two one-pass kernels above
+# each read the source twice (an amax loop, then a cast loop), four reads for the pair. Here a
+# stats pass reads it once and finds both amaxes, and a cast pass reads it once more and writes
+# both copies (its transposed loads hit L2): two reads.
+#
+# The stats pass walks group-aligned row tiles in the M-grouped problem's group-major order (the
+# shared scheduler's ``m_grouped_group_tiles`` / ``swizzle_group_m``): every row of a tile belongs
+# to one group, so its column maxima go to one (group, column) slot. Each program finds its tile
+# from the offsets loaded as one vector (a cumulative sum of the groups' tile counts), not by a
+# walk over the groups. The cast pass walks plain row tiles instead: a tile that starts at a
+# group's first row is not 16-byte aligned in the transposed copy, whose byte-wise stores ran the
+# cast at half speed (H100); it finds its rows' groups by a binary search over the offsets.
+#
+# Column maxima of one group come from many tiles: they meet by ``atomic_max`` on the float bits
+# (|x| is non-negative, so its bits order as its values; a NaN's bits order above +inf, so NaN
+# wins as torch's amax keeps it): exact in any order, deterministic. That buffer starts zeroed by
+# :func:`zero_f32_kernel` (a launch, not ``torch.zeros``: a host plan's zero-filled allocation
+# would stop its replay from freeing as it goes). Row maxima come as per-split partials (column
+# splits of ``_LAYOUTS_SPLIT``) that the cast reduces.
+#
+# H100, 98304 x 1024 / x 4096 bf16, 64 groups (scripts/probe_rowwise_layouts.py): stats 0.10 /
+# 0.34 ms, cast 0.18 / 0.74 ms, against 0.37 / 1.41 ms for the two one-pass kernels (0.80 / 1.52
+# under skewed routing, where the columnwise kernel's per-group programs serialize) and 0.24 / 0.98
+# ms for tensorwise's amax and cast.
+
+@triton.jit
+def zero_f32_kernel(ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(ptr + offs, tl.zeros((BLOCK,), tl.float32), mask=offs < n)
+
+
+@triton.jit
+def _grouped_row_tile(tile, offs_ptr, R, G, num_n_blocks, ONE_GROUP: tl.constexpr, G_PAD: tl.constexpr,
+                      BLOCK_R: tl.constexpr):
+    """(group, first row, end row, m_block, n_block) of an M-grouped tile id, ``group == G`` past
+    the last tile. ONE_GROUP: all R rows are group 0 (offsets not read)."""
+    if ONE_GROUP:
+        group = tl.where(tile < S.m_grouped_group_tiles(R, BLOCK_R, num_n_blocks), 0, G)
+        lo = tl.zeros((), tl.int64)
+        hi = R.to(tl.int64)
+        local = tile
+    else:
+        g = tl.arange(0, G_PAD)
+        lo_v = tl.load(offs_ptr + g, mask=g < G, other=0)
+        hi_v = tl.load(offs_ptr + g + 1, mask=g < G, other=0)
+        tiles_v = S.m_grouped_group_tiles(hi_v - lo_v, BLOCK_R, num_n_blocks)
+        end_v = tl.cumsum(tiles_v, 0)
+        group = tl.sum((end_v <= tile).to(tl.int32), 0)
+        mine = g == group
+        local = tile - tl.sum(tl.where(mine, end_v - tiles_v, 0), 0)
+        lo = tl.sum(tl.where(mine, lo_v, 0), 0)
+        hi = tl.sum(tl.where(mine, hi_v, 0), 0)
+    m_block, n_block = S.swizzle_group_m(local, S.cdiv(hi - lo, BLOCK_R), num_n_blocks, 1)
+    return group, lo, hi, m_block, n_block
+
+
+@triton.jit
+def fp8_rowwise_layouts_stats_kernel(
+    x_ptr, offs_ptr, row_part_ptr, col_amax_ptr,
+    R, C, G, num_splits, split_cols, stride_xb, stride_xr, stride_xc,
+    ONE_GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Pass 1 over x [B, R, C]: tile (group, row block, column split) stores its rows' max |x| over
+    the split's columns to row_part [B, num_splits, R] (as float bits) and folds its columns'
+    max |x| into col_amax [B, G, C] (zeroed) by atomic max."""
+    batch = tl.program_id(1).to(tl.int64)
+    group, lo, hi, m_block, split = _grouped_row_tile(tl.program_id(0).to(tl.int64), offs_ptr, R, G, num_splits,
+                                                      ONE_GROUP, G_PAD, BLOCK_R)
+    if group < G:
+        rows = lo + m_block * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < hi
+        x_rows = x_ptr + batch * stride_xb + rows[:, None] * stride_xr
+        col_slot = col_amax_ptr.to(tl.pointer_type(tl.int32)) + (batch * G + group) * C
+        row_bits = tl.zeros((BLOCK_R,), tl.int32)
+        c_lo = split * split_cols
+        c_hi = tl.minimum(c_lo + split_cols, C)
+        for c0 in range(c_lo, c_hi, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            col_ok = cols < c_hi
+            x = tl.load(x_rows + cols[None, :] * stride_xc, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            bits = tl.abs(x.to(tl.float32)).to(tl.int32, bitcast=True)  # NaN's bits above +inf's
+            row_bits = tl.maximum(row_bits, tl.max(bits, axis=1))
+            tl.atomic_max(col_slot + cols, tl.max(bits, axis=0), mask=col_ok, sem="relaxed")
+        tl.store(row_part_ptr + (batch * num_splits + split) * R + rows, row_bits.to(tl.float32, bitcast=True),
+                 mask=row_ok)
+
+
+@triton.jit
+def _row_groups(offs_ptr, rows, G, SEARCH_STEPS: tl.constexpr):
+    """Group of each row (the largest g < G with offs[g] <= row; rows past the end land in G - 1),
+    by a binary search of SEARCH_STEPS = bit_length(G - 1) steps over the offsets."""
+    lo = tl.zeros(rows.shape, tl.int32)
+    hi = tl.zeros(rows.shape, tl.int32) + (G - 1)
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        up = tl.load(offs_ptr + mid) <= rows
+        lo = tl.where(up, mid, lo)
+        hi = tl.where(up, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def fp8_rowwise_layouts_cast_kernel(
+    x_ptr, offs_ptr, row_part_ptr, col_amax_ptr, out_ptr, out_t_ptr, row_dequant_ptr, col_dequant_ptr,
+    R, C, G, num_splits, num_tiles, stride_xb, stride_xr, stride_xc,
+    FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_T: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+    FINAL_BLOCK: tl.constexpr,
+):
+    """Pass 2: tile (row block, column block) of x [B, R, C] scales its rows by their amax (the
+    splits' partials reduced) into out [B, R, C] and each column by its row's group's amax into
+    out_t [B, C, R] (its own transposed load: ``fp8_cast``'s module docstring); column block 0
+    stores the rows' dequantization scales. Plain row tiles, not group-aligned ones: their
+    transposed stores stay 16-byte aligned (a tile starting at a group's first row is not, and its
+    byte stores ran at half speed). A tile inside one group multiplies by one scale vector; one
+    that straddles groups gathers a scale per (column, row). Programs past ``num_tiles`` store
+    col_dequant [B, G, C] for every group, empty ones too (amax 0: scale 1)."""
+    pid = tl.program_id(0)
+    batch = tl.program_id(1).to(tl.int64)
+    if pid >= num_tiles:
+        flat = (pid - num_tiles).to(tl.int64) * FINAL_BLOCK + tl.arange(0, FINAL_BLOCK)
+        ok = flat < G * C
+        amax = tl.load(col_amax_ptr + batch * G * C + flat, mask=ok, other=0.0)
+        _, dequant = _quant_scales(amax, FP8_MAX, MARGIN_FACTOR)
+        tl.store(col_dequant_ptr + batch * G * C + flat, dequant, mask=ok)
+    else:
+        num_n_blocks = S.cdiv(C, BLOCK_C)
+        m_block = pid // num_n_blocks
+        n_block = pid % num_n_blocks
+        rows = m_block.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = n_block.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+        row_ok = rows < R
+        col_ok = cols < C
+        x_tile = x_ptr + batch * stride_xb
+        if WRITE_ROWS:
+            splits = tl.arange(0, BLOCK_S)
+            part = tl.load(row_part_ptr.to(tl.pointer_type(tl.int32)) + (batch * num_splits + splits[None, :]) * R
+                           + rows[:, None], mask=row_ok[:, None] & (splits[None, :] < num_splits), other=0)
+            row_scale, row_dequant = _quant_scales(tl.max(part, axis=1).to(tl.float32, bitcast=True), FP8_MAX,
+                                                   MARGIN_FACTOR)
+            if n_block == 0:
+                tl.store(row_dequant_ptr + batch * R + rows, row_dequant, mask=row_ok)
+            mask = row_ok[:, None] & col_ok[None, :]
+            x = tl.load(x_tile + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask)
+            q = clamp_keep_nan(x.to(tl.float32) * row_scale[:, None], FP8_MAX)
+            tl.store(out_ptr + batch * R * C + rows[:, None] * C + cols[None, :],
+                     q.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        if WRITE_T:
+            mask_t = col_ok[:, None] & row_ok[None, :]
+            x_t = tl.load(x_tile + cols[:, None] * stride_xc + rows[None, :] * stride_xr, mask=mask_t)
+            out_t = out_t_ptr + batch * R * C + cols[:, None] * R + rows[None, :]
+            col_amax_b = col_amax_ptr + batch * G * C
+            # (one group: no search step, no offset read; group 0 everywhere)
+            row_group = _row_groups(offs_ptr, tl.minimum(rows, R - 1), G, SEARCH_STEPS)
+            group_lo = tl.min(row_group, axis=0)
+            group_hi = tl.max(row_group, axis=0)
+            if group_lo == group_hi:  # (each branch names its own values: Triton unifies them by name)
+                one_amax = tl.load(col_amax_b + group_lo * C + cols, mask=col_ok, other=0.0)
+                one_scale, _one_dequant = _quant_scales(one_amax, FP8_MAX, MARGIN_FACTOR)
+                q_one = clamp_keep_nan(x_t.to(tl.float32) * one_scale[:, None], FP8_MAX)
+                tl.store(out_t, q_one.to(out_t_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask_t)
+            else:
+                each_amax = tl.load(col_amax_b + row_group[None, :].to(tl.int64) * C + cols[:, None], mask=mask_t,
+                                    other=0.0)
+                each_scale, _each_dequant = _quant_scales(each_amax, FP8_MAX, MARGIN_FACTOR)
+                q_each = clamp_keep_nan(x_t.to(tl.float32) * each_scale, FP8_MAX)
+                tl.store(out_t, q_each.to(out_t_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask_t)
+
+
+# Pass 1's row tile and column split (a program reads BLOCK_R x SPLIT_COLS of the source), pass 2's
+# square tile, and the most groups a program loads as one vector (past it: the one-pass kernels).
+_LAYOUTS_STATS_R, _LAYOUTS_STATS_C, _LAYOUTS_SPLIT, _LAYOUTS_STATS_WARPS = 256, 64, 1024, 8
+_LAYOUTS_CAST_R, _LAYOUTS_CAST_C, _LAYOUTS_CAST_WARPS = 32, 64, 4
+_LAYOUTS_FINAL = 1024
+LAYOUTS_MAX_GROUPS = 4096
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 1).bit_length()
+
+
+def fp8_rowwise_layouts(x, group_offs, fp8_dtype, fp8_max: float, margin: int = 0, write_rows: bool = True,
+                        write_transposed: bool = True):
+    """Both rowwise layouts of x [R, C] (or [B, R, C]) in two passes (plus the zeroing launch):
+    ``(rows [..., R, C] or None, row dequant [..., R], transposed [..., C, R] or None, column dequant
+    [..., G, C])``, the same bits as :func:`fp8_rowwise_cast` and :func:`fp8_colwise_grouped_cast`.
+    ``group_offs`` [G+1] (None: all rows one group, G = 1); at most ``LAYOUTS_MAX_GROUPS`` groups."""
+    import torch
+
+    batches, r, c, stride_b = _batched(x)
+    one_group = group_offs is None
+    groups = 1 if one_group else group_offs.shape[0] - 1
+    if groups > LAYOUTS_MAX_GROUPS:
+        raise ValueError(f"fp8_rowwise_layouts: group_offs has {groups} groups, more than {LAYOUTS_MAX_GROUPS}")
+    device = x.device
+    rows = torch.empty(x.shape, dtype=fp8_dtype, device=device) if write_rows else None
+    trans = torch.empty(x.shape[:-2] + (c, r), dtype=fp8_dtype, device=device) if write_transposed else None
+    num_splits = max(_cdiv(c, _LAYOUTS_SPLIT), 1)
+    # One float32 allocation: the column amaxes (zeroed), the row partials, both dequant scales.
+    col_n, part_n, row_n = batches * groups * c, batches * num_splits * r, batches * r
+    stats = torch.empty((2 * col_n + part_n + row_n,), dtype=torch.float32, device=device)
+    col_amax = stats[:col_n]
+    col_dequant = stats[col_n:2 * col_n].view(x.shape[:-2] + (groups, c))
+    row_part = stats[2 * col_n:2 * col_n + part_n]
+    row_dequant = stats[2 * col_n + part_n:].view(x.shape[:-1])
+    if batches * r * c == 0:  # no element: every amax is 0, every scale 1
+        col_dequant.fill_(1.0)
+        row_dequant.fill_(1.0)
+        return rows, row_dequant, trans, col_dequant
+    offs = x if one_group else group_offs
+    g_pad = 1 if one_group else _next_pow2(groups)
+    stride_r, stride_c = x.stride(-2), x.stride(-1)
+    _zero_f32.launch_keyed((_cdiv(col_n, _LAYOUTS_FINAL),), (arg_fact(col_n), stats.data_ptr() % 16 == 0),
+                           col_amax, col_n, BLOCK=_LAYOUTS_FINAL, num_warps=4)
+    # The tile bound needs no group sizes: sum_g cdiv(M_g, BR) <= cdiv(R, BR) + G.
+    stats_tiles = (_cdiv(r, _LAYOUTS_STATS_R) + (0 if one_group else groups)) * num_splits
+    aligned = (x.data_ptr() % 16 == 0, offs.data_ptr() % 16 == 0, stats.data_ptr() % 16 == 0)
+    shape_key = (x.dtype, one_group, g_pad, arg_fact(r), c, groups, batches, stride_b, stride_r, stride_c,
+                 _LAYOUTS_STATS_R, _LAYOUTS_STATS_C, _LAYOUTS_SPLIT, _LAYOUTS_STATS_WARPS, _LAYOUTS_CAST_R,
+                 _LAYOUTS_CAST_C, _LAYOUTS_CAST_WARPS)
+    _layouts_stats.launch_keyed(
+        (stats_tiles, batches), shape_key + aligned + (row_part.data_ptr() % 16 == 0,),
+        x, offs, row_part, col_amax, r, c, groups, num_splits, _LAYOUTS_SPLIT, stride_b, stride_r, stride_c,
+        ONE_GROUP=one_group, G_PAD=g_pad, BLOCK_R=_LAYOUTS_STATS_R, BLOCK_C=_LAYOUTS_STATS_C,
+        num_warps=_LAYOUTS_STATS_WARPS,
+    )
+    cast_tiles = _cdiv(r, _LAYOUTS_CAST_R) * _cdiv(c, _LAYOUTS_CAST_C)
+    out = rows if rows is not None else trans
+    _layouts_cast.launch_keyed(
+        (cast_tiles + _cdiv(groups * c, _LAYOUTS_FINAL), batches),
+        shape_key + aligned + (fp8_dtype, fp8_max, margin, write_rows, write_transposed, num_splits,
+                               arg_fact(cast_tiles), out.data_ptr() % 16 == 0,
+                               trans is None or trans.data_ptr() % 16 == 0, row_part.data_ptr() % 16 == 0,
+                               col_dequant.data_ptr() % 16 == 0, row_dequant.data_ptr() % 16 == 0),
+        x, offs, row_part, col_amax, out, trans if trans is not None else out, row_dequant, col_dequant,
+        r, c, groups, num_splits, cast_tiles, stride_b, stride_r, stride_c,
+        FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, WRITE_ROWS=write_rows, WRITE_T=write_transposed,
+        SEARCH_STEPS=(groups - 1).bit_length(), BLOCK_R=_LAYOUTS_CAST_R,
+        BLOCK_C=_LAYOUTS_CAST_C, BLOCK_S=_next_pow2(num_splits), FINAL_BLOCK=_LAYOUTS_FINAL,
+        num_warps=_LAYOUTS_CAST_WARPS,
+    )
+    return rows, row_dequant, trans, col_dequant
+
+
 # Host-lean launchers of the kernels above (kernels/triton/launch.py).
 _lean = {name: lean(globals()[name]) for name in (
-    "amax_partials_kernel", "fp8_cast_kernel", "fp8_rowwise_cast_kernel", "fp8_colwise_grouped_cast_kernel")}
+    "amax_partials_kernel", "fp8_cast_kernel", "fp8_rowwise_cast_kernel", "fp8_colwise_grouped_cast_kernel",
+    "zero_f32_kernel", "fp8_rowwise_layouts_stats_kernel", "fp8_rowwise_layouts_cast_kernel")}
 _amax_partials, _tensorwise_cast = _lean["amax_partials_kernel"], _lean["fp8_cast_kernel"]
+_zero_f32 = _lean["zero_f32_kernel"]
+_layouts_stats, _layouts_cast = _lean["fp8_rowwise_layouts_stats_kernel"], _lean["fp8_rowwise_layouts_cast_kernel"]
