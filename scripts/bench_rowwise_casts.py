@@ -56,6 +56,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     from turbo_moe.kernels.triton import fp8_cast as F
+    from turbo_moe.kernels.triton import rowwise_layouts as L
 
     e4m3 = torch.float8_e4m3fn
     m, k, f, g = args.tokens, args.hidden, args.ffn, args.experts
@@ -75,7 +76,7 @@ def main(argv=None) -> None:
                 return F.fp8_rowwise_cast(x, e4m3, 448.0) + F.fp8_colwise_grouped_cast(x, offs, e4m3, 448.0)
 
             def new():
-                return F.fp8_rowwise_layouts(x, offs, e4m3, 448.0)
+                return L.fp8_rowwise_layouts(x, offs, e4m3, 448.0)
 
             def tensorwise():
                 return F.fp8_tensorwise_cast(x, e4m3, 448.0, 0, True, True)

@@ -1,4 +1,4 @@
-"""Probe: tile configurations of ``fp8_rowwise_layouts`` (kernels/triton/fp8_cast.py), per-kernel
+"""Probe: tile configurations of ``fp8_rowwise_layouts`` (kernels/triton/rowwise_layouts.py), per-kernel
 GPU time from torch.profiler, on the training bench's expert-dominated shapes (balanced routing).
 
     python scripts/probe_rowwise_layouts.py
@@ -29,6 +29,7 @@ def kernel_ms(fn, reps=20):
 
 def main():
     from turbo_moe.kernels.triton import fp8_cast as F
+    from turbo_moe.kernels.triton import rowwise_layouts as L
     e4m3 = torch.float8_e4m3fn
     m, groups = 98304, 64
     offs = torch.arange(0, m + 1, m // groups, device="cuda")
@@ -43,11 +44,11 @@ def main():
                 [(sr, sc, sw, 64, 64, 4) for sr, sc, sw in ((128, 64, 8), (128, 128, 8), (256, 64, 8), (64, 64, 4))],
                 [(128, 64, 8, cr, cc, cw) for cr, cc, cw in ((32, 64, 4), (64, 128, 4), (128, 64, 8), (32, 128, 4),
                                                              (64, 64, 8))]):
-            F._LAYOUTS_STATS_R, F._LAYOUTS_STATS_C, F._LAYOUTS_STATS_WARPS = stats_r, stats_c, stats_w
-            F._LAYOUTS_CAST_R, F._LAYOUTS_CAST_C, F._LAYOUTS_CAST_WARPS = cast_r, cast_c, cast_w
-            got = F.fp8_rowwise_layouts(x, offs, e4m3, 448.0)
+            L._STATS_R, L._STATS_C, L._STATS_WARPS = stats_r, stats_c, stats_w
+            L._CAST_R, L._CAST_C, L._CAST_WARPS = cast_r, cast_c, cast_w
+            got = L.fp8_rowwise_layouts(x, offs, e4m3, 448.0)
             ok = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, ref))
-            t = kernel_ms(lambda: F.fp8_rowwise_layouts(x, offs, e4m3, 448.0))
+            t = kernel_ms(lambda: L.fp8_rowwise_layouts(x, offs, e4m3, 448.0))
             print(f"C={c} stats {stats_r}x{stats_c} w{stats_w} cast {cast_r}x{cast_c} w{cast_w} ok={ok}:",
                   {k.split('_kernel')[0][-14:]: round(v, 3) for k, v in t.items()}, round(sum(t.values()), 3))
 

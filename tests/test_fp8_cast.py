@@ -86,7 +86,8 @@ def test_fp8_cast_kernel_matches_torch_on_gpu():
 ROWWISE_CHECK = textwrap.dedent(
     """
     import torch
-    from turbo_moe.kernels.triton.fp8_cast import fp8_rowwise_cast, fp8_colwise_grouped_cast, fp8_rowwise_layouts
+    from turbo_moe.kernels.triton.fp8_cast import fp8_rowwise_cast, fp8_colwise_grouped_cast
+    from turbo_moe.kernels.triton.rowwise_layouts import fp8_rowwise_layouts
     from turbo_moe.config import fp8_max
     import turbo_moe.quantize as Q
     device = DEVICE
@@ -173,7 +174,8 @@ def test_rowwise_cast_kernels_match_torch_on_gpu():
 TINY_CHECK = textwrap.dedent(
     """
     import torch
-    from turbo_moe.kernels.triton.fp8_cast import fp8_rowwise_cast, fp8_colwise_grouped_cast, fp8_rowwise_layouts
+    from turbo_moe.kernels.triton.fp8_cast import fp8_rowwise_cast, fp8_colwise_grouped_cast
+    from turbo_moe.kernels.triton.rowwise_layouts import fp8_rowwise_layouts
     from turbo_moe.config import fp8_max
     import turbo_moe.quantize as Q
     device = DEVICE

@@ -71,7 +71,7 @@ def test_rowwise_fwd_bwd_launches(cache, monkeypatch):
     casts = 2 if cache else 3  # x, dy (and W unless its FP8 copies are cached): both layouts each
     # per cast: zero the column amaxes, the stats pass, the cast pass writing both layouts
     assert launches == {"resolve_group_offs_kernel": 1, "zero_f32_kernel": casts,
-                        "fp8_rowwise_layouts_stats_kernel": casts, "fp8_rowwise_layouts_cast_kernel": casts,
+                        "rowwise_layouts_stats_kernel": casts, "rowwise_layouts_cast_kernel": casts,
                         "m_grouped_gemm_tma_kernel": 2, "k_grouped_gemm_tma_kernel": 1}
 
 

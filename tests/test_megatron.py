@@ -154,10 +154,10 @@ def _experts_fwd_bwd(experts, x, tpe, probs, grad):
 
 @pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
 def test_fp8_fc2_fuses_the_swiglu_where_it_can(world, granularity, monkeypatch):
-    """Tensorwise: fc2 takes fc1's output and computes the weighted SwiGLU inside its FP8
-    quantization (turbo_moe.swiglu), and agrees with the unfused path (Megatron's activation, then
-    fc2) to FP8 rounding of the same float32 activation. Rowwise, or an activation option the
-    fused path does not implement: the unfused path."""
+    """Tensorwise and rowwise: fc2 takes fc1's output and computes the weighted SwiGLU inside its
+    FP8 quantization (turbo_moe.swiglu), and agrees with the unfused path (Megatron's activation,
+    then fc2) to FP8 rounding of the same float32 activation. An activation option the fused path
+    does not implement: the unfused path."""
     import turbo_moe.megatron.linear as linear_module
 
     calls = []
@@ -173,7 +173,7 @@ def test_fp8_fc2_fuses_the_swiglu_where_it_can(world, granularity, monkeypatch):
         if not fused:
             experts._fuses_activation = lambda: False
         results.append(_experts_fwd_bwd(experts, x, tpe, probs, grad))
-    assert len(calls) == (1 if granularity == "tensorwise" else 0)
+    assert len(calls) == 1
     for ours, unfused in zip(*results):
         # float32 activations here: the two paths quantize the same values, up to the order of
         # float32 operations (an FP8 rounding flips now and then)

@@ -251,9 +251,9 @@ def _experts_calls(planned, fp8, granularity, main_grad, calls=5):
 @pytest.mark.parametrize("fp8,granularity", [("e4m3", "tensorwise"), ("hybrid", "tensorwise"), ("hybrid", "rowwise")])
 def test_planned_experts_equal_the_python_path_bitwise(world, fp8, granularity, main_grad):
     """The experts as one planned MLP node (fc1, the fused SwiGLU + fc2, the dh handoff, wgrads into
-    main_grad) -- or, rowwise (activation not fused), each linear as a planned layer -- give the
-    Python Functions' output, dx, dprobs and weight gradients (accumulated into main_grad across
-    calls) bit for bit, with Megatron's grad_added_to_main_grad protocol kept."""
+    main_grad; tensorwise and rowwise alike) give the Python Functions' output, dx, dprobs and
+    weight gradients (accumulated into main_grad across calls) bit for bit, with Megatron's
+    grad_added_to_main_grad protocol kept."""
     from turbo_moe import host_plan
 
     reference = _experts_calls(False, fp8, granularity, main_grad)
@@ -265,5 +265,5 @@ def test_planned_experts_equal_the_python_path_bitwise(world, fp8, granularity, 
         for what, ta, tb in zip(("y", "dx", "dprobs", "fc1 dW", "fc2 dW"), a, b):
             assert ta.shape == tb.shape and ta.dtype == tb.dtype, (i, what)
             assert torch.equal(ta.reshape(-1).view(torch.uint8), tb.reshape(-1).view(torch.uint8)), (i, what)
-    planned = (1, 0) if granularity == "tensorwise" else (0, 2)  # one MLP node, or fc1 and fc2 as layers
+    planned = (1, 0)  # one MLP node
     assert [used for _, used, _ in got] == [(0, 0), (0, 0), planned, planned, planned]

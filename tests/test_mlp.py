@@ -74,7 +74,7 @@ def test_fused_module_matches_float64_in_bf16():
 
 
 def test_unfused_recipes_run_the_plain_chain():
-    cfg = Float8Config(granularity="rowwise")
+    cfg = Float8Config(granularity="blockwise")  # the fine-grained recipes: no fused SwiGLU
     mlp = GroupedSwiGLUMLPFP8(4, 24, 20, config=cfg, backend="torch")
     assert "fused_swiglu=False" in repr(mlp)
     x, probs, dy, lens = _inputs(24, torch.float32, seed=2)

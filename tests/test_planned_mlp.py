@@ -119,8 +119,8 @@ def test_plan_mlp_chains_the_regions_keys_and_runs_as_one_node(plan_ext, monkeyp
     fc2_dgrad, fc1_dgrad = regions["_DGRAD_REGION"].keys
     assert fc2_dgrad == (((config, None, "auto", BF16, True, True), 0), alloc(M, HIDDEN, dtype=BF16), None, None, None,
                          alloc(G, F, HIDDEN, dtype=E4M3), scalar, offs)
-    assert swiglu_regions["_BACKWARD_REGION"].keys == [(((config.grad_dtype, 0, True, True), 0), h, fact(probs),
-                                                        alloc(M, F, dtype=BF16))]
+    assert swiglu_regions["_BACKWARD_REGION"].keys == [(((config.grad_dtype, 0, True, True, False), 0), h, fact(probs),
+                                                        alloc(M, F, dtype=BF16), None)]
     dh_t = alloc(2 * F, M, dtype=E4M3)
     assert fc1_dgrad == (((config, None, "auto", BF16, True, True), 0), None, alloc(M, 2 * F, dtype=E4M3), dh_t, scalar,
                          alloc(G, HIDDEN, 2 * F, dtype=E4M3), scalar, offs)
@@ -175,7 +175,7 @@ def test_plan_mlp_with_weight_caches_and_delayed_scaling(plan_ext, monkeypatch):
                                [alloc[0], ("input", 6), ("input", 5), alloc[1], alloc[2]]))
     backward = _Plans(ext, ([0, 4, 5, 6, 7, 8, 10, 11], [((M, F), BF16), ((G, HIDDEN, F), BF16)], alloc[:2]),
                       ([1, 2, 3, 4, 5, 6, 7, 8, 10, 11], [((M, HIDDEN), BF16), ((G, 2 * F, HIDDEN), BF16)], alloc[:2]))
-    swiglu_backward = _Plans(ext, ([0, 1, 2, 3, 4], [((M, 2 * F), E4M3), ((2 * F, M), E4M3), ((), F32), ((M,), F32)],
+    swiglu_backward = _Plans(ext, ([0, 1, 2, 4, 5], [((M, 2 * F), E4M3), ((2 * F, M), E4M3), ((), F32), ((M,), F32)],
                                    [("alloc", k) for k in range(4)]))
     monkeypatch.setattr(pm, "_FORWARD_REGION", fc1_forward)
     monkeypatch.setattr(pm.planned_layer, "_BACKWARD_REGION", backward)

@@ -20,6 +20,7 @@ CONFIGS = {
     "tensorwise": Float8Config(),
     "hybrid": Float8Config(format="hybrid"),
     "delayed": Float8Config(strategy="delayed", amax_history_len=4),
+    "rowwise": Float8Config(format="hybrid", granularity="rowwise"),
 }
 
 

@@ -124,6 +124,86 @@ def test_swiglu_kernels_on_gpu():
     run_on_gpu(KERNEL_CHECK.replace("DEVICE", "'cuda'").replace("EXACT", "False"), "swiglu_check")
 
 
+ROWWISE_KERNEL_CHECK = textwrap.dedent(
+    """
+    import torch
+    from turbo_moe.kernels.triton.rowwise_layouts import swiglu_rowwise_layouts, swiglu_backward_rowwise_layouts
+    from turbo_moe.quantize import split_packed_scales
+    from turbo_moe.config import fp8_max
+    device = DEVICE
+    gen = torch.Generator().manual_seed(4)
+    FP8_BITS = {torch.float8_e4m3fn: (3, -9), torch.float8_e5m2: (2, -16)}
+
+    def check(q, dequant, ref, fp8, label):
+        # every element within round-to-nearest of ref at its own scale (dequant broadcast to q)
+        mbits, sub = FP8_BITS[fp8]
+        deq = q.cpu().double() * dequant
+        bound = torch.maximum(ref.abs() * 2.0 ** -(mbits + 1), 2.0 ** (sub - 1) * dequant)
+        err = (deq - ref).abs()
+        ok = err <= bound * 1.0001 + 1e-30
+        if EXACT:  # the interpreter's float->fp8 conversion (KERNEL_CHECK): one binade low on a carry
+            scaled = (ref / dequant).float()
+            up = scaled.clamp(-fp8_max(fp8), fp8_max(fp8)).to(fp8).double()
+            carry = (up.abs() > scaled.abs()) & (torch.frexp(up)[0].abs() == 0.5)
+            ok = ok | carry | (err <= 2.0 ** sub * dequant * 1.0001)
+        assert ok.all(), (label, (err / bound).max().item())
+
+    def check_layouts(rows, row_dq, trans, col_dq, ref, lens, fp8, label):
+        m, c = ref.shape
+        fmax = fp8_max(fp8)
+        amax_r = ref.abs().amax(1)
+        want_r = torch.where(amax_r > 0, amax_r / fmax, torch.ones_like(amax_r))
+        assert torch.allclose(row_dq.cpu().double(), want_r, rtol=1e-5), label
+        check(rows, row_dq.cpu().double()[:, None], ref, fp8, label + ("rows",))
+        lo = 0
+        for g, n in enumerate(lens):
+            part = ref[lo:lo + n]
+            amax_c = part.abs().amax(0) if n else torch.zeros(c, dtype=torch.float64)
+            want_c = torch.where(amax_c > 0, amax_c / fmax, torch.ones_like(amax_c))
+            assert torch.allclose(col_dq[g].cpu().double(), want_c, rtol=1e-5), label + (g,)
+            if n:
+                check(trans[:, lo:lo + n].t(), col_dq[g].cpu().double()[None, :], part, fp8, label + ("columns", g))
+            lo += n
+
+    # groups: ragged, empty ones, one group over every row; sizes off the 32 x 64 cast tiles and the
+    # 256-row stats tiles; F past one 1024-column split (two stats splits, dprobs summed over them)
+    for lens, f, dtype in (([10, 0, 23, 40, 0], 24, torch.bfloat16), ([300], 40, torch.float32),
+                           ([5, 1, 0, 70], 520, torch.bfloat16)):
+        m = sum(lens)
+        offs = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=device)
+        h = (torch.randn(m, 2 * f, generator=gen) * 2).to(dtype).to(device)
+        p = torch.rand(m, generator=gen).to(device)
+        da = torch.randn(m, f, generator=gen).to(dtype).to(device)
+        hd = h.cpu().double().requires_grad_()
+        pd = p.cpu().double().requires_grad_()
+        g_, u_ = hd.chunk(2, dim=1)
+        a = torch.nn.functional.silu(g_) * u_ * pd[:, None]
+        a.backward(da.cpu().double())
+        for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+            rows, row_dq, trans, col_dq = swiglu_rowwise_layouts(h, p, offs, fp8, fp8_max(fp8))
+            assert rows.shape == (m, f) and trans.shape == (f, m) and col_dq.shape == (len(lens), f)
+            check_layouts(rows, row_dq, trans, col_dq, a.detach(), lens, fp8, (tuple(lens), f, fp8, "a"))
+            rows, trans, packed, dprobs = swiglu_backward_rowwise_layouts(h, p, da, offs, fp8, fp8_max(fp8), 0,
+                                                                          torch.float32)
+            row_dq, col_dq = split_packed_scales(packed, m, 2 * f)
+            assert rows.shape == (m, 2 * f) and trans.shape == (2 * f, m) and col_dq.shape == (len(lens), 2 * f)
+            check_layouts(rows, row_dq, trans, col_dq, hd.grad, lens, fp8, (tuple(lens), f, fp8, "dh"))
+            scale = (da.cpu().double().abs() * g_.detach().abs() * u_.detach().abs()).sum(1) + 1e-30
+            assert ((dprobs.cpu().double() - pd.grad).abs() <= 1e-5 * scale).all(), (tuple(lens), f, "dprobs")
+    print("ok")
+    """
+)
+
+
+def test_rowwise_swiglu_kernels_in_interpreter():
+    assert_prints_ok(ROWWISE_KERNEL_CHECK.replace("DEVICE", "'cpu'").replace("EXACT", "True"))
+
+
+@pytest.mark.gpu
+def test_rowwise_swiglu_kernels_on_gpu():
+    run_on_gpu(ROWWISE_KERNEL_CHECK.replace("DEVICE", "'cuda'").replace("EXACT", "False"), "rowwise_swiglu_check")
+
+
 def _problem(lens, f, n, dtype=torch.bfloat16, device="cpu", seed=0):
     gen = torch.Generator().manual_seed(seed)
     m = sum(lens)
@@ -155,8 +235,9 @@ CASES = [([10, 0, 23, 17], 24, 40), ([0, 37], 70, 33), ([64], 128, 96), ([3] * 1
 
 @pytest.mark.parametrize("lens,f,n", CASES)
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
-def test_fused_matches_unfused_bits_and_float64(lens, f, n, fmt):
-    cfg = Float8Config(format=fmt)
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+def test_fused_matches_unfused_bits_and_float64(lens, f, n, fmt, granularity):
+    cfg = Float8Config(format=fmt, granularity=granularity)
     h, p, w, offs, dy = _problem(lens, f, n)
     h.requires_grad_(), p.requires_grad_(), w.requires_grad_()
     y = grouped_gemm_fp8_swiglu(h, p, w, offs, config=cfg)
@@ -193,10 +274,10 @@ def test_fused_only_what_is_asked():
 
 def test_fused_recipe_and_bad_input_errors():
     h, p, w, offs, _ = _problem([5, 7], 16, 8)
-    assert fuses_swiglu(Float8Config()) and not fuses_swiglu(Float8Config(granularity=ScalingGranularity.ROWWISE))
-    assert not fuses_swiglu(None)
-    with pytest.raises(ValueError, match="tensorwise"):
-        grouped_gemm_fp8_swiglu(h, p, w, offs, config=Float8Config(granularity=ScalingGranularity.ROWWISE))
+    assert fuses_swiglu(Float8Config()) and fuses_swiglu(Float8Config(granularity=ScalingGranularity.ROWWISE))
+    assert not fuses_swiglu(None) and not fuses_swiglu(Float8Config(granularity=ScalingGranularity.BLOCKWISE))
+    with pytest.raises(ValueError, match="tensorwise and rowwise"):
+        grouped_gemm_fp8_swiglu(h, p, w, offs, config=Float8Config(granularity=ScalingGranularity.BLOCKWISE))
     with pytest.raises(ValueError, match="h must be 2-D"):
         grouped_gemm_fp8_swiglu(h[:, :-1], p, w, offs)
     with pytest.raises(ValueError, match="w must be"):
@@ -217,7 +298,7 @@ def test_fused_recipe_and_bad_input_errors():
 
 
 def _mlp(lens, hidden, f, dtype, handoff, seed=3, observe_h=None, h_also=None, fmt="hybrid", device="cpu",
-         backend="torch"):
+         backend="torch", granularity="tensorwise"):
     """fc1 (grouped_gemm_fp8) -> weighted SwiGLU + fc2 (grouped_gemm_fp8_swiglu), with or without
     a QuantizedGradHandoff; returns (y, (x, w1, w2, p), dy)."""
     from turbo_moe.autograd import QuantizedGradHandoff, _grouped_gemm_fp8_resolved
@@ -234,7 +315,7 @@ def _mlp(lens, hidden, f, dtype, handoff, seed=3, observe_h=None, h_also=None, f
     w2 = leaf((torch.randn(len(lens), hidden, f, generator=gen) / f ** 0.5).to(dtype))
     p = leaf(torch.rand(m, generator=gen) * 0.9 + 0.1)
     dy = torch.randn(m, hidden, generator=gen).to(dtype).to(device)
-    cfg = Float8Config(format=fmt)
+    cfg = Float8Config(format=fmt, granularity=granularity)
     ho = QuantizedGradHandoff() if handoff else None
     h = _grouped_gemm_fp8_resolved(x, w1, offs, config=cfg, backend=backend, grad_handoff=ho)
     if observe_h is not None:
@@ -324,16 +405,49 @@ def test_grad_handoff_refuses_a_gradient_it_did_not_hand_over():
         y.backward(dy)
 
 
-def test_grad_handoff_needs_per_tensor_scaling():
-    """A rowwise fc1 does not register: fc2 gives dh in h's dtype, fc1 quantizes it itself."""
+def test_grad_handoff_needs_per_tensor_or_rowwise_scaling():
+    """A blockwise fc1 does not register: fc2 gives dh in h's dtype, fc1 quantizes it itself. A
+    rowwise one does, marked rowwise (the scale handed over is both scales, packed)."""
     from turbo_moe.autograd import QuantizedGradHandoff
 
     ho = QuantizedGradHandoff()
-    ho.expect(Float8Config(granularity=ScalingGranularity.ROWWISE), True, True)
+    ho.expect(Float8Config(granularity=ScalingGranularity.BLOCKWISE), True, True)
     assert not ho.expecting
     ho.expect(Float8Config(), True, False)
-    assert ho.expecting and ho.need_rows and not ho.need_transposed
+    assert ho.expecting and ho.need_rows and not ho.need_transposed and not ho.rowwise
     assert ho.take(torch.zeros(2)) is None  # nothing handed over: the producer quantizes dy itself
+    ho.expect(Float8Config(granularity=ScalingGranularity.ROWWISE), True, True)
+    assert ho.expecting and ho.rowwise
+
+
+def test_rowwise_grad_handoff_gives_the_same_gradients_without_dh_in_h_dtype(monkeypatch):
+    """Rowwise: with the handoff every gradient is bit-identical to the path without it (float32:
+    dh has the same values either way, quantized per row and per (group, column) the same way),
+    fc1's backward quantizes no gradient of its own, and the bf16-style dh kernel never runs."""
+    import turbo_moe.autograd as autograd_module
+    import turbo_moe.swiglu as swiglu_module
+
+    quantized_shapes, bf16_dh = [], []
+    real_q, real_bwd = autograd_module.quantize_rowwise_layouts, swiglu_module.weighted_swiglu_backward
+    monkeypatch.setattr(autograd_module, "quantize_rowwise_layouts",
+                        lambda t, *a, **k: quantized_shapes.append(tuple(t.shape)) or real_q(t, *a, **k))
+    monkeypatch.setattr(swiglu_module, "weighted_swiglu_backward",
+                        lambda *a, **k: bf16_dh.append(1) or real_bwd(*a, **k))
+    lens, hidden, f = [9, 0, 14, 5], 24, 20
+    results = {}
+    for handoff in (False, True):
+        quantized_shapes.clear()
+        bf16_dh.clear()
+        y, inputs, dy = _mlp(lens, hidden, f, torch.float32, handoff, granularity="rowwise")
+        y.backward(dy)
+        results[handoff] = _grads(inputs)
+        assert ((sum(lens), 2 * f) in quantized_shapes) == (not handoff), quantized_shapes
+        assert len(bf16_dh) == (0 if handoff else 1)
+    for a, b in zip(results[True], results[False]):
+        assert torch.equal(a, b)
+    reference = _float64_mlp_grads(lens, hidden, f)
+    for name, a, ref in zip("x w1 w2 p".split(), results[True], reference):
+        assert _rel(a, ref) < 0.12, name
 
 
 @pytest.mark.gpu

@@ -90,17 +90,17 @@ def _record_quantization_launches():
     def key_of(fn, args, kwargs):
         if "gemm" in fn.__name__:
             return None
-        # one entry per kernel and FP8 output format (hybrid: e4m3 activations, e5m2 gradients)
-        return fn.__name__, tuple(sorted({str(a.dtype) for a in args if isinstance(a, torch.Tensor)
-                                          and a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)}))
+        # one entry per kernel (per source for the rowwise layouts: x, the SwiGLU, its gradient) and
+        # FP8 output format (hybrid: e4m3 activations, e5m2 gradients)
+        name = fn.__name__ if "SOURCE" not in kwargs else f"{fn.__name__}:source{kwargs['SOURCE']}"
+        return name, tuple(sorted({str(a.dtype) for a in args if isinstance(a, torch.Tensor)
+                                   and a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)}))
 
     g, t, hidden, ffn = 4, 64, 256, 128
     with _first_launches(key_of) as recorded:
         for recipe in ("tensorwise", "rowwise", "tensorwise-delayed"):
             config = bench_float8_config("hybrid", recipe)
             x, _, lens = _linear_fwd_bwd(config, g, t, hidden, ffn)
-            if recipe == "rowwise":
-                continue
             mlp = turbo_moe.GroupedSwiGLUMLPFP8(g, hidden, ffn, config=config, device="meta", dtype=torch.bfloat16,
                                                 backend="triton")
             mlp.fc1.weight = torch.nn.Parameter(torch.empty(g, 2 * ffn, hidden, dtype=torch.bfloat16))
@@ -124,7 +124,8 @@ def _recorded():
 # What the hot path launches with the recipes above (the test fails if one goes unrecorded, so a
 # renamed or new cast kernel is added here knowingly).
 KERNELS = ["resolve_group_offs_kernel", "amax_partials_kernel", "fp8_cast_kernel", "zero_f32_kernel",
-           "fp8_rowwise_layouts_stats_kernel", "fp8_rowwise_layouts_cast_kernel", "fp8_cast_delayed_kernel", "swiglu_amax_partials_kernel",
+           *(f"rowwise_layouts_{step}_kernel:source{source}" for step in ("stats", "cast") for source in range(3)),
+           "fp8_cast_delayed_kernel", "swiglu_amax_partials_kernel",
            "swiglu_fp8_cast_kernel", "swiglu_backward_amax_kernel", "swiglu_backward_fp8_cast_kernel",
            "swiglu_fp8_cast_delayed_kernel", "swiglu_backward_fp8_delayed_kernel", "swiglu_dprobs_sum_kernel"]
 
@@ -174,7 +175,7 @@ def test_every_quantization_kernel_of_the_hot_path_is_recorded():
     recorded = _recorded()
     assert sorted({name for name, _ in recorded}) == sorted(KERNELS)
     # the tensorwise, rowwise and delayed casts write e5m2 (gradients) as well as e4m3
-    for name in ("fp8_cast_kernel", "fp8_rowwise_layouts_cast_kernel", "fp8_cast_delayed_kernel"):
+    for name in ("fp8_cast_kernel", "rowwise_layouts_cast_kernel:source0", "fp8_cast_delayed_kernel"):
         assert {formats for n, formats in recorded if n == name} == {
             ("torch.float8_e4m3fn",), ("torch.float8_e5m2",)}, name
 

@@ -31,7 +31,7 @@ from .config import Float8Config, ScalingGranularity
 from . import host_plan
 from .delayed_scaling import AmaxHistory, DelayedScalingState
 from .quantize import (quantize_columnwise, quantize_rowwise, quantize_rowwise_layouts, quantize_tensorwise_layouts,
-                       row_group_ids)
+                       row_group_ids, split_packed_scales)
 
 __all__ = [
     "GroupedGemmFP8Function",
@@ -201,7 +201,7 @@ class QuantizedGradHandoff:
     cast pass that recompute it) spares writing ``dh`` in bf16 and fc1's own amax and cast passes
     reading it back.
 
-    Protocol (per-tensor scaling only; one object per forward of the pair):
+    Protocol (per-tensor or rowwise scaling; one object per forward of the pair):
 
     * the producer's forward (:class:`GroupedGemmFP8Function`) calls :meth:`expect` with its
       config and the layouts its backward needs (rows for dgrad, token-major for wgrad);
@@ -216,13 +216,17 @@ class QuantizedGradHandoff:
     such an op would see the zeros. ``TurboMoEGroupedMLP`` hands off only with no fc1 bias.
     """
 
-    __slots__ = ("grad_dtype", "margin", "need_rows", "need_transposed", "history", "_given", "_placeholder")
+    __slots__ = ("grad_dtype", "margin", "need_rows", "need_transposed", "history", "rowwise", "_given",
+                 "_placeholder")
 
     def __init__(self) -> None:
         self.grad_dtype: Optional[torch.dtype] = None
         self.margin = 0
         self.history: Optional[AmaxHistory] = None  # delayed scaling: the producer's grad_output history
         self.need_rows = self.need_transposed = False
+        # Rowwise: the layouts are scaled per row and per (group, column), and the scale handed over
+        # is both scales packed in one tensor (quantize.pack_scales).
+        self.rowwise = False
         self._given = self._placeholder = None
 
     @property
@@ -232,9 +236,10 @@ class QuantizedGradHandoff:
 
     def expect(self, config: Float8Config, need_rows: bool, need_transposed: bool,
                history: Optional[AmaxHistory] = None) -> None:
-        if config.fine_grained or config.granularity is not ScalingGranularity.TENSORWISE:
-            return  # per-tensor scaling only: the producer quantizes its own gradient
+        if config.fine_grained:
+            return  # blockwise / MXFP8: the producer quantizes its own gradient
         self.grad_dtype, self.margin = config.grad_dtype, config.margin
+        self.rowwise = config.granularity is ScalingGranularity.ROWWISE
         self.need_rows, self.need_transposed = need_rows, need_transposed
         self.history = history
 
@@ -318,7 +323,7 @@ def fp8_gemm_backward(ctx, dy, w_nk, w_kn_scale, x_km, x_km_scale, group_offs, n
         if dy_t is None:  # rowwise without dgrad
             dy_t, dy_t_scale = _token_major_operand(dy, group_offs, config.grad_dtype, config.margin, rowwise=True)
         return dx, finish_wgrad(target, DeferredWgrad(functools.partial(
-            _run, GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs,
+            _run, GemmKind.K_GROUPED, dy_t, x_km, _token_major_scale(dy_t, dy_t_scale), x_km_scale, group_offs,
             num_cu=num_cu, backend=backend, role="wgrad", config=config)))
     buffer, out, dw_dtype = _wgrad_destination(ctx, target)
     wgrad = functools.partial(_wgrad_tensors, dy, dy_t, dy_t_scale, x_km, x_km_scale, group_offs, config, num_cu,
@@ -382,9 +387,11 @@ def _dgrad_tensors(dy, handed, w_kn, w_kn_scale, group_offs, config, num_cu, bac
     rowwise = config.granularity is ScalingGranularity.ROWWISE
     gdtype, margin = config.grad_dtype, config.margin
     dy_t = dy_t_scale = None
-    if handed is not None:  # tensorwise, in the layouts this backward asked for (expect)
+    if handed is not None:  # in the layouts this backward asked for (expect)
         dy_fp8, dy_t, dy_scale = handed
         dy_t_scale = dy_scale
+        if rowwise and dy_fp8 is not None:  # both scales, packed: the M row scales, then the G x N column ones
+            dy_scale = split_packed_scales(dy_scale, *dy_fp8.shape)[0]  # (dy_t_scale stays packed: _token_major_scale)
     elif rowwise and need_dx and need_dw:  # both copies from two passes over dy (not four)
         dy_fp8, dy_scale, dy_t, dy_t_scale = quantize_rowwise_layouts(dy, gdtype, margin, group_offs)
     elif rowwise:
@@ -400,13 +407,24 @@ def _dgrad_tensors(dy, handed, w_kn, w_kn_scale, group_offs, config, num_cu, bac
     return dx, dy_t, dy_t_scale
 
 
+def _token_major_scale(dy_t, dy_t_scale):
+    """dy's token-major dequantization scale as the wgrad kernel reads it. A rowwise
+    ``QuantizedGradHandoff`` hands both of dy's scales packed in one 1-D tensor
+    (``quantize.pack_scales``); its column scales are viewed out here, in the region that reads
+    them, because a region cannot return a view of its input (``host_plan``)."""
+    if dy_t_scale.dim() == 1 and dy_t_scale.numel() > 1:
+        n, m = dy_t.shape
+        return split_packed_scales(dy_t_scale, m, n)[1]
+    return dy_t_scale
+
+
 def _wgrad_tensors(dy, dy_t, dy_t_scale, x_km, x_km_scale, group_offs, config, num_cu, backend, dw_dtype, out):
     """Backward's wgrad: ``(dW,)``, added into ``out`` (float32) when given. ``dy_t`` None
     (rowwise without dgrad): dy's token-major copy made here."""
     if dy_t is None:
         dy_t, dy_t_scale = _token_major_operand(dy, group_offs, config.grad_dtype, config.margin, rowwise=True)
-    return (_run(GemmKind.K_GROUPED, dy_t, x_km, dy_t_scale, x_km_scale, group_offs, dw_dtype, num_cu, backend,
-                 "wgrad", config, out=out, accumulate=out is not None),)
+    return (_run(GemmKind.K_GROUPED, dy_t, x_km, _token_major_scale(dy_t, dy_t_scale), x_km_scale, group_offs,
+                 dw_dtype, num_cu, backend, "wgrad", config, out=out, accumulate=out is not None),)
 
 
 def _fp8_forward_tensors(x, w_nk, w_fp8, group_offs, config, num_cu, backend, out_dtype, need_dx, need_dw, delayed):

@@ -26,8 +26,8 @@ wgrad allocates, as when autograd frees fc2's ``Function`` first. What no plan c
 backward after W^T was released, a misaligned gradient, ``create_graph``) runs
 :func:`_mlp_backward`, the Python path's functions on the table's values.
 
-Served: per-tensor scaling (current or delayed) where both linears' inputs need gradients, with or
-without the FP8 weight caches and ``main_grad`` (float32) targets, no bias. Callers:
+Served: per-tensor scaling (current or delayed) and rowwise where both linears' inputs need
+gradients, with or without the FP8 weight caches and ``main_grad`` (float32) targets, no bias. Callers:
 ``GroupedSwiGLUMLPFP8`` and the Megatron ``TurboMoEGroupedMLP``.
 """
 
@@ -43,6 +43,7 @@ from . import host_plan, planned_layer, swiglu
 from .autograd import (_FORWARD_REGION, QuantizedGradHandoff, cached_weight_inputs, cached_weight_key,
                        fp8_gemm_backward, stash_for_fp8_gemm_backward)
 from .checks import OFFSETS_REGION, offsets_region_key
+from .config import ScalingGranularity
 from .planned_layer import NOT_PLANNABLE, _Builder, _contiguous_strides, _history_tensors, gemm_backward_steps
 
 __all__ = ["MLPSide", "PlannedMLP", "plan_mlp", "apply_mlp", "NOT_PLANNABLE"]
@@ -163,8 +164,10 @@ def plan_mlp(x, w1, w2, probs, src, from_lens: bool, fc1: MLPSide, fc2: MLPSide,
                             MAIN_GRAD2 if fc2.main_grad is not None else None, dy_hist2, (DA, DW2),
                             (DA, DY_T, DY_T_SCALE), DW2)
         # The SwiGLU backward with the handoff: dh's FP8 layouts as fc1's backward asked for them.
-        b.step(swiglu._BACKWARD_REGION, ((config.grad_dtype, config.margin, need_dx1, need_dw1), live1),
-               (H, PROBS, DA, *dy_hist1), (DH_ROWS, DH_T, DH_SCALE, DPROBS))
+        # (rowwise: dh's scales per row and per (group, column), packed in DH_SCALE)
+        rowwise = config.granularity is ScalingGranularity.ROWWISE
+        b.step(swiglu._BACKWARD_REGION, ((config.grad_dtype, config.margin, need_dx1, need_dw1, rowwise), live1),
+               (H, PROBS, DA, offs if rowwise else None, *dy_hist1), (DH_ROWS, DH_T, DH_SCALE, DPROBS))
         # fc1's backward on the handed-over dh.
         gemm_backward_steps(b, config, fc1.num_cu, fc1.backend, live1, x.dtype, w1.dtype, need_dx1, need_dw1, kept1,
                             (None, *present((DH_ROWS, DH_T)), DH_SCALE), W1_KN, W1_KN_SCALE, X_KM, X_KM_SCALE, offs,
@@ -256,9 +259,10 @@ def _mlp_backward(info: _MLPBackward, dy, v, create_graph: bool):
     ctx2.w_kn_kept = info.kept2
     with torch.no_grad():
         da, dw2 = fp8_gemm_backward(ctx2, dy, v[W2], v[W2_KN_SCALE], v[A_KM], v[A_SCALE], offs, True, info.need_dw2)
+        rowwise = config.granularity is ScalingGranularity.ROWWISE
         rows, transposed, scale, dprobs = swiglu.quantize_weighted_swiglu_backward(
             v[H], v[PROBS], da, config.grad_dtype, config.margin, rows=info.need_dx1, transposed=info.need_dw1,
-            history=dy_history1)
+            history=dy_history1, rowwise_offs=offs if rowwise else None)
         handoff = QuantizedGradHandoff()
         handoff.expect(config, info.need_dx1, info.need_dw1, dy_history1)
         placeholder = handoff.give(rows, transposed, scale, like=v[H])

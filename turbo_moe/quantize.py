@@ -44,6 +44,8 @@ __all__ = [
     "quantize_rowwise",
     "quantize_columnwise",
     "quantize_rowwise_layouts",
+    "pack_scales",
+    "split_packed_scales",
     "row_group_ids",
 ]
 
@@ -162,16 +164,28 @@ def quantize_rowwise_layouts(t: torch.Tensor, fp8_dtype: torch.dtype, margin: in
     """``quantize_rowwise(t)`` and ``quantize_columnwise(t, group_offs=group_offs)`` together:
     ``(rows_fp8, row_dequant, transposed_fp8, column_dequant)``, the same bits.
 
-    On a GPU (``kernels/triton/fp8_cast.py``'s ``fp8_rowwise_layouts``) a stats pass finds the row
-    and the (group, column) amaxes in one read of ``t`` and a cast pass writes both copies, where
-    the two one-pass kernels read ``t`` twice each. Both copies then exist at once; callers that
-    would rather free the row copy before the transposed one is made call the two functions.
+    On a GPU (``kernels/triton/rowwise_layouts.py``) a stats pass finds the row and the (group,
+    column) amaxes in one read of ``t`` and a cast pass writes both copies, where the two one-pass
+    kernels read ``t`` twice each. Both copies then exist at once; callers that would rather free
+    the row copy before the transposed one is made call the two functions.
     """
-    kernels = _cast_kernels(t)
+    kernels = triton_kernels("rowwise_layouts") if _cast_kernels(t) is not None else None
     groups = 1 if group_offs is None else group_offs.shape[0] - 1
-    if kernels is not None and groups <= kernels.LAYOUTS_MAX_GROUPS:
+    if kernels is not None and groups <= kernels.MAX_GROUPS:
         rows, row_dequant, q_t, col_dequant = kernels.fp8_rowwise_layouts(t, group_offs, fp8_dtype,
                                                                           fp8_max(fp8_dtype), margin)
         return rows, row_dequant, q_t, (col_dequant.squeeze(-2) if group_offs is None else col_dequant)
     rows, row_dequant = quantize_rowwise(t, fp8_dtype, margin)
     return (rows, row_dequant) + tuple(quantize_columnwise(t, fp8_dtype, margin, group_offs=group_offs))
+
+
+def pack_scales(row_dequant: torch.Tensor, col_dequant: torch.Tensor) -> torch.Tensor:
+    """A rowwise tensor's two dequantization scales as one float32 tensor (the row scales, then the
+    column scales): what a rowwise ``QuantizedGradHandoff`` carries where tensorwise carries its
+    one scale. The GPU kernels write them so already (``rowwise_layouts``)."""
+    return torch.cat((row_dequant.reshape(-1), col_dequant.reshape(-1)))
+
+
+def split_packed_scales(packed: torch.Tensor, rows: int, cols: int):
+    """``(row dequant [rows], column dequant [G, cols])`` as views of :func:`pack_scales`' tensor."""
+    return packed[:rows], packed[rows:].view(-1, cols)

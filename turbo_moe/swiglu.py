@@ -20,9 +20,11 @@ copy (wgrad) and, held on ctx, W^T in FP8 (dgrad) -- never ``a`` in high precisi
 Under delayed scaling (``turbo_moe.delayed_scaling``) each of these is one pass: ``a``'s cast, and
 ``dh``'s layouts with ``dprobs``, take their scale from an amax history and record their amax.
 
-Tensorwise scaling only (one scale for ``a``: the amax pass sees the whole tensor before the cast);
-:func:`fuses_swiglu` says whether a recipe is supported, and callers fall back to the activation
-followed by ``grouped_gemm_fp8`` otherwise. The activation's arithmetic is float32 from ``h``
+Tensorwise scaling (one scale for ``a``: the amax pass sees the whole tensor before the cast) and
+rowwise (``kernels/triton/rowwise_layouts.py``: a stats pass finds ``a``'s row and (group, column)
+amaxes, a cast pass writes both layouts; ``dh`` the same way, its two scales handed to fc1 packed in
+one tensor); :func:`fuses_swiglu` says whether a recipe is supported, and callers fall back to the
+activation followed by ``grouped_gemm_fp8`` otherwise (the fine-grained recipes). The activation's arithmetic is float32 from ``h``
 (Megatron's rounds ``silu(gate) * linear`` to bf16 first); the quantization is
 ``turbo_moe.quantize``'s. On a GPU with Triton the kernels run; elsewhere torch ops with the
 same math (to an ulp of float32 ``exp``) do.
@@ -56,16 +58,25 @@ from .backends import GemmKind
 from .checks import HIGH_PRECISION_DTYPES, check_group_offs
 from .config import Float8Config, ScalingGranularity, fp8_max
 from .delayed_scaling import AmaxHistory, DelayedScalingState
-from .quantize import quantize_tensorwise_layouts
+from .quantize import pack_scales, quantize_rowwise, quantize_rowwise_layouts, quantize_tensorwise_layouts
 
 __all__ = ["fuses_swiglu", "grouped_gemm_fp8_swiglu", "weighted_swiglu", "quantize_weighted_swiglu",
-           "weighted_swiglu_backward", "quantize_weighted_swiglu_backward"]
+           "quantize_weighted_swiglu_rowwise", "weighted_swiglu_backward", "quantize_weighted_swiglu_backward"]
 
 
 def fuses_swiglu(config: Optional[Float8Config]) -> bool:
     """Whether :func:`grouped_gemm_fp8_swiglu` supports this FP8 recipe (per-tensor scaling,
-    current or delayed)."""
-    return config is not None and not config.fine_grained and config.granularity is ScalingGranularity.TENSORWISE
+    current or delayed, or rowwise)."""
+    return config is not None and not config.fine_grained and config.granularity in (ScalingGranularity.TENSORWISE,
+                                                                                      ScalingGranularity.ROWWISE)
+
+
+def _rowwise_kernels(h: torch.Tensor, group_offs):
+    """``kernels/triton/rowwise_layouts`` where it takes this call (a GPU, few enough groups)."""
+    if not h.is_cuda:
+        return None
+    kernels = triton_kernels("rowwise_layouts")
+    return kernels if kernels is not None and group_offs.shape[0] - 1 <= kernels.MAX_GROUPS else None
 
 
 def _halves(h: torch.Tensor):
@@ -102,6 +113,23 @@ def quantize_weighted_swiglu(h: torch.Tensor, probs: torch.Tensor, fp8_dtype: to
                                        history=history)
 
 
+def quantize_weighted_swiglu_rowwise(h: torch.Tensor, probs: torch.Tensor, group_offs: torch.Tensor,
+                                     fp8_dtype: torch.dtype, margin: int = 0, *, transposed: bool = True):
+    """Rowwise FP8 of :func:`weighted_swiglu` ``(h, probs)``: ``(rows [M, F], row dequant [M],
+    token-major [F, M] or None, (group, column) dequant [G, F])``, as
+    ``quantize.quantize_rowwise_layouts`` returns them for a materialized activation; on a GPU
+    without materializing it (two passes over ``h``)."""
+    kernels = _rowwise_kernels(h, group_offs)
+    if kernels is not None:
+        return kernels.swiglu_rowwise_layouts(h, probs, group_offs, fp8_dtype, fp8_max(fp8_dtype), margin,
+                                              write_transposed=transposed)
+    a = weighted_swiglu(h, probs)
+    if not transposed:
+        rows, row_dequant = quantize_rowwise(a, fp8_dtype, margin)
+        return rows, row_dequant, None, None
+    return quantize_rowwise_layouts(a, fp8_dtype, margin, group_offs)
+
+
 def weighted_swiglu_backward(h: torch.Tensor, probs: torch.Tensor, da: torch.Tensor):
     """``(dh [M, 2F] in h's dtype, dprobs [M] in probs' dtype)`` of :func:`weighted_swiglu`, given
     ``da`` ``[M, F]``; float32 inside, ``dprobs`` summed per row in a fixed order."""
@@ -125,12 +153,25 @@ def _weighted_swiglu_grads(h: torch.Tensor, probs: torch.Tensor, da: torch.Tenso
 
 def quantize_weighted_swiglu_backward(h: torch.Tensor, probs: torch.Tensor, da: torch.Tensor, fp8_dtype: torch.dtype,
                                       margin: int = 0, *, rows: bool = True, transposed: bool = False,
-                                      history: Optional[AmaxHistory] = None):
+                                      history: Optional[AmaxHistory] = None,
+                                      rowwise_offs: Optional[torch.Tensor] = None):
     """``(rows [M, 2F] or None, transposed [2F, M] or None, dequant scale, dprobs [M])``: ``dh`` of
     :func:`weighted_swiglu_backward` quantized tensorwise from its float32 values, as
     ``quantize.quantize_tensorwise_layouts`` returns a materialized tensor's layouts, without ``dh``
     ever existing in h's dtype; ``dprobs`` in probs' dtype. ``history``: delayed scaling (one pass
-    on a GPU: ``dh``'s layouts and ``dprobs`` together)."""
+    on a GPU: ``dh``'s layouts and ``dprobs`` together). ``rowwise_offs``: rowwise instead, per row
+    and per (group of these offsets, column); the scale is then both scales packed in one tensor
+    (``quantize.pack_scales``: what a rowwise ``QuantizedGradHandoff`` carries)."""
+    if rowwise_offs is not None:
+        kernels = _rowwise_kernels(h, rowwise_offs)
+        if kernels is not None:
+            return kernels.swiglu_backward_rowwise_layouts(h, probs, da, rowwise_offs, fp8_dtype, fp8_max(fp8_dtype),
+                                                           margin, probs.dtype, write_rows=rows,
+                                                           write_transposed=transposed)
+        dh, dprobs = _weighted_swiglu_grads(h, probs, da)
+        q_rows, row_dequant, q_t, col_dequant = quantize_rowwise_layouts(dh, fp8_dtype, margin, rowwise_offs)
+        return (q_rows if rows else None, q_t if transposed else None, pack_scales(row_dequant, col_dequant),
+                dprobs.to(probs.dtype))
     kernels = _swiglu_kernels(h)
     if kernels is not None and history is not None:
         history.prepare(h.device, fp8_dtype, margin, lambda: kernels.swiglu_backward_dh_amax(h, probs, da))
@@ -154,15 +195,20 @@ def _grad_is_observed(h: Optional[torch.Tensor]) -> bool:
 
 def _swiglu_gemm_forward_tensors(h, probs, w_nk, w_fp8, group_offs, config, num_cu, backend, out_dtype, need_da,
                                  need_dw, history):
-    """The forward's GPU work: ``(y, W^T in FP8, its scale, a token-major in FP8, a's scale)``
+    """The forward's GPU work: ``(y, W^T in FP8, its scale, a token-major in FP8, its scale)``
     with ``a = weighted_swiglu(h, probs)`` (never materialized in h's dtype)."""
     w_q, w_scale, w_kn, w_kn_scale = fp8_weight_for(w_nk, w_fp8, config, need_da)
-    a_fp8, a_km, a_scale = quantize_weighted_swiglu(h, probs, config.forward_dtype, config.margin,
-                                                    transposed=need_dw, history=history)
+    if config.granularity is ScalingGranularity.ROWWISE:
+        a_fp8, a_scale, a_km, a_km_scale = quantize_weighted_swiglu_rowwise(h, probs, group_offs, config.forward_dtype,
+                                                                            config.margin, transposed=need_dw)
+    else:
+        a_fp8, a_km, a_scale = quantize_weighted_swiglu(h, probs, config.forward_dtype, config.margin,
+                                                        transposed=need_dw, history=history)
+        a_km_scale = a_scale
     y = _run(GemmKind.M_GROUPED, a_fp8, w_q, a_scale, w_scale, group_offs, out_dtype, num_cu, backend, "fwd", config)
     if not need_da:
         w_kn = w_kn_scale = None
-    return y, w_kn, w_kn_scale, a_km, a_scale
+    return y, w_kn, w_kn_scale, a_km, a_km_scale
 
 
 # Host-plan regions (turbo_moe.host_plan): the forward (the activation's cast + fc2's GEMM) and
@@ -185,7 +231,7 @@ class GroupedSwiGLUGemmFP8Function(torch.autograd.Function):
         history = delayed and delayed.input
         compute = functools.partial(_swiglu_gemm_forward_tensors, h, probs, w_nk, w_fp8, group_offs, config, num_cu,
                                     backend, out_dtype, need_da, need_dw, history)
-        y, w_kn, w_kn_scale, a_km, a_scale = through_plan(
+        y, w_kn, w_kn_scale, a_km, a_km_scale = through_plan(
             _FORWARD_REGION, (config, num_cu, backend, out_dtype, need_da, need_dw, *cached_weight_key(w_fp8)),
             (h, probs, w_nk, group_offs, *cached_weight_inputs(w_fp8)), compute, (history,))
         stash_for_fp8_gemm_backward(ctx, w_kn, config, num_cu, backend, h.dtype, w_nk.dtype, wgrad_target,
@@ -193,25 +239,26 @@ class GroupedSwiGLUGemmFP8Function(torch.autograd.Function):
         ctx.h_grad_handoff = h_grad_handoff
         ctx.h_ref = weakref.ref(h) if h_grad_handoff is not None else None
         ctx.save_for_backward(h if need_da else None, probs if need_da else None, w_nk if need_da else None,
-                              w_kn_scale, a_km, a_scale if need_dw else None, group_offs)
+                              w_kn_scale, a_km, a_km_scale if need_dw else None, group_offs)
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        h, probs, w_nk, w_kn_scale, a_km, a_scale, group_offs = ctx.saved_tensors
+        h, probs, w_nk, w_kn_scale, a_km, a_km_scale, group_offs = ctx.saved_tensors
         need_da = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        da, dw = fp8_gemm_backward(ctx, dy, w_nk, w_kn_scale, a_km, a_scale, group_offs, need_da,
+        da, dw = fp8_gemm_backward(ctx, dy, w_nk, w_kn_scale, a_km, a_km_scale, group_offs, need_da,
                                    ctx.needs_input_grad[2])
         dh = dprobs = None
         handoff = ctx.h_grad_handoff
         if need_da and handoff is not None and handoff.expecting and ctx.needs_input_grad[0] \
                 and not _grad_is_observed(ctx.h_ref()):
+            offs = group_offs if handoff.rowwise else None
             compute = functools.partial(quantize_weighted_swiglu_backward, h, probs, da, handoff.grad_dtype,
                                         handoff.margin, rows=handoff.need_rows, transposed=handoff.need_transposed,
-                                        history=handoff.history)
-            static = (handoff.grad_dtype, handoff.margin, handoff.need_rows, handoff.need_transposed)
-            rows, transposed, scale, dprobs = through_plan(_BACKWARD_REGION, static, (h, probs, da), compute,
+                                        history=handoff.history, rowwise_offs=offs)
+            static = (handoff.grad_dtype, handoff.margin, handoff.need_rows, handoff.need_transposed, handoff.rowwise)
+            rows, transposed, scale, dprobs = through_plan(_BACKWARD_REGION, static, (h, probs, da, offs), compute,
                                                            (handoff.history,))
             dh = handoff.give(rows, transposed, scale, like=h)
         elif need_da:
@@ -237,7 +284,8 @@ def grouped_gemm_fp8_swiglu(h: torch.Tensor, probs: torch.Tensor, w: torch.Tenso
         w: ``[G, N, F]`` (fc2's weight, ``trans_b=True`` layout).
         group_offs: int64 ``[G+1]`` offsets on h's device, checked (and on a GPU clamped) as
             ``grouped_gemm_fp8`` checks its ``group_offs``.
-        config: a tensorwise ``Float8Config`` (see :func:`fuses_swiglu`); default ``Float8Config()``.
+        config: a tensorwise or rowwise ``Float8Config`` (see :func:`fuses_swiglu`); default
+            ``Float8Config()``.
         num_cu, backend, out_dtype, w_fp8, wgrad_target: as ``grouped_gemm_fp8`` and
             ``autograd._grouped_gemm_fp8_resolved``.
         h_grad_handoff: the ``QuantizedGradHandoff`` that the FP8 GEMM producing ``h`` (fc1) was
@@ -249,7 +297,8 @@ def grouped_gemm_fp8_swiglu(h: torch.Tensor, probs: torch.Tensor, w: torch.Tenso
     """
     config = resolve_call_options(config, num_cu, out_dtype, delayed_state)
     if not fuses_swiglu(config):
-        raise ValueError(f"grouped_gemm_fp8_swiglu supports tensorwise scaling only, got {config.granularity.value}; "
+        raise ValueError(f"grouped_gemm_fp8_swiglu supports tensorwise and rowwise scaling, got "
+                         f"{'fine-grained ' if config.fine_grained else ''}{config.granularity.value}; "
                          "apply the activation, then grouped_gemm_fp8")
     for name, t in (("h", h), ("w", w), ("probs", probs)):
         if not isinstance(t, torch.Tensor):

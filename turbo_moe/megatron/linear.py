@@ -335,10 +335,10 @@ class TurboGroupedLinear(planned_layer.KeepsPlannedLayers, GroupedLinearCheckpoi
         """
         width = self.in_features if swiglu_probs is None else 2 * self.in_features
         if swiglu_probs is not None and not self.fuses_swiglu_input():
-            raise ValueError("swiglu_probs needs an FP8 tensorwise recipe (fuses_swiglu_input() is False): "
+            raise ValueError("swiglu_probs needs an FP8 tensorwise or rowwise recipe (fuses_swiglu_input() is False): "
                              "apply the activation and pass its output instead")
         if grad_handoff is not None and swiglu_probs is None and not self.hands_off_output_grad():
-            raise ValueError("grad_handoff needs an FP8 tensorwise recipe and no bias added by this layer "
+            raise ValueError("grad_handoff needs an FP8 tensorwise or rowwise recipe and no bias added by this layer "
                              "(hands_off_output_grad() is False)")
         if x.dim() != 2:
             raise ValueError(f"x must be 2-D [tokens, {width}], got shape {tuple(x.shape)}")

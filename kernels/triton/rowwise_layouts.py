@@ -1,0 +1,407 @@
+"""Rowwise FP8 of a wgrad operand, both layouts in two passes: a stats pass, then one cast.
+
+A rowwise wgrad operand needs two FP8 copies with different scales: row-major scaled per row (over
+the columns: the forward / dgrad operand) and token-major scaled per (group, column) over the
+group's rows (the wgrad operand). ``fp8_cast``'s one-pass kernels make one copy each and read the
+source twice each (an amax loop, then a cast loop): four reads for the pair. Here a stats pass
+reads the source once and finds both amaxes, and a cast pass reads it once more and writes both
+copies (its transposed loads hit L2): two reads.
+
+The source is a tensor (``SOURCE_TENSOR``: x, dy, W) or, in an expert MLP, a value that exists
+only inside the kernels (``swiglu_fp8``'s tile functions, the same math as its tensorwise kernels):
+
+* ``SOURCE_SWIGLU``: ``a = silu(h[:, :F]) * h[:, F:] * probs``, fc2's input, from fc1's output ``h``;
+* ``SOURCE_SWIGLU_GRAD``: ``dh`` [M, 2F], fc1's output gradient, from ``h``, ``probs`` and fc2's
+  dgrad output ``da``; each tile of ``F``-columns gives the gate half (columns c) and the linear
+  half (columns F + c). The stats pass also sums ``dprobs`` per (row, column split), which the cast
+  pass adds up in split order (fixed: deterministic).
+
+Neither ``a`` nor ``dh`` is written in high precision: a rowwise MLP quantizes them as the
+tensorwise one does (``swiglu_fp8``'s module docstring), with the rowwise scales.
+
+Tiles. The stats pass walks group-aligned row tiles in the M-grouped problem's group-major order
+(the shared scheduler's ``m_grouped_group_tiles`` / ``swizzle_group_m``): every row of a tile
+belongs to one group, so its column maxima go to one (group, column) slot. Each program finds its
+tile from the offsets loaded as one vector (a cumulative sum of the groups' tile counts), not by a
+walk over the groups. The cast pass walks plain row tiles instead: a tile that starts at a group's
+first row is not 16-byte aligned in the transposed copy, whose byte-wise stores ran the cast at
+half speed (H100); it finds its rows' groups by a binary search over the offsets.
+
+Column maxima of one group come from many tiles: they meet by ``atomic_max`` on the float bits
+(|x| is non-negative, so its bits order as its values; a NaN's bits order above +inf, so NaN wins
+as torch's amax keeps it): exact in any order, deterministic. That buffer starts zeroed by
+:func:`zero_f32_kernel` (a launch, not ``torch.zeros``: a host plan's zero-filled allocation
+would stop its replay from freeing as it goes). Row maxima come as per-split partials (column
+splits of ``_SPLIT``) that the cast reduces.
+
+H100, 98304 x 1024 / x 4096 bf16, 64 groups (``scripts/probe_rowwise_layouts.py``): stats 0.10 /
+0.34 ms, cast 0.18 / 0.74 ms, against 0.37 / 1.41 ms for the two one-pass kernels (0.80 / 1.52
+under skewed routing, where the columnwise kernel's per-group programs serialize) and 0.24 / 0.98
+ms for tensorwise's amax and cast.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import scheduler as S
+from .fp8_cast import _batched, _cdiv, _quant_scales, clamp_keep_nan
+from .launch import arg_fact, lean
+from .swiglu_fp8 import _swiglu_grad_tile, _weighted_swiglu_tile
+
+SOURCE_TENSOR, SOURCE_SWIGLU, SOURCE_SWIGLU_GRAD = 0, 1, 2
+
+
+@triton.jit
+def zero_f32_kernel(ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(ptr + offs, tl.zeros((BLOCK,), tl.float32), mask=offs < n)
+
+
+@triton.jit
+def _grouped_row_tile(tile, offs_ptr, R, G, num_n_blocks, ONE_GROUP: tl.constexpr, G_PAD: tl.constexpr,
+                      BLOCK_R: tl.constexpr):
+    """(group, first row, end row, m_block, n_block) of an M-grouped tile id, ``group == G`` past
+    the last tile. ONE_GROUP: all R rows are group 0 (offsets not read)."""
+    if ONE_GROUP:
+        group = tl.where(tile < S.m_grouped_group_tiles(R, BLOCK_R, num_n_blocks), 0, G)
+        lo = tl.zeros((), tl.int64)
+        hi = R.to(tl.int64)
+        local = tile
+    else:
+        g = tl.arange(0, G_PAD)
+        lo_v = tl.load(offs_ptr + g, mask=g < G, other=0)
+        hi_v = tl.load(offs_ptr + g + 1, mask=g < G, other=0)
+        tiles_v = S.m_grouped_group_tiles(hi_v - lo_v, BLOCK_R, num_n_blocks)
+        end_v = tl.cumsum(tiles_v, 0)
+        group = tl.sum((end_v <= tile).to(tl.int32), 0)
+        mine = g == group
+        local = tile - tl.sum(tl.where(mine, end_v - tiles_v, 0), 0)
+        lo = tl.sum(tl.where(mine, lo_v, 0), 0)
+        hi = tl.sum(tl.where(mine, hi_v, 0), 0)
+    m_block, n_block = S.swizzle_group_m(local, S.cdiv(hi - lo, BLOCK_R), num_n_blocks, 1)
+    return group, lo, hi, m_block, n_block
+
+
+@triton.jit
+def _row_groups(offs_ptr, rows, G, SEARCH_STEPS: tl.constexpr):
+    """Group of each row (the largest g < G with offs[g] <= row; rows past the end land in G - 1),
+    by a binary search of SEARCH_STEPS = bit_length(G - 1) steps over the offsets."""
+    lo = tl.zeros(rows.shape, tl.int32)
+    hi = tl.zeros(rows.shape, tl.int32) + (G - 1)
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        up = tl.load(offs_ptr + mid) <= rows
+        lo = tl.where(up, mid, lo)
+        hi = tl.where(up, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _source_tile(x_ptr, probs_ptr, da_ptr, rows, cols, row_end, C, stride_xr, stride_xc, stride_da,
+                 SOURCE: tl.constexpr, ROWS_FIRST: tl.constexpr):
+    """float32 ``(half0, half1, dprob)`` of a source tile over rows < row_end and cols < C (the
+    source's columns: C, or F for the SwiGLU sources): ``[rows, cols]`` when ROWS_FIRST, else
+    ``[cols, rows]`` from transposed loads; masked-out elements 0. ``half1`` and ``dprob`` only
+    mean something for SOURCE_SWIGLU_GRAD (dh's linear half, ``da * silu(gate) * linear``)."""
+    if SOURCE == 0:
+        if ROWS_FIRST:
+            mask = (rows[:, None] < row_end) & (cols[None, :] < C)
+            v = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0)
+        else:
+            mask = (cols[:, None] < C) & (rows[None, :] < row_end)
+            v = tl.load(x_ptr + cols[:, None] * stride_xc + rows[None, :] * stride_xr, mask=mask, other=0.0)
+        v = v.to(tl.float32)
+        return v, v, v
+    elif SOURCE == 1:
+        a = _weighted_swiglu_tile(x_ptr, probs_ptr, rows, cols, row_end, C, stride_xr, ROWS_FIRST)
+        return a, a, a
+    else:
+        return _swiglu_grad_tile(x_ptr, probs_ptr, da_ptr, rows, cols, row_end, C, stride_xr, stride_da, ROWS_FIRST)
+
+
+@triton.jit
+def _bits(v):
+    """|v| as int32 bits (orders as the values; NaN above +inf)."""
+    return tl.abs(v).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def rowwise_layouts_stats_kernel(
+    x_ptr, probs_ptr, da_ptr, offs_ptr, row_part_ptr, col_amax_ptr, dprobs_part_ptr,
+    R, C, G, num_splits, split_cols, stride_xb, stride_xr, stride_xc, stride_da,
+    SOURCE: tl.constexpr, ONE_GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Pass 1 over the source [B, R, C] (C its own columns; the output has 2C for the SwiGLU
+    gradient): tile (group, row block, column split) stores its rows' max |v| over the split to
+    row_part [B, num_splits, R] (as float bits) and folds its columns' max |v| into col_amax [B, G,
+    OUT_C] (zeroed) by atomic max; SOURCE_SWIGLU_GRAD also stores its rows' dprobs partial sums to
+    dprobs_part [num_splits, R]."""
+    batch = tl.program_id(1).to(tl.int64)
+    group, lo, hi, m_block, split = _grouped_row_tile(tl.program_id(0).to(tl.int64), offs_ptr, R, G, num_splits,
+                                                      ONE_GROUP, G_PAD, BLOCK_R)
+    if group < G:
+        out_c = 2 * C if SOURCE == 2 else C
+        rows = lo + m_block * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < hi
+        x_b = x_ptr + batch * stride_xb
+        col_slot = col_amax_ptr.to(tl.pointer_type(tl.int32)) + (batch * G + group) * out_c
+        row_bits = tl.zeros((BLOCK_R,), tl.int32)
+        dprob = tl.zeros((BLOCK_R,), tl.float32)
+        c_lo = split * split_cols
+        c_hi = tl.minimum(c_lo + split_cols, C)
+        for c0 in range(c_lo, c_hi, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            col_ok = cols < C  # (splits are whole column blocks: a block never crosses into the next split)
+            v0, v1, dp = _source_tile(x_b, probs_ptr, da_ptr, rows, cols, hi, C, stride_xr, stride_xc, stride_da,
+                                      SOURCE, True)
+            bits = _bits(v0)
+            row_bits = tl.maximum(row_bits, tl.max(bits, axis=1))
+            tl.atomic_max(col_slot + cols, tl.max(bits, axis=0), mask=col_ok, sem="relaxed")
+            if SOURCE == 2:
+                bits1 = _bits(v1)
+                row_bits = tl.maximum(row_bits, tl.max(bits1, axis=1))
+                tl.atomic_max(col_slot + C + cols, tl.max(bits1, axis=0), mask=col_ok, sem="relaxed")
+                dprob += tl.sum(dp, axis=1)
+        tl.store(row_part_ptr + (batch * num_splits + split) * R + rows, row_bits.to(tl.float32, bitcast=True),
+                 mask=row_ok)
+        if SOURCE == 2:
+            tl.store(dprobs_part_ptr + split * R + rows, dprob, mask=row_ok)
+
+
+@triton.jit
+def _store_fp8_scaled(ptrs, v, scale, mask, FP8_MAX: tl.constexpr):
+    q = clamp_keep_nan(v * scale, FP8_MAX)
+    tl.store(ptrs, q.to(ptrs.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+
+
+@triton.jit
+def _column_scales(col_amax_b, cols, col_ok, row_group, group_lo, out_c, mask_t, UNIFORM: tl.constexpr,
+                   FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr):
+    """Quantization scales of a transposed tile's columns: one [BLOCK_C, 1] vector when the tile's
+    rows are one group (UNIFORM), else one per (column, row) gathered by the rows' groups."""
+    if UNIFORM:
+        amax = tl.load(col_amax_b + group_lo * out_c + cols, mask=col_ok, other=0.0)
+        scale, _ = _quant_scales(amax, FP8_MAX, MARGIN_FACTOR)
+        return scale[:, None]
+    else:
+        amax = tl.load(col_amax_b + row_group[None, :].to(tl.int64) * out_c + cols[:, None], mask=mask_t, other=0.0)
+        scale, _ = _quant_scales(amax, FP8_MAX, MARGIN_FACTOR)
+        return scale
+
+
+@triton.jit
+def _cast_transposed(x_b, probs_ptr, da_ptr, out_t_b, col_amax_b, rows, cols, row_ok, col_ok, row_group, group_lo,
+                     R, C, stride_xr, stride_xc, stride_da, SOURCE: tl.constexpr, UNIFORM: tl.constexpr,
+                     FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr):
+    out_c = 2 * C if SOURCE == 2 else C
+    mask_t = col_ok[:, None] & row_ok[None, :]
+    v0, v1, _ = _source_tile(x_b, probs_ptr, da_ptr, rows, cols, R, C, stride_xr, stride_xc, stride_da, SOURCE, False)
+    _store_fp8_scaled(out_t_b + cols[:, None] * R + rows[None, :], v0,
+                      _column_scales(col_amax_b, cols, col_ok, row_group, group_lo, out_c, mask_t, UNIFORM, FP8_MAX,
+                                     MARGIN_FACTOR), mask_t, FP8_MAX)
+    if SOURCE == 2:
+        _store_fp8_scaled(out_t_b + (cols[:, None] + C) * R + rows[None, :], v1,
+                          _column_scales(col_amax_b, cols + C, col_ok, row_group, group_lo, out_c, mask_t, UNIFORM,
+                                         FP8_MAX, MARGIN_FACTOR), mask_t, FP8_MAX)
+
+
+@triton.jit
+def rowwise_layouts_cast_kernel(
+    x_ptr, probs_ptr, da_ptr, offs_ptr, row_part_ptr, col_amax_ptr, dprobs_part_ptr,
+    out_ptr, out_t_ptr, row_dequant_ptr, col_dequant_ptr, dprobs_ptr,
+    R, C, G, num_splits, num_tiles, stride_xb, stride_xr, stride_xc, stride_da,
+    FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_T: tl.constexpr,
+    SOURCE: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_S: tl.constexpr, FINAL_BLOCK: tl.constexpr,
+):
+    """Pass 2: tile (row block, column block) of the source scales its rows by their amax (the
+    splits' partials reduced) into out [B, R, OUT_C] and each column by its row's group's amax into
+    out_t [B, OUT_C, R]; column block 0 stores the rows' dequantization scales (and dprobs, the
+    splits' partials summed in order). Plain row tiles, not group-aligned ones (module docstring):
+    a tile inside one group multiplies by one scale vector; one that straddles groups gathers a
+    scale per (column, row). Programs past ``num_tiles`` store col_dequant [B, G, OUT_C] for every
+    group, empty ones too (amax 0: scale 1)."""
+    pid = tl.program_id(0)
+    batch = tl.program_id(1).to(tl.int64)
+    out_c = 2 * C if SOURCE == 2 else C
+    if pid >= num_tiles:
+        flat = (pid - num_tiles).to(tl.int64) * FINAL_BLOCK + tl.arange(0, FINAL_BLOCK)
+        ok = flat < G * out_c
+        col_amax = tl.load(col_amax_ptr + batch * G * out_c + flat, mask=ok, other=0.0)
+        _col_scale, col_dequant = _quant_scales(col_amax, FP8_MAX, MARGIN_FACTOR)
+        tl.store(col_dequant_ptr + batch * G * out_c + flat, col_dequant, mask=ok)
+    else:
+        num_n_blocks = S.cdiv(C, BLOCK_C)
+        m_block = pid // num_n_blocks
+        n_block = pid % num_n_blocks
+        rows = m_block.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = n_block.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+        row_ok = rows < R
+        col_ok = cols < C
+        x_b = x_ptr + batch * stride_xb
+        splits = tl.arange(0, BLOCK_S)
+        part = tl.load(row_part_ptr.to(tl.pointer_type(tl.int32)) + (batch * num_splits + splits[None, :]) * R
+                       + rows[:, None], mask=row_ok[:, None] & (splits[None, :] < num_splits), other=0)
+        row_scale, row_dequant = _quant_scales(tl.max(part, axis=1).to(tl.float32, bitcast=True), FP8_MAX,
+                                               MARGIN_FACTOR)
+        if n_block == 0:
+            tl.store(row_dequant_ptr + batch * R + rows, row_dequant, mask=row_ok)
+            if SOURCE == 2:
+                dprob = tl.zeros((BLOCK_R,), tl.float32)
+                for s in range(0, num_splits):
+                    dprob += tl.load(dprobs_part_ptr + s * R + rows, mask=row_ok, other=0.0)
+                tl.store(dprobs_ptr + rows, dprob.to(dprobs_ptr.dtype.element_ty), mask=row_ok)
+        if WRITE_ROWS:
+            mask = row_ok[:, None] & col_ok[None, :]
+            v0, v1, _dprob = _source_tile(x_b, probs_ptr, da_ptr, rows, cols, R, C, stride_xr, stride_xc, stride_da,
+                                          SOURCE, True)
+            out_rows = out_ptr + batch * R * out_c + rows[:, None] * out_c + cols[None, :]
+            _store_fp8_scaled(out_rows, v0, row_scale[:, None], mask, FP8_MAX)
+            if SOURCE == 2:
+                _store_fp8_scaled(out_rows + C, v1, row_scale[:, None], mask, FP8_MAX)
+        if WRITE_T:
+            # (one group: no search step, no offset read; group 0 everywhere)
+            row_group = _row_groups(offs_ptr, tl.minimum(rows, R - 1), G, SEARCH_STEPS)
+            group_lo = tl.min(row_group, axis=0)
+            out_t_b = out_t_ptr + batch * R * out_c
+            col_amax_b = col_amax_ptr + batch * G * out_c
+            if group_lo == tl.max(row_group, axis=0):
+                _cast_transposed(x_b, probs_ptr, da_ptr, out_t_b, col_amax_b, rows, cols, row_ok, col_ok, row_group,
+                                 group_lo, R, C, stride_xr, stride_xc, stride_da, SOURCE, True, FP8_MAX,
+                                 MARGIN_FACTOR)
+            else:
+                _cast_transposed(x_b, probs_ptr, da_ptr, out_t_b, col_amax_b, rows, cols, row_ok, col_ok, row_group,
+                                 group_lo, R, C, stride_xr, stride_xc, stride_da, SOURCE, False, FP8_MAX,
+                                 MARGIN_FACTOR)
+
+
+# Pass 1's row tile, column block and split (a program reads BLOCK_R x _SPLIT of the source), pass
+# 2's tile, and the most groups a program loads as one vector (past it: the one-pass kernels). H100
+# sweep (scripts/probe_rowwise_layouts.py, 98304 x 1024 / 4096): stats 256 x 64 on 8 warps 0.099 /
+# 0.335 ms (64-256 rows x 64-256 columns, 4-8 warps: 0.100-0.26 / 0.34-0.98), cast 32 x 64 on 4
+# warps 0.182 / 0.740 (32-128 x 64-128, 4-8 warps: up to 0.26 / 1.04).
+_STATS_R, _STATS_C, _SPLIT, _STATS_WARPS = 256, 64, 1024, 8
+_CAST_R, _CAST_C, _CAST_WARPS = 32, 64, 4
+_FINAL = 1024
+MAX_GROUPS = 4096
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 1).bit_length()
+
+
+def _layouts(source, x, probs, da, group_offs, fp8_dtype, fp8_max, margin, write_rows, write_transposed,
+             dprobs_dtype=None):
+    """Both layouts of the source (``x`` [R, C] or [B, R, C]; the SwiGLU sources' ``x`` is ``h``
+    [R, 2F]): ``(rows or None, row dequant, transposed or None, column dequant, dprobs or None)``."""
+    import torch
+
+    batches, r, c_in, stride_b = _batched(x)
+    c = c_in if source == SOURCE_TENSOR else c_in // 2  # the source's own columns
+    out_c = 2 * c if source == SOURCE_SWIGLU_GRAD else c
+    one_group = group_offs is None
+    groups = 1 if one_group else group_offs.shape[0] - 1
+    if groups > MAX_GROUPS:
+        raise ValueError(f"rowwise layouts: group_offs has {groups} groups, more than {MAX_GROUPS}")
+    device = x.device
+    lead = x.shape[:-2]
+    rows = torch.empty(lead + (r, out_c), dtype=fp8_dtype, device=device) if write_rows else None
+    trans = torch.empty(lead + (out_c, r), dtype=fp8_dtype, device=device) if write_transposed else None
+    num_splits = max(_cdiv(c, _SPLIT), 1)
+    grad = source == SOURCE_SWIGLU_GRAD
+    # One float32 allocation: the column amaxes (zeroed), the row partials, the dprobs partials, then
+    # the row and column dequantization scales side by side (a rowwise QuantizedGradHandoff hands
+    # them on as one tensor: ``packed_scales``).
+    col_n, part_n, row_n = batches * groups * out_c, batches * num_splits * r, batches * r
+    dp_n = num_splits * r if grad else 0
+    stats = torch.empty((col_n + part_n + dp_n + row_n + col_n,), dtype=torch.float32, device=device)
+    col_amax = stats[:col_n]
+    row_part = stats[col_n:col_n + part_n]
+    dprobs_part = stats[col_n + part_n:col_n + part_n + dp_n] if grad else stats
+    scales = stats[col_n + part_n + dp_n:]
+    row_dequant = scales[:row_n].view(x.shape[:-1])
+    col_dequant = scales[row_n:].view(lead + (groups, out_c))
+    dprobs = torch.empty((r,), dtype=dprobs_dtype, device=device) if grad else None
+    if batches * r * c == 0:  # no element: every amax is 0, every scale 1
+        scales.fill_(1.0)
+        if grad:
+            dprobs.zero_()
+        return rows, row_dequant, trans, col_dequant, dprobs, scales
+    offs = x if one_group else group_offs
+    g_pad = 1 if one_group else _next_pow2(groups)
+    stride_r = x.stride(-2)
+    stride_c = x.stride(-1) if source == SOURCE_TENSOR else 1
+    stride_da = da.stride(0) if grad else 0
+    probs_arg = probs if probs is not None else x
+    da_arg = da if grad else x
+    _zero.launch_keyed((_cdiv(col_n, _FINAL),), (arg_fact(col_n), stats.data_ptr() % 16 == 0),
+                       col_amax, col_n, BLOCK=_FINAL, num_warps=4)
+    # The tile bound needs no group sizes: sum_g cdiv(M_g, BR) <= cdiv(R, BR) + G.
+    stats_tiles = (_cdiv(r, _STATS_R) + (0 if one_group else groups)) * num_splits
+    aligned = tuple(t.data_ptr() % 16 == 0 for t in (x, probs_arg, da_arg, offs, stats, row_part, dprobs_part))
+    shape_key = (source, x.dtype, probs_arg.dtype, da_arg.dtype, one_group, g_pad, arg_fact(r), c, groups, batches,
+                 stride_b, stride_r, stride_c, arg_fact(stride_da), _STATS_R, _STATS_C, _SPLIT, _STATS_WARPS, _CAST_R,
+                 _CAST_C, _CAST_WARPS)
+    _stats.launch_keyed(
+        (stats_tiles, batches), shape_key + aligned,
+        x, probs_arg, da_arg, offs, row_part, col_amax, dprobs_part, r, c, groups, num_splits, _SPLIT, stride_b,
+        stride_r, stride_c, stride_da,
+        SOURCE=source, ONE_GROUP=one_group, G_PAD=g_pad, BLOCK_R=_STATS_R, BLOCK_C=_STATS_C, num_warps=_STATS_WARPS,
+    )
+    cast_tiles = _cdiv(r, _CAST_R) * _cdiv(c, _CAST_C)
+    out = rows if rows is not None else (trans if trans is not None else stats)
+    dprobs_arg = dprobs if grad else stats
+    _cast.launch_keyed(
+        (cast_tiles + _cdiv(groups * out_c, _FINAL), batches),
+        shape_key + aligned + (fp8_dtype, fp8_max, margin, write_rows, write_transposed, num_splits,
+                               arg_fact(cast_tiles), out.data_ptr() % 16 == 0,
+                               trans is None or trans.data_ptr() % 16 == 0, row_dequant.data_ptr() % 16 == 0,
+                               col_dequant.data_ptr() % 16 == 0, dprobs_arg.dtype, dprobs_arg.data_ptr() % 16 == 0),
+        x, probs_arg, da_arg, offs, row_part, col_amax, dprobs_part, out, trans if trans is not None else out,
+        row_dequant, col_dequant, dprobs_arg, r, c, groups, num_splits, cast_tiles, stride_b, stride_r, stride_c,
+        stride_da,
+        FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, WRITE_ROWS=write_rows, WRITE_T=write_transposed,
+        SOURCE=source, SEARCH_STEPS=(groups - 1).bit_length(), BLOCK_R=_CAST_R, BLOCK_C=_CAST_C,
+        BLOCK_S=_next_pow2(num_splits), FINAL_BLOCK=_FINAL, num_warps=_CAST_WARPS,
+    )
+    return rows, row_dequant, trans, col_dequant, dprobs, scales
+
+
+def fp8_rowwise_layouts(x, group_offs, fp8_dtype, fp8_max: float, margin: int = 0, write_rows: bool = True,
+                        write_transposed: bool = True):
+    """Both rowwise layouts of x [R, C] (or [B, R, C]) in two passes (plus the zeroing launch):
+    ``(rows [..., R, C] or None, row dequant [..., R], transposed [..., C, R] or None, column dequant
+    [..., G, C])``, the same bits as ``fp8_cast.fp8_rowwise_cast`` and ``fp8_colwise_grouped_cast``.
+    ``group_offs`` [G+1] (None: all rows one group, G = 1); at most ``MAX_GROUPS`` groups."""
+    return _layouts(SOURCE_TENSOR, x, None, None, group_offs, fp8_dtype, fp8_max, margin, write_rows,
+                    write_transposed)[:4]
+
+
+def swiglu_rowwise_layouts(h, probs, group_offs, fp8_dtype, fp8_max: float, margin: int = 0, write_rows: bool = True,
+                           write_transposed: bool = True):
+    """Both rowwise layouts of ``a = silu(h[:, :F]) * h[:, F:] * probs`` without materializing it:
+    ``(rows [M, F], row dequant [M], transposed [F, M], column dequant [G, F])`` (``h`` [M, 2F] with
+    unit column stride; ``probs`` [M] contiguous float)."""
+    return _layouts(SOURCE_SWIGLU, h, probs, None, group_offs, fp8_dtype, fp8_max, margin, write_rows,
+                    write_transposed)[:4]
+
+
+def swiglu_backward_rowwise_layouts(h, probs, da, group_offs, fp8_dtype, fp8_max: float, margin: int, dprobs_dtype,
+                                    write_rows: bool = True, write_transposed: bool = True):
+    """Both rowwise layouts of ``dh`` [M, 2F] (the SwiGLU's input gradient, from its float32 values)
+    and ``dprobs`` [M] in ``dprobs_dtype``, without materializing ``dh``: ``(rows [M, 2F] or None,
+    transposed [2F, M] or None, packed dequantization scales, dprobs)``, the scales packed as one
+    float32 tensor (the M row scales, then the G x 2F column scales) for a rowwise
+    ``QuantizedGradHandoff`` (``turbo_moe.quantize.split_packed_scales`` views them apart)."""
+    rows, _, trans, _, dprobs, packed = _layouts(SOURCE_SWIGLU_GRAD, h, probs, da, group_offs, fp8_dtype, fp8_max,
+                                                 margin, write_rows, write_transposed, dprobs_dtype)
+    return rows, trans, packed, dprobs
+
+
+# Host-lean launchers (kernels/triton/launch.py).
+_zero = lean(zero_f32_kernel)
+_stats = lean(rowwise_layouts_stats_kernel)
+_cast = lean(rowwise_layouts_cast_kernel)
