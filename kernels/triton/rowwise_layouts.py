@@ -278,15 +278,28 @@ def rowwise_layouts_cast_kernel(
                                  MARGIN_FACTOR)
 
 
-# Pass 1's row tile, column block and split (a program reads BLOCK_R x _SPLIT of the source), pass
-# 2's tile, and the most groups a program loads as one vector (past it: the one-pass kernels). H100
-# sweep (scripts/probe_rowwise_layouts.py, 98304 x 1024 / 4096): stats 256 x 64 on 8 warps 0.099 /
-# 0.335 ms (64-256 rows x 64-256 columns, 4-8 warps: 0.100-0.26 / 0.34-0.98), cast 32 x 64 on 4
-# warps 0.182 / 0.740 (32-128 x 64-128, 4-8 warps: up to 0.26 / 1.04).
-_STATS_R, _STATS_C, _SPLIT, _STATS_WARPS = 256, 64, 1024, 8
-_CAST_R, _CAST_C, _CAST_WARPS = 32, 64, 4
+# Tiles per source: (rows, columns, warps) of the stats pass (a program reads rows x _SPLIT columns
+# of the source) and of the cast pass. H100 sweep (scripts/probe_rowwise_layouts.py, 98304 rows, 64
+# groups; x 1024 columns, a and dh from F = 2048): x's stats 256 x 64 on 8 warps 0.097 ms (32-256
+# rows x 64-128 columns, 4-8 warps: up to 0.26), cast 32 x 64 on 4 warps 0.188 (up to 0.26); the
+# SwiGLU sources compute more per byte: stats 32 x 64 on 4 warps 0.354 / 0.769 ms (a / dh; 256 x 64
+# on 8 warps 0.431 / 0.997), cast 32 x 64 on 4 warps 0.635 / 1.073 (up to 0.86 / 1.31). With few
+# rows (4096, 16 groups) x's 256-row stats tiles leave SMs idle (0.024 ms against 0.013 for 32 x 64
+# on 4 warps): under _MIN_STATS_TILES tiles, the small configuration.
+_SPLIT = 1024
+_STATS = {SOURCE_TENSOR: (256, 64, 8), SOURCE_SWIGLU: (32, 64, 4), SOURCE_SWIGLU_GRAD: (32, 64, 4)}
+_STATS_FEW_ROWS = (32, 64, 4)
+_CAST = {SOURCE_TENSOR: (32, 64, 4), SOURCE_SWIGLU: (32, 64, 4), SOURCE_SWIGLU_GRAD: (32, 64, 4)}
+_MIN_STATS_TILES = 512
 _FINAL = 1024
 MAX_GROUPS = 4096
+
+
+def _stats_config(source: int, r: int, groups: int, splits: int):
+    config = _STATS[source]
+    if (_cdiv(r, config[0]) + groups) * splits < _MIN_STATS_TILES:
+        return _STATS_FEW_ROWS
+    return config
 
 
 def _next_pow2(n: int) -> int:
@@ -339,19 +352,21 @@ def _layouts(source, x, probs, da, group_offs, fp8_dtype, fp8_max, margin, write
     da_arg = da if grad else x
     _zero.launch_keyed((_cdiv(col_n, _FINAL),), (arg_fact(col_n), stats.data_ptr() % 16 == 0),
                        col_amax, col_n, BLOCK=_FINAL, num_warps=4)
+    stats_r, stats_c, stats_warps = _stats_config(source, r, 0 if one_group else groups, num_splits * batches)
+    cast_r, cast_c, cast_warps = _CAST[source]
     # The tile bound needs no group sizes: sum_g cdiv(M_g, BR) <= cdiv(R, BR) + G.
-    stats_tiles = (_cdiv(r, _STATS_R) + (0 if one_group else groups)) * num_splits
+    stats_tiles = (_cdiv(r, stats_r) + (0 if one_group else groups)) * num_splits
     aligned = tuple(t.data_ptr() % 16 == 0 for t in (x, probs_arg, da_arg, offs, stats, row_part, dprobs_part))
     shape_key = (source, x.dtype, probs_arg.dtype, da_arg.dtype, one_group, g_pad, arg_fact(r), c, groups, batches,
-                 stride_b, stride_r, stride_c, arg_fact(stride_da), _STATS_R, _STATS_C, _SPLIT, _STATS_WARPS, _CAST_R,
-                 _CAST_C, _CAST_WARPS)
+                 stride_b, stride_r, stride_c, arg_fact(stride_da), stats_r, stats_c, _SPLIT, stats_warps, cast_r,
+                 cast_c, cast_warps)
     _stats.launch_keyed(
         (stats_tiles, batches), shape_key + aligned,
         x, probs_arg, da_arg, offs, row_part, col_amax, dprobs_part, r, c, groups, num_splits, _SPLIT, stride_b,
         stride_r, stride_c, stride_da,
-        SOURCE=source, ONE_GROUP=one_group, G_PAD=g_pad, BLOCK_R=_STATS_R, BLOCK_C=_STATS_C, num_warps=_STATS_WARPS,
+        SOURCE=source, ONE_GROUP=one_group, G_PAD=g_pad, BLOCK_R=stats_r, BLOCK_C=stats_c, num_warps=stats_warps,
     )
-    cast_tiles = _cdiv(r, _CAST_R) * _cdiv(c, _CAST_C)
+    cast_tiles = _cdiv(r, cast_r) * _cdiv(c, cast_c)
     out = rows if rows is not None else (trans if trans is not None else stats)
     dprobs_arg = dprobs if grad else stats
     _cast.launch_keyed(
@@ -364,8 +379,8 @@ def _layouts(source, x, probs, da, group_offs, fp8_dtype, fp8_max, margin, write
         row_dequant, col_dequant, dprobs_arg, r, c, groups, num_splits, cast_tiles, stride_b, stride_r, stride_c,
         stride_da,
         FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, WRITE_ROWS=write_rows, WRITE_T=write_transposed,
-        SOURCE=source, SEARCH_STEPS=(groups - 1).bit_length(), BLOCK_R=_CAST_R, BLOCK_C=_CAST_C,
-        BLOCK_S=_next_pow2(num_splits), FINAL_BLOCK=_FINAL, num_warps=_CAST_WARPS,
+        SOURCE=source, SEARCH_STEPS=(groups - 1).bit_length(), BLOCK_R=cast_r, BLOCK_C=cast_c,
+        BLOCK_S=_next_pow2(num_splits), FINAL_BLOCK=_FINAL, num_warps=cast_warps,
     )
     return rows, row_dequant, trans, col_dequant, dprobs, scales
 
