@@ -22,7 +22,7 @@ needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
 QUANT_NAMES = [
     "amax_partials_kernel", "fp8_cast_kernel", "fp8_rowwise_cast_kernel", "fp8_colwise_grouped_cast_kernel",
     "resolve_group_offs_kernel", "block_cast_rows_kernel", "block_cast_weight_kernel", "block_cast_tokens_kernel",
-    "fp8_cast_delayed_kernel",
+    "fp8_cast_delayed_kernel", "zero_f32_kernel", "rowwise_layouts_stats_kernel", "rowwise_layouts_cast_kernel",
 ]
 GEMM_NAMES = [
     "m_grouped_gemm_kernel", "k_grouped_gemm_kernel", "m_grouped_gemm_tma_kernel", "k_grouped_gemm_tma_kernel",
@@ -49,10 +49,10 @@ def test_classify_gpu_activity_names():
     assert step_metrics.classify_gpu_activity("Memcpy HtoD (Pinned -> Device)") == "memcpy"
     assert step_metrics.classify_gpu_activity("Memset (Device)") == "memset"
     # Every quantization kernel the kernels define is listed (a renamed kernel would silently be "other").
-    from kernels.triton import amax_history, blockwise_cast, fp8_cast, group_offsets
+    from kernels.triton import amax_history, blockwise_cast, fp8_cast, group_offsets, rowwise_layouts
 
-    defined = {n for mod in (fp8_cast, blockwise_cast, group_offsets, amax_history) for n in dir(mod)
-               if n.endswith("_kernel")}
+    defined = {n for mod in (fp8_cast, blockwise_cast, group_offsets, amax_history, rowwise_layouts) for n in dir(mod)
+               if n.endswith("_kernel") and getattr(mod, n).__module__ == mod.__name__}
     assert defined == set(step_metrics.QUANT_KERNELS)
 
 
