@@ -18,21 +18,7 @@ import argparse
 
 import torch
 
-
-def _median_ms(fn, reps: int = 30, inner: int = 5) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / inner)
-    return sorted(times)[len(times) // 2]
+from turbo_moe.bench.timing import warm_median_ms as _median_ms
 
 
 def main(argv=None) -> None:

@@ -9,7 +9,8 @@ each (``fp8_rowwise_cast`` then ``fp8_colwise_grouped_cast``), each reading the 
 two launches (amax partials, then the cast writing both layouts) are timed beside them as the bar.
 Routing: balanced (equal groups) and skewed (half the rows in one group, the rest spread). Every
 new result is checked bit for bit against the old kernels before timing. Times: CUDA-event medians
-of 30 x 5 calls; GB/s counts one read of the source and both FP8 writes.
+of 30 x 5 calls, L2 warm (``turbo_moe.bench.timing.warm_median_ms``); GB/s counts one read of the
+source and both FP8 writes.
 """
 
 from __future__ import annotations
@@ -18,21 +19,7 @@ import argparse
 
 import torch
 
-
-def _median_ms(fn, reps: int = 30, inner: int = 5) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / inner)
-    return sorted(times)[len(times) // 2]
+from turbo_moe.bench.timing import warm_median_ms as _median_ms
 
 
 def _offsets(m: int, groups: int, skewed: bool) -> torch.Tensor:
@@ -84,7 +71,7 @@ def main(argv=None) -> None:
             want, got = old(), new()
             for a, b in zip(got, want):
                 assert (same(a, b) if a.dtype == e4m3 else torch.equal(a, b)), (name, routing)
-            t_old, t_new, t_tw = _median_ms(old), _median_ms(new), _median_ms(tensorwise)
+            t_old, t_new, t_tw = (_median_ms(fn) for fn in (old, new, tensorwise))
             gbs = (x.numel() * x.element_size() + 2 * x.numel()) / t_new / 1e6
             print(f"| {name} | {routing} | {t_old:.3f} | {t_new:.3f} | {t_new / t_old:.2f}x | {t_tw:.3f} | {gbs:.0f} |")
 

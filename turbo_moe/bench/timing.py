@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["median_ms", "synchronize"]
+__all__ = ["median_ms", "warm_median_ms", "synchronize"]
 
 
 def synchronize(device: torch.device) -> None:
@@ -62,3 +62,23 @@ def _cuda_event_median(fn, warmup_ms: float, rep_ms: float) -> float:
         e.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def warm_median_ms(fn: Callable[[], object], reps: int = 30, inner: int = 5) -> float:
+    """Median milliseconds of one CUDA call of ``fn`` with L2 warm: CUDA events around ``inner``
+    back-to-back calls, ``reps`` times, after 3 warm-up calls. For kernels whose inputs a real
+    step hands over hot (the casts right after the GEMM that wrote them); :func:`median_ms` times
+    cold."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / inner)
+    return sorted(times)[len(times) // 2]
