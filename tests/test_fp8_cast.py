@@ -143,6 +143,25 @@ ROWWISE_CHECK = textwrap.dedent(
                 for got, want in zip(both, (q_ref, s_ref, qt_ref, st_ref)):
                     assert got.shape == want.shape and got.is_contiguous(), ("layouts", shape, got.shape, want.shape)
                     assert same(got, want) if got.dtype == fp8 else torch.equal(got, want), ("layouts", shape, fp8)
+    # random routings (seeded): empty groups, one group holding most rows, rows past one 256-row stats
+    # tile, columns off the 64-column tiles; the stats pass's tile scan and the cast's group search
+    # against torch, bit for bit
+    for case in range(5):
+        g = int(torch.randint(1, 40, (1,), generator=gen))
+        lens = torch.randint(0, 30, (g,), generator=gen) * (torch.rand(g, generator=gen) < 0.7)
+        lens[int(torch.randint(0, g, (1,), generator=gen))] += int(torch.randint(0, 400, (1,), generator=gen))
+        offs = [0] + lens.cumsum(0).tolist()
+        if offs[-1] == 0:
+            continue
+        x = data((offs[-1], int(torch.randint(1, 200, (1,), generator=gen))), offs, torch.float32, 0)
+        for j, (lo, hi) in enumerate(zip(offs[:-1], offs[1:])):
+            x[lo:hi] *= 2.0 ** (j % 3)  # groups' amaxes differ by powers of two: a row scaled by another
+            # group's column scales comes out different, still exactly (no rounding under the interpreter)
+        g_offs = torch.tensor(offs, device=device)
+        got = fp8_rowwise_layouts(x, g_offs, torch.float8_e4m3fn, 448.0, 0)
+        want = torch_path(Q.quantize_rowwise_layouts, x, torch.float8_e4m3fn, 0, group_offs=g_offs)
+        assert all(same(a, b) if a.dtype != torch.float32 else torch.equal(a, b) for a, b in zip(got, want)), \
+            ("random routing", case, offs[-1], x.shape)
     # many groups, one row each and empty ones between (a tile per group; groups found by the vector scan)
     offs = torch.tensor([0] + [min(i // 2, 60) for i in range(2, 128)] + [64], device=device)
     x = data((64, 48), offs.tolist(), torch.float32, 0)
