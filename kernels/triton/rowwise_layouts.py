@@ -306,82 +306,133 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 1).bit_length()
 
 
+class _Geometry:
+    """What a layouts call of one source shape derives before its launches: output shapes, the
+    stats buffer's parts, tiles, grids and the constant parts of the launch keys. Cached per
+    (source, shapes, strides, dtypes, group count, recipe, flags): a fwd+bwd makes the same few
+    calls every step, and deriving this per call cost a rowwise fwd+bwd about 30 us of Python
+    (``scripts/host_glue_cpu.py``)."""
+
+    __slots__ = ("r", "c", "out_c", "groups", "one_group", "grad", "rows_shape", "trans_shape", "stats_n", "parts",
+                 "row_dequant_shape", "col_dequant_shape", "byte_offsets", "zero_grid", "stats_grid", "cast_grid",
+                 "num_splits", "cast_tiles", "args", "stats_key", "cast_key", "stats_meta", "cast_meta", "empty",
+                 "strides")
+
+    def __init__(self, source, x, da, groups, one_group, fp8_dtype, fp8_max, margin, write_rows, write_transposed,
+                 probs_dtype, dprobs_dtype):
+        batches, r, c_in, stride_b = _batched(x)
+        c = c_in if source == SOURCE_TENSOR else c_in // 2  # the source's own columns
+        out_c = 2 * c if source == SOURCE_SWIGLU_GRAD else c
+        grad = source == SOURCE_SWIGLU_GRAD
+        lead = x.shape[:-2]
+        self.r, self.c, self.out_c, self.groups, self.one_group, self.grad = r, c, out_c, groups, one_group, grad
+        self.rows_shape, self.trans_shape = lead + (r, out_c), lead + (out_c, r)
+        self.num_splits = num_splits = max(_cdiv(c, _SPLIT), 1)
+        # One float32 allocation: the column amaxes (zeroed), the row partials, the dprobs partials,
+        # then the row and column dequantization scales side by side (a rowwise
+        # QuantizedGradHandoff hands them on as one tensor).
+        col_n, part_n, row_n = batches * groups * out_c, batches * num_splits * r, batches * r
+        dp_n = num_splits * r if grad else 0
+        self.stats_n = col_n + part_n + dp_n + row_n + col_n
+        scales = col_n + part_n + dp_n
+        # (start, end) of: column amaxes, row partials, dprobs partials, scales, row scales, column scales
+        self.parts = ((0, col_n), (col_n, col_n + part_n), (col_n + part_n, scales), (scales, self.stats_n),
+                      (scales, scales + row_n), (scales + row_n, self.stats_n))
+        self.byte_offsets = tuple(4 * start for start, _ in self.parts)
+        self.row_dequant_shape, self.col_dequant_shape = x.shape[:-1], lead + (groups, out_c)
+        self.empty = batches * r * c == 0
+        g_pad = 1 if one_group else _next_pow2(groups)
+        stride_r = x.stride(-2)
+        stride_c = x.stride(-1) if source == SOURCE_TENSOR else 1
+        stride_da = da.stride(0) if grad else 0
+        self.strides = (stride_b, stride_r, stride_c, stride_da)
+        stats_r, stats_c, stats_warps = _stats_config(source, r, 0 if one_group else groups, num_splits * batches)
+        cast_r, cast_c, cast_warps = _CAST[source]
+        # The tile bound needs no group sizes: sum_g cdiv(M_g, BR) <= cdiv(R, BR) + G.
+        self.zero_grid = (_cdiv(col_n, _FINAL),)
+        self.stats_grid = ((_cdiv(r, stats_r) + (0 if one_group else groups)) * num_splits, batches)
+        self.cast_tiles = cast_tiles = _cdiv(r, cast_r) * _cdiv(c, cast_c)
+        self.cast_grid = (cast_tiles + _cdiv(groups * out_c, _FINAL), batches)
+        self.args = (r, c, groups, num_splits)
+        self.stats_meta = dict(SOURCE=source, ONE_GROUP=one_group, G_PAD=g_pad, BLOCK_R=stats_r, BLOCK_C=stats_c,
+                               num_warps=stats_warps)
+        self.cast_meta = dict(FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, WRITE_ROWS=write_rows,
+                              WRITE_T=write_transposed, SOURCE=source, SEARCH_STEPS=(groups - 1).bit_length(),
+                              BLOCK_R=cast_r, BLOCK_C=cast_c, BLOCK_S=_next_pow2(num_splits), FINAL_BLOCK=_FINAL,
+                              num_warps=cast_warps)
+        self.stats_key = (source, x.dtype, probs_dtype, da.dtype if grad else x.dtype, one_group, g_pad, arg_fact(r),
+                          c, groups, batches, stride_b, stride_r, stride_c, arg_fact(stride_da), stats_r, stats_c,
+                          _SPLIT, stats_warps, cast_r, cast_c, cast_warps)
+        self.cast_key = self.stats_key + (fp8_dtype, fp8_max, margin, write_rows, write_transposed, num_splits,
+                                          arg_fact(cast_tiles), dprobs_dtype)
+
+
+_GEOMETRY = {}
+_MAX_GEOMETRIES = 1024
+
+
 def _layouts(source, x, probs, da, group_offs, fp8_dtype, fp8_max, margin, write_rows, write_transposed,
              dprobs_dtype=None):
     """Both layouts of the source (``x`` [R, C] or [B, R, C]; the SwiGLU sources' ``x`` is ``h``
-    [R, 2F]): ``(rows or None, row dequant, transposed or None, column dequant, dprobs or None)``."""
+    [R, 2F]): ``(rows or None, row dequant, transposed or None, column dequant, dprobs or None,
+    both dequant scales packed)``."""
     import torch
 
-    batches, r, c_in, stride_b = _batched(x)
-    c = c_in if source == SOURCE_TENSOR else c_in // 2  # the source's own columns
-    out_c = 2 * c if source == SOURCE_SWIGLU_GRAD else c
     one_group = group_offs is None
     groups = 1 if one_group else group_offs.shape[0] - 1
     if groups > MAX_GROUPS:
         raise ValueError(f"rowwise layouts: group_offs has {groups} groups, more than {MAX_GROUPS}")
-    device = x.device
-    lead = x.shape[:-2]
-    rows = torch.empty(lead + (r, out_c), dtype=fp8_dtype, device=device) if write_rows else None
-    trans = torch.empty(lead + (out_c, r), dtype=fp8_dtype, device=device) if write_transposed else None
-    num_splits = max(_cdiv(c, _SPLIT), 1)
     grad = source == SOURCE_SWIGLU_GRAD
-    # One float32 allocation: the column amaxes (zeroed), the row partials, the dprobs partials, then
-    # the row and column dequantization scales side by side (a rowwise QuantizedGradHandoff hands
-    # them on as one tensor: ``packed_scales``).
-    col_n, part_n, row_n = batches * groups * out_c, batches * num_splits * r, batches * r
-    dp_n = num_splits * r if grad else 0
-    stats = torch.empty((col_n + part_n + dp_n + row_n + col_n,), dtype=torch.float32, device=device)
-    col_amax = stats[:col_n]
-    row_part = stats[col_n:col_n + part_n]
-    dprobs_part = stats[col_n + part_n:col_n + part_n + dp_n] if grad else stats
-    scales = stats[col_n + part_n + dp_n:]
-    row_dequant = scales[:row_n].view(x.shape[:-1])
-    col_dequant = scales[row_n:].view(lead + (groups, out_c))
-    dprobs = torch.empty((r,), dtype=dprobs_dtype, device=device) if grad else None
-    if batches * r * c == 0:  # no element: every amax is 0, every scale 1
+    probs_dtype = probs.dtype if probs is not None else x.dtype
+    lookup = (source, x.shape, x.stride(), x.dtype, probs_dtype, da.stride(0) if grad else None,
+              da.dtype if grad else None, groups if not one_group else None, fp8_dtype, fp8_max, margin, write_rows,
+              write_transposed, dprobs_dtype)
+    geo = _GEOMETRY.get(lookup)
+    if geo is None:
+        if len(_GEOMETRY) >= _MAX_GEOMETRIES:
+            _GEOMETRY.clear()
+        geo = _GEOMETRY[lookup] = _Geometry(source, x, da, groups, one_group, fp8_dtype, fp8_max, margin,
+                                            write_rows, write_transposed, probs_dtype, dprobs_dtype)
+    device = x.device
+    rows = torch.empty(geo.rows_shape, dtype=fp8_dtype, device=device) if write_rows else None
+    trans = torch.empty(geo.trans_shape, dtype=fp8_dtype, device=device) if write_transposed else None
+    stats = torch.empty((geo.stats_n,), dtype=torch.float32, device=device)
+    (_, col_end), (part_lo, part_hi), (dp_lo, dp_hi), (sc_lo, _), (_, row_end), _ = geo.parts
+    col_amax = stats[:col_end]
+    row_part = stats[part_lo:part_hi]
+    dprobs_part = stats[dp_lo:dp_hi] if grad else stats
+    scales = stats[sc_lo:]
+    row_dequant = stats[sc_lo:row_end].view(geo.row_dequant_shape)
+    col_dequant = stats[row_end:].view(geo.col_dequant_shape)
+    dprobs = torch.empty((geo.r,), dtype=dprobs_dtype, device=device) if grad else None
+    if geo.empty:  # no element: every amax is 0, every scale 1
         scales.fill_(1.0)
         if grad:
             dprobs.zero_()
         return rows, row_dequant, trans, col_dequant, dprobs, scales
     offs = x if one_group else group_offs
-    g_pad = 1 if one_group else _next_pow2(groups)
-    stride_r = x.stride(-2)
-    stride_c = x.stride(-1) if source == SOURCE_TENSOR else 1
-    stride_da = da.stride(0) if grad else 0
     probs_arg = probs if probs is not None else x
     da_arg = da if grad else x
-    _zero.launch_keyed((_cdiv(col_n, _FINAL),), (arg_fact(col_n), stats.data_ptr() % 16 == 0),
-                       col_amax, col_n, BLOCK=_FINAL, num_warps=4)
-    stats_r, stats_c, stats_warps = _stats_config(source, r, 0 if one_group else groups, num_splits * batches)
-    cast_r, cast_c, cast_warps = _CAST[source]
-    # The tile bound needs no group sizes: sum_g cdiv(M_g, BR) <= cdiv(R, BR) + G.
-    stats_tiles = (_cdiv(r, stats_r) + (0 if one_group else groups)) * num_splits
-    aligned = tuple(t.data_ptr() % 16 == 0 for t in (x, probs_arg, da_arg, offs, stats, row_part, dprobs_part))
-    shape_key = (source, x.dtype, probs_arg.dtype, da_arg.dtype, one_group, g_pad, arg_fact(r), c, groups, batches,
-                 stride_b, stride_r, stride_c, arg_fact(stride_da), stats_r, stats_c, _SPLIT, stats_warps, cast_r,
-                 cast_c, cast_warps)
-    _stats.launch_keyed(
-        (stats_tiles, batches), shape_key + aligned,
-        x, probs_arg, da_arg, offs, row_part, col_amax, dprobs_part, r, c, groups, num_splits, _SPLIT, stride_b,
-        stride_r, stride_c, stride_da,
-        SOURCE=source, ONE_GROUP=one_group, G_PAD=g_pad, BLOCK_R=stats_r, BLOCK_C=stats_c, num_warps=stats_warps,
-    )
-    cast_tiles = _cdiv(r, cast_r) * _cdiv(c, cast_c)
+    sp = stats.data_ptr()
+    at = tuple((sp + o) % 16 == 0 for o in geo.byte_offsets)  # col amax, row part, dprobs part, scales...
+    aligned = (x.data_ptr() % 16 == 0, probs_arg.data_ptr() % 16 == 0, da_arg.data_ptr() % 16 == 0,
+               offs.data_ptr() % 16 == 0, at[0], at[1], at[2] if grad else at[0])
+    stride_b, stride_r, stride_c, stride_da = geo.strides
+    r, c, groups, num_splits = geo.args
+    _zero.launch_keyed(geo.zero_grid, (arg_fact(geo.parts[0][1]), at[0]), col_amax, geo.parts[0][1], BLOCK=_FINAL,
+                       num_warps=4)
+    _stats.launch_keyed(geo.stats_grid, geo.stats_key + aligned,
+                        x, probs_arg, da_arg, offs, row_part, col_amax, dprobs_part, r, c, groups, num_splits, _SPLIT,
+                        stride_b, stride_r, stride_c, stride_da, **geo.stats_meta)
     out = rows if rows is not None else (trans if trans is not None else stats)
     dprobs_arg = dprobs if grad else stats
     _cast.launch_keyed(
-        (cast_tiles + _cdiv(groups * out_c, _FINAL), batches),
-        shape_key + aligned + (fp8_dtype, fp8_max, margin, write_rows, write_transposed, num_splits,
-                               arg_fact(cast_tiles), out.data_ptr() % 16 == 0,
-                               trans is None or trans.data_ptr() % 16 == 0, row_dequant.data_ptr() % 16 == 0,
-                               col_dequant.data_ptr() % 16 == 0, dprobs_arg.dtype, dprobs_arg.data_ptr() % 16 == 0),
+        geo.cast_grid,
+        geo.cast_key + aligned + (out.data_ptr() % 16 == 0, trans is None or trans.data_ptr() % 16 == 0, at[4], at[5],
+                                  dprobs_arg.data_ptr() % 16 == 0),
         x, probs_arg, da_arg, offs, row_part, col_amax, dprobs_part, out, trans if trans is not None else out,
-        row_dequant, col_dequant, dprobs_arg, r, c, groups, num_splits, cast_tiles, stride_b, stride_r, stride_c,
-        stride_da,
-        FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, WRITE_ROWS=write_rows, WRITE_T=write_transposed,
-        SOURCE=source, SEARCH_STEPS=(groups - 1).bit_length(), BLOCK_R=cast_r, BLOCK_C=cast_c,
-        BLOCK_S=_next_pow2(num_splits), FINAL_BLOCK=_FINAL, num_warps=cast_warps,
-    )
+        row_dequant, col_dequant, dprobs_arg, r, c, groups, num_splits, geo.cast_tiles, stride_b, stride_r, stride_c,
+        stride_da, **geo.cast_meta)
     return rows, row_dequant, trans, col_dequant, dprobs, scales
 
 
