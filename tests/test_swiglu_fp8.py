@@ -168,7 +168,7 @@ ROWWISE_KERNEL_CHECK = textwrap.dedent(
     # groups: ragged, empty ones, one group over every row; sizes off the 32 x 64 cast tiles and the
     # 256-row stats tiles; F past one 1024-column split (two stats splits, dprobs summed over them)
     for lens, f, dtype in (([10, 0, 23, 40, 0], 24, torch.bfloat16), ([300], 40, torch.float32),
-                           ([5, 1, 0, 70], 520, torch.bfloat16)):
+                           ([5, 1, 0, 70], 1100, torch.bfloat16)):
         m = sum(lens)
         offs = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=device)
         h = (torch.randn(m, 2 * f, generator=gen) * 2).to(dtype).to(device)
