@@ -411,8 +411,9 @@ def _token_major_scale(dy_t, dy_t_scale):
     """dy's token-major dequantization scale as the wgrad kernel reads it. A rowwise
     ``QuantizedGradHandoff`` hands both of dy's scales packed in one 1-D tensor
     (``quantize.pack_scales``); its column scales are viewed out here, in the region that reads
-    them, because a region cannot return a view of its input (``host_plan``)."""
-    if dy_t_scale.dim() == 1 and dy_t_scale.numel() > 1:
+    them, because a region cannot return a view of its input (``host_plan``). Packed is the one
+    1-D form: a tensorwise scale is 0-dim, a rowwise token-major one [G, N]."""
+    if dy_t_scale.dim() == 1:
         n, m = dy_t.shape
         return split_packed_scales(dy_t_scale, m, n)[1]
     return dy_t_scale

@@ -24,10 +24,10 @@ Tensorwise scaling (one scale for ``a``: the amax pass sees the whole tensor bef
 rowwise (``kernels/triton/rowwise_layouts.py``: a stats pass finds ``a``'s row and (group, column)
 amaxes, a cast pass writes both layouts; ``dh`` the same way, its two scales handed to fc1 packed in
 one tensor); :func:`fuses_swiglu` says whether a recipe is supported, and callers fall back to the
-activation followed by ``grouped_gemm_fp8`` otherwise (the fine-grained recipes). The activation's arithmetic is float32 from ``h``
-(Megatron's rounds ``silu(gate) * linear`` to bf16 first); the quantization is
-``turbo_moe.quantize``'s. On a GPU with Triton the kernels run; elsewhere torch ops with the
-same math (to an ulp of float32 ``exp``) do.
+activation followed by ``grouped_gemm_fp8`` otherwise (the fine-grained recipes). The activation's
+arithmetic is float32 from ``h`` (Megatron's rounds ``silu(gate) * linear`` to bf16 first); the
+quantization is ``turbo_moe.quantize``'s. On a GPU with Triton the kernels run; elsewhere torch
+ops with the same math (to an ulp of float32 ``exp``) do.
 """
 
 from __future__ import annotations
