@@ -48,8 +48,8 @@ class TurboMoEGroupedMLP(planned_layer.KeepsPlannedLayers, TEGroupedMLP):
     ``TEGroupedMLP``) and ``backward_dw`` as ``TEGroupedMLP``. Differences: no ``.tolist()`` of
     the routing (the offsets are computed on the device once and shared by fc1, fc2 and the bias),
     and no FP8 padding of each expert's tokens (turbo_moe's kernels take any token count). With
-    FP8 tensorwise SwiGLU experts, fc2 computes the routing-weighted activation inside its FP8
-    quantization (``_fuses_activation``, ``turbo_moe.swiglu``): no high-precision activation.
+    FP8 tensorwise or rowwise SwiGLU experts, fc2 computes the routing-weighted activation inside
+    its FP8 quantization (``_fuses_activation``, ``turbo_moe.swiglu``): no high-precision activation.
     """
 
     def __init__(self, num_local_experts: int, config, submodules: Optional[GroupedMLPSubmodules] = None,
@@ -171,9 +171,9 @@ class TurboMoEGroupedMLP(planned_layer.KeepsPlannedLayers, TEGroupedMLP):
 
     def _fuses_activation(self) -> bool:
         """Whether fc2 takes fc1's output and fuses the activation into its FP8 quantization:
-        SwiGLU with nothing around it (no clamp, offset, interleaving), an FP8 tensorwise fc2, and
-        no activation option the fused path would ignore (recompute, FP8 input store: there the
-        activation runs unfused, as configured)."""
+        SwiGLU with nothing around it (no clamp, offset, interleaving), an FP8 tensorwise or
+        rowwise fc2, and no activation option the fused path would ignore (recompute, FP8 input
+        store: there the activation runs unfused, as configured)."""
         fc2 = self.linear_fc2
         cfg = self.config
         return (isinstance(fc2, TurboGroupedLinear) and fc2.fuses_swiglu_input()
