@@ -50,8 +50,7 @@ def gpu_path_on_cpu():
     from turbo_moe.backends import clear_dispatch_cache, triton_backend
     from turbo_moe.fine_grained import quantize as fine_quantize
     from turbo_moe.fine_grained import triton_gemm
-    from turbo_moe.kernels.triton import (amax_history, blockwise_cast, fp8_cast, group_offsets, launch,
-                                          rowwise_layouts, swiglu_fp8)
+    from turbo_moe.kernels.triton import amax_history, blockwise_cast, fp8_cast, group_offsets, launch, swiglu_fp8
 
     patches = [
         (launch, "_cuda_get_device", lambda: 0),
@@ -60,7 +59,6 @@ def gpu_path_on_cpu():
         (quantize, "_cast_kernels", lambda t: fp8_cast if t.dim() in (2, 3) else None),
         (delayed_scaling, "_history_kernels", lambda t: amax_history if t.dim() in (2, 3) else None),
         (swiglu, "_swiglu_kernels", lambda h: swiglu_fp8),
-        (swiglu, "_rowwise_kernels", lambda h, group_offs: rowwise_layouts),
         (checks, "_offsets_kernel", lambda t: group_offsets),
         (triton_backend, "_interpreting", lambda: False),
         (triton_backend, "_tma_reason", lambda problem: ""),

@@ -160,6 +160,16 @@ def quantize_columnwise(t: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0
     return (q_t, dequant) if t.dim() == 3 else (q_t[0], dequant[0])
 
 
+def rowwise_layout_kernels(t: torch.Tensor, group_offs=None):
+    """``kernels/triton/rowwise_layouts.py`` where it takes a call on ``t`` (a 2-D/3-D GPU tensor,
+    at most its ``MAX_GROUPS`` groups), else None: the torch ops or the one-pass kernels serve."""
+    if _cast_kernels(t) is None:
+        return None
+    kernels = triton_kernels("rowwise_layouts")
+    groups = 1 if group_offs is None else group_offs.shape[0] - 1
+    return kernels if kernels is not None and groups <= kernels.MAX_GROUPS else None
+
+
 def quantize_rowwise_layouts(t: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, group_offs=None):
     """``quantize_rowwise(t)`` and ``quantize_columnwise(t, group_offs=group_offs)`` together:
     ``(rows_fp8, row_dequant, transposed_fp8, column_dequant)``, the same bits.
@@ -169,9 +179,8 @@ def quantize_rowwise_layouts(t: torch.Tensor, fp8_dtype: torch.dtype, margin: in
     kernels read ``t`` twice each. Both copies then exist at once; callers that would rather free
     the row copy before the transposed one is made call the two functions.
     """
-    kernels = triton_kernels("rowwise_layouts") if _cast_kernels(t) is not None else None
-    groups = 1 if group_offs is None else group_offs.shape[0] - 1
-    if kernels is not None and groups <= kernels.MAX_GROUPS:
+    kernels = rowwise_layout_kernels(t, group_offs)
+    if kernels is not None:
         rows, row_dequant, q_t, col_dequant = kernels.fp8_rowwise_layouts(t, group_offs, fp8_dtype,
                                                                           fp8_max(fp8_dtype), margin)
         return rows, row_dequant, q_t, (col_dequant.squeeze(-2) if group_offs is None else col_dequant)

@@ -58,7 +58,8 @@ from .backends import GemmKind
 from .checks import HIGH_PRECISION_DTYPES, check_group_offs
 from .config import Float8Config, ScalingGranularity, fp8_max
 from .delayed_scaling import AmaxHistory, DelayedScalingState
-from .quantize import pack_scales, quantize_rowwise, quantize_rowwise_layouts, quantize_tensorwise_layouts
+from .quantize import (pack_scales, quantize_rowwise, quantize_rowwise_layouts, quantize_tensorwise_layouts,
+                       rowwise_layout_kernels)
 
 __all__ = ["fuses_swiglu", "grouped_gemm_fp8_swiglu", "weighted_swiglu", "quantize_weighted_swiglu",
            "quantize_weighted_swiglu_rowwise", "weighted_swiglu_backward", "quantize_weighted_swiglu_backward"]
@@ -70,13 +71,6 @@ def fuses_swiglu(config: Optional[Float8Config]) -> bool:
     return config is not None and not config.fine_grained and config.granularity in (ScalingGranularity.TENSORWISE,
                                                                                       ScalingGranularity.ROWWISE)
 
-
-def _rowwise_kernels(h: torch.Tensor, group_offs):
-    """``kernels/triton/rowwise_layouts`` where it takes this call (a GPU, few enough groups)."""
-    if not h.is_cuda:
-        return None
-    kernels = triton_kernels("rowwise_layouts")
-    return kernels if kernels is not None and group_offs.shape[0] - 1 <= kernels.MAX_GROUPS else None
 
 
 def _halves(h: torch.Tensor):
@@ -119,7 +113,7 @@ def quantize_weighted_swiglu_rowwise(h: torch.Tensor, probs: torch.Tensor, group
     token-major [F, M] or None, (group, column) dequant [G, F])``, as
     ``quantize.quantize_rowwise_layouts`` returns them for a materialized activation; on a GPU
     without materializing it (two passes over ``h``)."""
-    kernels = _rowwise_kernels(h, group_offs)
+    kernels = rowwise_layout_kernels(h, group_offs)
     if kernels is not None:
         return kernels.swiglu_rowwise_layouts(h, probs, group_offs, fp8_dtype, fp8_max(fp8_dtype), margin,
                                               write_transposed=transposed)
@@ -163,7 +157,7 @@ def quantize_weighted_swiglu_backward(h: torch.Tensor, probs: torch.Tensor, da: 
     and per (group of these offsets, column); the scale is then both scales packed in one tensor
     (``quantize.pack_scales``: what a rowwise ``QuantizedGradHandoff`` carries)."""
     if rowwise_offs is not None:
-        kernels = _rowwise_kernels(h, rowwise_offs)
+        kernels = rowwise_layout_kernels(h, rowwise_offs)
         if kernels is not None:
             return kernels.swiglu_backward_rowwise_layouts(h, probs, da, rowwise_offs, fp8_dtype, fp8_max(fp8_dtype),
                                                            margin, probs.dtype, write_rows=rows,
