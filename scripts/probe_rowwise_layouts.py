@@ -12,8 +12,11 @@ from __future__ import annotations
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-STATS = [(256, 64, 8), (128, 64, 8), (64, 64, 8), (32, 64, 4), (32, 128, 8), (16, 128, 4)]
-CASTS = [(32, 64, 4), (32, 128, 4), (16, 64, 4), (64, 64, 8), (16, 128, 4), (32, 64, 8)]
+# Stats (rows, columns, warps, rows a step or 0, columns a split): whole tiles over 1024-column
+# splits, then tiles walked 32 rows a step over one column block (its split).
+STATS = [(256, 64, 8, 0, 1024), (32, 64, 4, 0, 1024), (256, 64, 4, 32, 64), (512, 64, 4, 32, 64),
+         (256, 128, 4, 32, 128), (512, 128, 4, 32, 128), (256, 64, 4, 16, 64), (512, 64, 8, 32, 64)]
+CASTS = [(32, 64, 4)] * len(STATS)
 
 
 def kernel_ms(fn, reps=20):
@@ -55,10 +58,18 @@ def main():
             saved_min, L._MIN_STATS_TILES = L._MIN_STATS_TILES, 0
             for stats, cast in zip(STATS, CASTS):
                 L._STATS[source], L._CAST[source] = stats, cast
+                L._GEOMETRY.clear()  # the tiles are part of each shape's cached geometry
                 got = [t for t in call() if t is not None]
-                ok = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, ref))
+                # Bits of the FP8 copies and scales; dprobs (the gradient's last result) is summed
+                # over other splits when the split changes: equal within float32 rounding.
+                grad = source == L.SOURCE_SWIGLU_GRAD
+                exact = list(zip(got[:-1], ref[:-1])) if grad else list(zip(got, ref))
+                ok = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in exact)
+                if grad:  # sums of 2F terms of both signs: error relative to the largest
+                    ok = ok and bool((got[-1] - ref[-1]).abs().max() <= 1e-5 * ref[-1].abs().max())
                 print(f"  stats {stats} cast {cast} ok={ok}:", kernel_ms(call))
             L._STATS[source], L._CAST[source], L._MIN_STATS_TILES = default_stats, default_cast, saved_min
+            L._GEOMETRY.clear()
 
 
 if __name__ == "__main__":

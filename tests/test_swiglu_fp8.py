@@ -204,6 +204,63 @@ def test_rowwise_swiglu_kernels_on_gpu():
     run_on_gpu(ROWWISE_KERNEL_CHECK.replace("DEVICE", "'cuda'").replace("EXACT", "False"), "rowwise_swiglu_check")
 
 
+STATS_TILES_CHECK = textwrap.dedent(
+    """
+    import torch
+    from turbo_moe.kernels.triton import rowwise_layouts as L
+    device = DEVICE
+    gen = torch.Generator().manual_seed(5)
+    fp8 = torch.float8_e4m3fn
+    # Every stats tiling gives the same scales and FP8 bits (dprobs: summed over other splits, equal
+    # within float32 rounding): whole tiles over 1024-column splits (the reference), and tiles
+    # walked SUB_R rows a step over one column block each, one step or several, with group ends
+    # inside a step. Magnitudes spread over six decades by row, so that a missed row or column
+    # changes a scale.
+    reference, walked = (32, 64, 4, 0, 1024), ((32, 16, 4, 8, 16), (64, 32, 4, 16, 32), (16, 64, 4, 16, 64))
+    for lens, f in (([5, 0, 40, 17], 24), ([70], 40), ([3, 33, 0, 1, 29], 48)):
+        m = sum(lens)
+        offs = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=device)
+        spread = torch.logspace(-3, 3, m, dtype=torch.float64)[torch.randperm(m, generator=gen)][:, None]
+        x = (torch.randn(m, 2 * f, generator=gen, dtype=torch.float64) * spread).to(torch.bfloat16).to(device)
+        da = (torch.randn(m, f, generator=gen) * 3).to(torch.bfloat16).to(device)
+        p = torch.rand(m, generator=gen).to(device)
+        results = {}
+        saved = dict(L._STATS), L._MIN_STATS_TILES
+        try:
+            L._MIN_STATS_TILES = 0
+            for config in (reference,) + walked:
+                L._GEOMETRY.clear()
+                for source in L._STATS:
+                    L._STATS[source] = config
+                results[config] = (L.fp8_rowwise_layouts(x, offs, fp8, 448.0),
+                                   L.swiglu_rowwise_layouts(x, p, offs, fp8, 448.0),
+                                   L.swiglu_backward_rowwise_layouts(x, p, da, offs, fp8, 448.0, 0, torch.float32))
+        finally:
+            L._STATS.update(saved[0])
+            L._MIN_STATS_TILES = saved[1]
+            L._GEOMETRY.clear()
+        for config in walked:
+            for which, (got, want) in enumerate(zip(results[config], results[reference])):
+                for k, (a, b) in enumerate(zip(got, want)):
+                    label = (tuple(lens), f, config, ("x", "a", "dh")[which], k)
+                    if which == 2 and k == 3:  # dprobs
+                        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), label
+                    else:
+                        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), label
+    print("ok")
+    """
+)
+
+
+def test_rowwise_stats_tilings_agree_in_interpreter():
+    assert_prints_ok(STATS_TILES_CHECK.replace("DEVICE", "'cpu'"))
+
+
+@pytest.mark.gpu
+def test_rowwise_stats_tilings_agree_on_gpu():
+    run_on_gpu(STATS_TILES_CHECK.replace("DEVICE", "'cuda'"), "stats_tiles_check")
+
+
 def _problem(lens, f, n, dtype=torch.bfloat16, device="cpu", seed=0):
     gen = torch.Generator().manual_seed(seed)
     m = sum(lens)

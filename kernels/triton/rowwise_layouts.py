@@ -27,12 +27,17 @@ walk over the groups. The cast pass walks plain row tiles instead: a tile that s
 first row is not 16-byte aligned in the transposed copy, whose byte-wise stores ran the cast at
 half speed (H100); it finds its rows' groups by a binary search over the offsets.
 
-Column maxima of one group come from many tiles: they meet by ``atomic_max`` on the float bits
-(|x| is non-negative, so its bits order as its values; a NaN's bits order above +inf, so NaN wins
-as torch's amax keeps it): exact in any order, deterministic. That buffer starts zeroed by
-:func:`zero_f32_kernel` (a launch, not ``torch.zeros``: a host plan's zero-filled allocation
-would stop its replay from freeing as it goes). Row maxima come as per-split partials (column
-splits of ``_SPLIT``) that the cast reduces.
+Column maxima of one group come from many tiles, and row maxima from every column split: both meet
+by ``atomic_max`` on the float bits (|x| is non-negative, so its bits order as its values; a NaN's
+bits order above +inf, so NaN wins as torch's amax keeps it): exact in any order, deterministic.
+Those buffers start zeroed by :func:`zero_f32_kernel` (a launch, not ``torch.zeros``: a host
+plan's zero-filled allocation would stop its replay from freeing as it goes). ``dprobs`` is summed
+per split, and the cast adds the splits up in order.
+
+The SwiGLU sources' stats tiles are group-aligned slabs of rows over one column block, walked a
+few rows a step (``SUB_R``): the column maxima stay elementwise in registers across the steps and
+meet the other tiles' once per slab, instead of a cross-warp reduction and a batch of atomics every
+column step. H100, 98304 rows, 64 groups, F = 2048: ``dh``'s stats 0.77 -> 0.53 ms.
 
 H100, 98304 x 1024 / x 4096 bf16, 64 groups (``scripts/probe_rowwise_layouts.py``): stats 0.10 /
 0.34 ms, cast 0.18 / 0.74 ms, against 0.37 / 1.41 ms for the two one-pass kernels (0.80 / 1.52
@@ -129,46 +134,76 @@ def _bits(v):
 
 @triton.jit
 def rowwise_layouts_stats_kernel(
-    x_ptr, probs_ptr, da_ptr, offs_ptr, row_part_ptr, col_amax_ptr, dprobs_part_ptr,
+    x_ptr, probs_ptr, da_ptr, offs_ptr, row_amax_ptr, col_amax_ptr, dprobs_part_ptr,
     R, C, G, num_splits, split_cols, stride_xb, stride_xr, stride_xc, stride_da,
     SOURCE: tl.constexpr, ONE_GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    BLOCK_C: tl.constexpr, SUB_R: tl.constexpr = 0,
 ):
     """Pass 1 over the source [B, R, C] (C its own columns; the output has 2C for the SwiGLU
-    gradient): tile (group, row block, column split) stores its rows' max |v| over the split to
-    row_part [B, num_splits, R] (as float bits) and folds its columns' max |v| into col_amax [B, G,
-    OUT_C] (zeroed) by atomic max; SOURCE_SWIGLU_GRAD also stores its rows' dprobs partial sums to
-    dprobs_part [num_splits, R]."""
+    gradient): tile (group, row block, column split) folds its rows' max |v| over the split into
+    row_amax [B, R] and its columns' max |v| into col_amax [B, G, OUT_C] (both zeroed) by atomic
+    max; SOURCE_SWIGLU_GRAD also stores its rows' dprobs partial sums to dprobs_part
+    [num_splits, R]. (Row maxima by atomics, not per-split partials: the cast then reads one value
+    a row however many splits there are.)
+
+    SUB_R > 0 (the split is one BLOCK_C column block): the tile's BLOCK_R rows are walked SUB_R at
+    a time and its column maxima kept elementwise across them, reduced over rows and folded by
+    atomics once per tile; without it, every BLOCK_C-column step of the split reduces them over the
+    tile's rows (across warps) and issues its atomics."""
     batch = tl.program_id(1).to(tl.int64)
     group, lo, hi, m_block, split = _grouped_row_tile(tl.program_id(0).to(tl.int64), offs_ptr, R, G, num_splits,
                                                       ONE_GROUP, G_PAD, BLOCK_R)
     if group < G:
         out_c = 2 * C if SOURCE == 2 else C
-        rows = lo + m_block * BLOCK_R + tl.arange(0, BLOCK_R)
-        row_ok = rows < hi
         x_b = x_ptr + batch * stride_xb
         col_slot = col_amax_ptr.to(tl.pointer_type(tl.int32)) + (batch * G + group) * out_c
-        row_bits = tl.zeros((BLOCK_R,), tl.int32)
-        dprob = tl.zeros((BLOCK_R,), tl.float32)
+        row_slot = row_amax_ptr.to(tl.pointer_type(tl.int32)) + batch * R
         c_lo = split * split_cols
-        c_hi = tl.minimum(c_lo + split_cols, C)
-        for c0 in range(c_lo, c_hi, BLOCK_C):
-            cols = c0 + tl.arange(0, BLOCK_C)
-            col_ok = cols < C  # (splits are whole column blocks: a block never crosses into the next split)
-            v0, v1, dp = _source_tile(x_b, probs_ptr, da_ptr, rows, cols, hi, C, stride_xr, stride_xc, stride_da,
-                                      SOURCE, True)
-            bits = _bits(v0)
-            row_bits = tl.maximum(row_bits, tl.max(bits, axis=1))
-            tl.atomic_max(col_slot + cols, tl.max(bits, axis=0), mask=col_ok, sem="relaxed")
+        if SUB_R > 0:
+            cols = c_lo + tl.arange(0, BLOCK_C)
+            col_ok = cols < C
+            acc0 = tl.zeros((SUB_R, BLOCK_C), tl.int32)
+            acc1 = tl.zeros((SUB_R, BLOCK_C), tl.int32)
+            first = lo + m_block * BLOCK_R
+            for r0 in range(0, tl.minimum(BLOCK_R, hi - first), SUB_R):
+                sub = first + r0 + tl.arange(0, SUB_R)
+                sub_ok = sub < hi
+                v0, v1, dp = _source_tile(x_b, probs_ptr, da_ptr, sub, cols, hi, C, stride_xr, stride_xc, stride_da,
+                                          SOURCE, True)
+                bits = _bits(v0)
+                acc0 = tl.maximum(acc0, bits)
+                sub_bits = tl.max(bits, axis=1)
+                if SOURCE == 2:
+                    bits1 = _bits(v1)
+                    acc1 = tl.maximum(acc1, bits1)
+                    sub_bits = tl.maximum(sub_bits, tl.max(bits1, axis=1))
+                    tl.store(dprobs_part_ptr + split * R + sub, tl.sum(dp, axis=1), mask=sub_ok)
+                tl.atomic_max(row_slot + sub, sub_bits, mask=sub_ok, sem="relaxed")
+            tl.atomic_max(col_slot + cols, tl.max(acc0, axis=0), mask=col_ok, sem="relaxed")
             if SOURCE == 2:
-                bits1 = _bits(v1)
-                row_bits = tl.maximum(row_bits, tl.max(bits1, axis=1))
-                tl.atomic_max(col_slot + C + cols, tl.max(bits1, axis=0), mask=col_ok, sem="relaxed")
-                dprob += tl.sum(dp, axis=1)
-        tl.store(row_part_ptr + (batch * num_splits + split) * R + rows, row_bits.to(tl.float32, bitcast=True),
-                 mask=row_ok)
-        if SOURCE == 2:
-            tl.store(dprobs_part_ptr + split * R + rows, dprob, mask=row_ok)
+                tl.atomic_max(col_slot + C + cols, tl.max(acc1, axis=0), mask=col_ok, sem="relaxed")
+        else:
+            rows = lo + m_block * BLOCK_R + tl.arange(0, BLOCK_R)
+            row_ok = rows < hi
+            row_bits = tl.zeros((BLOCK_R,), tl.int32)
+            dprob = tl.zeros((BLOCK_R,), tl.float32)
+            c_hi = tl.minimum(c_lo + split_cols, C)
+            for c0 in range(c_lo, c_hi, BLOCK_C):
+                cols = c0 + tl.arange(0, BLOCK_C)
+                col_ok = cols < C  # (splits are whole column blocks: a block never crosses into the next split)
+                v0, v1, dp = _source_tile(x_b, probs_ptr, da_ptr, rows, cols, hi, C, stride_xr, stride_xc, stride_da,
+                                          SOURCE, True)
+                bits = _bits(v0)
+                row_bits = tl.maximum(row_bits, tl.max(bits, axis=1))
+                tl.atomic_max(col_slot + cols, tl.max(bits, axis=0), mask=col_ok, sem="relaxed")
+                if SOURCE == 2:
+                    bits1 = _bits(v1)
+                    row_bits = tl.maximum(row_bits, tl.max(bits1, axis=1))
+                    tl.atomic_max(col_slot + C + cols, tl.max(bits1, axis=0), mask=col_ok, sem="relaxed")
+                    dprob += tl.sum(dp, axis=1)
+            tl.atomic_max(row_slot + rows, row_bits, mask=row_ok, sem="relaxed")
+            if SOURCE == 2:
+                tl.store(dprobs_part_ptr + split * R + rows, dprob, mask=row_ok)
 
 
 @triton.jit
@@ -210,12 +245,12 @@ def _cast_transposed(x_b, probs_ptr, da_ptr, out_t_b, col_amax_b, rows, cols, ro
 
 @triton.jit
 def rowwise_layouts_cast_kernel(
-    x_ptr, probs_ptr, da_ptr, offs_ptr, row_part_ptr, col_amax_ptr, dprobs_part_ptr,
+    x_ptr, probs_ptr, da_ptr, offs_ptr, row_amax_ptr, col_amax_ptr, dprobs_part_ptr,
     out_ptr, out_t_ptr, row_dequant_ptr, col_dequant_ptr, dprobs_ptr,
     R, C, G, num_splits, num_tiles, stride_xb, stride_xr, stride_xc, stride_da,
     FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_T: tl.constexpr,
     SOURCE: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_S: tl.constexpr, FINAL_BLOCK: tl.constexpr,
+    FINAL_BLOCK: tl.constexpr,
 ):
     """Pass 2: tile (row block, column block) of the source scales its rows by their amax (the
     splits' partials reduced) into out [B, R, OUT_C] and each column by its row's group's amax into
@@ -242,11 +277,8 @@ def rowwise_layouts_cast_kernel(
         row_ok = rows < R
         col_ok = cols < C
         x_b = x_ptr + batch * stride_xb
-        splits = tl.arange(0, BLOCK_S)
-        part = tl.load(row_part_ptr.to(tl.pointer_type(tl.int32)) + (batch * num_splits + splits[None, :]) * R
-                       + rows[:, None], mask=row_ok[:, None] & (splits[None, :] < num_splits), other=0)
-        row_scale, row_dequant = _quant_scales(tl.max(part, axis=1).to(tl.float32, bitcast=True), FP8_MAX,
-                                               MARGIN_FACTOR)
+        row_amax = tl.load(row_amax_ptr + batch * R + rows, mask=row_ok, other=0.0)
+        row_scale, row_dequant = _quant_scales(row_amax, FP8_MAX, MARGIN_FACTOR)
         if n_block == 0:
             tl.store(row_dequant_ptr + batch * R + rows, row_dequant, mask=row_ok)
             if SOURCE == 2:
@@ -278,26 +310,31 @@ def rowwise_layouts_cast_kernel(
                                  MARGIN_FACTOR)
 
 
-# Tiles per source: (rows, columns, warps) of the stats pass (a program reads rows x _SPLIT columns
-# of the source) and of the cast pass. H100 sweep (scripts/probe_rowwise_layouts.py, 98304 rows, 64
-# groups; x 1024 columns, a and dh from F = 2048): x's stats 256 x 64 on 8 warps 0.097 ms (32-256
-# rows x 64-128 columns, 4-8 warps: up to 0.26), cast 32 x 64 on 4 warps 0.188 (up to 0.26); the
-# SwiGLU sources compute more per byte: stats 32 x 64 on 4 warps 0.354 / 0.769 ms (a / dh; 256 x 64
-# on 8 warps 0.431 / 0.997), cast 32 x 64 on 4 warps 0.635 / 1.073 (up to 0.86 / 1.31). With few
-# rows (4096, 16 groups) x's 256-row stats tiles leave SMs idle (0.024 ms against 0.013 for 32 x 64
-# on 4 warps): under _MIN_STATS_TILES tiles, the small configuration.
+# Tiles per source: (rows, columns, warps, rows a step, columns a split) of the stats pass and
+# (rows, columns, warps) of the cast pass. A stats program reads rows x split columns of the source:
+# with rows a step > 0 the split is one column block, walked that many rows a step (SUB_R);
+# with 0, the tile's rows at once over the split's column blocks. H100 sweep
+# (scripts/probe_rowwise_layouts.py, 98304 rows, 64 groups; x 1024 columns, a and dh from F =
+# 2048; ms): stats of x 0.095 (256 x 64 over 1024 columns on 8 warps: 0.111), of a 0.303 (32 x 64
+# over 1024: 0.354), of dh 0.511 (32 x 64 over 1024: 0.767; its cast then adds 32 splits' dprobs,
+# 1.051 -> 1.074); casts 32 x 64 on 4 warps 0.18 / 0.62 / 1.07 (up to 0.26 / 0.86 / 1.31 with
+# other tiles). With 4096 rows and 16 groups: 0.008 / 0.023 / 0.043 against 0.013 / 0.034 / 0.054.
+# Under _MIN_STATS_TILES tiles (few rows), a small configuration keeps the SMs busy.
 _SPLIT = 1024
-_STATS = {SOURCE_TENSOR: (256, 64, 8), SOURCE_SWIGLU: (32, 64, 4), SOURCE_SWIGLU_GRAD: (32, 64, 4)}
-_STATS_FEW_ROWS = (32, 64, 4)
+_STATS = {SOURCE_TENSOR: (256, 64, 4, 16, 64), SOURCE_SWIGLU: (512, 128, 4, 32, 128),
+          SOURCE_SWIGLU_GRAD: (512, 64, 4, 32, 64)}
+_STATS_FEW_ROWS = (32, 64, 4, 0, _SPLIT)
 _CAST = {SOURCE_TENSOR: (32, 64, 4), SOURCE_SWIGLU: (32, 64, 4), SOURCE_SWIGLU_GRAD: (32, 64, 4)}
 _MIN_STATS_TILES = 512
 _FINAL = 1024
 MAX_GROUPS = 4096
 
 
-def _stats_config(source: int, r: int, groups: int, splits: int):
+def _stats_config(source: int, r: int, c: int, groups: int, batches: int):
+    """The stats tiles of a source with r rows and c (its own) columns: the source's, or the small
+    configuration where the source's would make fewer than _MIN_STATS_TILES tiles (the grid's bound)."""
     config = _STATS[source]
-    if (_cdiv(r, config[0]) + groups) * splits < _MIN_STATS_TILES:
+    if (_cdiv(r, config[0]) + groups) * max(_cdiv(c, config[4]), 1) * batches < _MIN_STATS_TILES:
         return _STATS_FEW_ROWS
     return config
 
@@ -316,7 +353,7 @@ class _Geometry:
     __slots__ = ("r", "c", "out_c", "groups", "one_group", "grad", "rows_shape", "trans_shape", "stats_n", "parts",
                  "row_dequant_shape", "col_dequant_shape", "byte_offsets", "zero_grid", "stats_grid", "cast_grid",
                  "num_splits", "cast_tiles", "args", "stats_key", "cast_key", "stats_meta", "cast_meta", "empty",
-                 "strides")
+                 "strides", "split")
 
     def __init__(self, source, x, da, groups, one_group, fp8_dtype, fp8_max, margin, write_rows, write_transposed,
                  probs_dtype, dprobs_dtype):
@@ -327,15 +364,18 @@ class _Geometry:
         lead = x.shape[:-2]
         self.r, self.c, self.out_c, self.groups, self.one_group, self.grad = r, c, out_c, groups, one_group, grad
         self.rows_shape, self.trans_shape = lead + (r, out_c), lead + (out_c, r)
-        self.num_splits = num_splits = max(_cdiv(c, _SPLIT), 1)
-        # One float32 allocation: the column amaxes (zeroed), the row partials, the dprobs partials,
+        stats_r, stats_c, stats_warps, stats_sub, split = _stats_config(source, r, c, 0 if one_group else groups,
+                                                                        batches)
+        self.split = split
+        self.num_splits = num_splits = max(_cdiv(c, split), 1)
+        # One float32 allocation: the column and the row amaxes (zeroed), the dprobs partials,
         # then the row and column dequantization scales side by side (a rowwise
         # QuantizedGradHandoff hands them on as one tensor).
-        col_n, part_n, row_n = batches * groups * out_c, batches * num_splits * r, batches * r
+        col_n, part_n, row_n = batches * groups * out_c, batches * r, batches * r
         dp_n = num_splits * r if grad else 0
         self.stats_n = col_n + part_n + dp_n + row_n + col_n
         scales = col_n + part_n + dp_n
-        # (start, end) of: column amaxes, row partials, dprobs partials, scales, row scales, column scales
+        # (start, end) of: column amaxes, row amaxes, dprobs partials, scales, row scales, column scales
         self.parts = ((0, col_n), (col_n, col_n + part_n), (col_n + part_n, scales), (scales, self.stats_n),
                       (scales, scales + row_n), (scales + row_n, self.stats_n))
         self.byte_offsets = tuple(4 * start for start, _ in self.parts)
@@ -346,23 +386,22 @@ class _Geometry:
         stride_c = x.stride(-1) if source == SOURCE_TENSOR else 1
         stride_da = da.stride(0) if grad else 0
         self.strides = (stride_b, stride_r, stride_c, stride_da)
-        stats_r, stats_c, stats_warps = _stats_config(source, r, 0 if one_group else groups, num_splits * batches)
         cast_r, cast_c, cast_warps = _CAST[source]
         # The tile bound needs no group sizes: sum_g cdiv(M_g, BR) <= cdiv(R, BR) + G.
-        self.zero_grid = (_cdiv(col_n, _FINAL),)
+        self.zero_grid = (_cdiv(col_n + part_n, _FINAL),)  # the column and the row amaxes
         self.stats_grid = ((_cdiv(r, stats_r) + (0 if one_group else groups)) * num_splits, batches)
         self.cast_tiles = cast_tiles = _cdiv(r, cast_r) * _cdiv(c, cast_c)
         self.cast_grid = (cast_tiles + _cdiv(groups * out_c, _FINAL), batches)
         self.args = (r, c, groups, num_splits)
         self.stats_meta = dict(SOURCE=source, ONE_GROUP=one_group, G_PAD=g_pad, BLOCK_R=stats_r, BLOCK_C=stats_c,
-                               num_warps=stats_warps)
+                               SUB_R=stats_sub, num_warps=stats_warps)
         self.cast_meta = dict(FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, WRITE_ROWS=write_rows,
                               WRITE_T=write_transposed, SOURCE=source, SEARCH_STEPS=(groups - 1).bit_length(),
-                              BLOCK_R=cast_r, BLOCK_C=cast_c, BLOCK_S=_next_pow2(num_splits), FINAL_BLOCK=_FINAL,
+                              BLOCK_R=cast_r, BLOCK_C=cast_c, FINAL_BLOCK=_FINAL,
                               num_warps=cast_warps)
         self.stats_key = (source, x.dtype, probs_dtype, da.dtype if grad else x.dtype, one_group, g_pad, arg_fact(r),
                           c, groups, batches, stride_b, stride_r, stride_c, arg_fact(stride_da), stats_r, stats_c,
-                          _SPLIT, stats_warps, cast_r, cast_c, cast_warps)
+                          split, stats_sub, stats_warps, cast_r, cast_c, cast_warps)
         self.cast_key = self.stats_key + (fp8_dtype, fp8_max, margin, write_rows, write_transposed, num_splits,
                                           arg_fact(cast_tiles), dprobs_dtype)
 
@@ -399,7 +438,7 @@ def _layouts(source, x, probs, da, group_offs, fp8_dtype, fp8_max, margin, write
     stats = torch.empty((geo.stats_n,), dtype=torch.float32, device=device)
     (_, col_end), (part_lo, part_hi), (dp_lo, dp_hi), (sc_lo, _), (_, row_end), _ = geo.parts
     col_amax = stats[:col_end]
-    row_part = stats[part_lo:part_hi]
+    row_amax = stats[part_lo:part_hi]
     dprobs_part = stats[dp_lo:dp_hi] if grad else stats
     scales = stats[sc_lo:]
     row_dequant = stats[sc_lo:row_end].view(geo.row_dequant_shape)
@@ -419,10 +458,10 @@ def _layouts(source, x, probs, da, group_offs, fp8_dtype, fp8_max, margin, write
                offs.data_ptr() % 16 == 0, at[0], at[1], at[2] if grad else at[0])
     stride_b, stride_r, stride_c, stride_da = geo.strides
     r, c, groups, num_splits = geo.args
-    _zero.launch_keyed(geo.zero_grid, (arg_fact(geo.parts[0][1]), at[0]), col_amax, geo.parts[0][1], BLOCK=_FINAL,
+    _zero.launch_keyed(geo.zero_grid, (arg_fact(geo.parts[1][1]), at[0]), stats, geo.parts[1][1], BLOCK=_FINAL,
                        num_warps=4)
     _stats.launch_keyed(geo.stats_grid, geo.stats_key + aligned,
-                        x, probs_arg, da_arg, offs, row_part, col_amax, dprobs_part, r, c, groups, num_splits, _SPLIT,
+                        x, probs_arg, da_arg, offs, row_amax, col_amax, dprobs_part, r, c, groups, num_splits, geo.split,
                         stride_b, stride_r, stride_c, stride_da, **geo.stats_meta)
     out = rows if rows is not None else (trans if trans is not None else stats)
     dprobs_arg = dprobs if grad else stats
@@ -430,7 +469,7 @@ def _layouts(source, x, probs, da, group_offs, fp8_dtype, fp8_max, margin, write
         geo.cast_grid,
         geo.cast_key + aligned + (out.data_ptr() % 16 == 0, trans is None or trans.data_ptr() % 16 == 0, at[4], at[5],
                                   dprobs_arg.data_ptr() % 16 == 0),
-        x, probs_arg, da_arg, offs, row_part, col_amax, dprobs_part, out, trans if trans is not None else out,
+        x, probs_arg, da_arg, offs, row_amax, col_amax, dprobs_part, out, trans if trans is not None else out,
         row_dequant, col_dequant, dprobs_arg, r, c, groups, num_splits, geo.cast_tiles, stride_b, stride_r, stride_c,
         stride_da, **geo.cast_meta)
     return rows, row_dequant, trans, col_dequant, dprobs, scales
