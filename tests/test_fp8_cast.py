@@ -56,6 +56,29 @@ CHECK = textwrap.dedent(
             assert torch.equal(trans.view(torch.uint8), ref.transpose(-1, -2).contiguous().view(torch.uint8))
             only_t = fp8_cast(x, scale, fp8, fp8_max(fp8), write_rows=False, write_transposed=True)
             assert only_t[0] is None and torch.equal(only_t[1].view(torch.uint8), trans.view(torch.uint8))
+    # a row capacity past the row count (a token bucket, docs/design.md "Not yet served"): the copies
+    # are views of the first R rows of capacity-row buffers, their bits the R-row call's; the amax
+    # partition and the cast grid are the capacity's
+    from turbo_moe.kernels.triton import fp8_cast as F
+    for (r, c), cap in (((70, 48), 96), ((200, 33), 9000), ((5, 130), 5)):
+        grid_values = (torch.randn(r, c, generator=gen) * 50).to(torch.float8_e4m3fn).float()
+        x = (grid_values * 2.0**-5).to(device)
+        x[0, 0] = 448.0 * 2.0**-5
+        want_rows, want_t, want_dq = fp8_tensorwise_cast(x, torch.float8_e4m3fn, 448.0, 0, True, True)
+        rows, trans, dq = fp8_tensorwise_cast(x, torch.float8_e4m3fn, 448.0, 0, True, True, row_capacity=cap)
+        assert rows.shape == (r, c) and trans.shape == (c, r) and trans.stride() == (cap, 1), (trans.stride(), cap)
+        assert rows._base is None or rows._base.shape == (cap, c)
+        assert torch.equal(rows.view(torch.uint8), want_rows.view(torch.uint8)), (r, c, cap)
+        assert torch.equal(trans.view(torch.uint8), want_t.view(torch.uint8)) and torch.equal(dq, want_dq), (r, c, cap)
+        geo = F._TENSORWISE_GEOMETRY[(x.shape, x.dtype, torch.float8_e4m3fn, 448.0, 0, True, True, cap)]
+        full = F._TensorwiseGeometry(torch.empty(cap, c), torch.float8_e4m3fn, 448.0, 0, True, True, cap)
+        assert (geo.num_partials, geo.chunk, geo.cast_grid) == (full.num_partials, full.chunk, full.cast_grid)
+        assert geo.numel == r * c
+    try:
+        fp8_tensorwise_cast(torch.zeros(8, 4, device=device), torch.float8_e4m3fn, 448.0, row_capacity=7)
+        raise AssertionError("a row capacity under the row count must raise")
+    except ValueError as err:
+        assert "row_capacity" in str(err)
     # a strided (transposed) source
     x = (torch.randn(40, 24, generator=gen) * 50).to(torch.float8_e4m3fn).float().to(device).t()
     x[0, 0] = 448.0

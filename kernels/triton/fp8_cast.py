@@ -91,14 +91,16 @@ def _amax_from_partials(partials_ptr, num_partials, BLOCK_P: tl.constexpr):
 @triton.jit
 def fp8_cast_kernel(
     x_ptr, partials_ptr, num_partials, out_ptr, out_t_ptr, dequant_ptr,
-    R, C,
+    R, C, R_OUT,
     stride_xb, stride_xr, stride_xc,
     FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_T: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """Tensorwise cast of x [B, R, C]: the scale comes from the amax partials (every program
     reduces them: a few hundred floats, cheaper than a launch), program (0, 0, 0) stores the
-    dequantization scale. Writes the row-major copy and/or the transposed copy [B, C, R]."""
+    dequantization scale. Writes the row-major copy and/or the transposed copy into outputs of
+    R_OUT >= R rows ([B, R_OUT, C] and [B, C, R_OUT]; rows past R are not written): the row
+    capacity of a token bucket (``docs/design.md``, "Not yet served"), R itself otherwise."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
@@ -113,12 +115,12 @@ def fp8_cast_kernel(
         mask = (rows[:, None] < R) & (cols[None, :] < C)
         x = tl.load(x_tile + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask)
         q = clamp_keep_nan(x.to(tl.float32) * scale, FP8_MAX).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-        tl.store(out_ptr + batch * R * C + rows[:, None] * C + cols[None, :], q, mask=mask)
+        tl.store(out_ptr + batch * R_OUT * C + rows[:, None] * C + cols[None, :], q, mask=mask)
     if WRITE_T:  # out_t[b, c, r] from its own transposed load of the tile (module docstring)
         mask_t = (cols[:, None] < C) & (rows[None, :] < R)
         x_t = tl.load(x_tile + cols[:, None] * stride_xc + rows[None, :] * stride_xr, mask=mask_t)
         q_t = clamp_keep_nan(x_t.to(tl.float32) * scale, FP8_MAX).to(out_t_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-        tl.store(out_t_ptr + batch * R * C + cols[:, None] * R + rows[None, :], q_t, mask=mask_t)
+        tl.store(out_t_ptr + batch * R_OUT * C + cols[:, None] * R_OUT + rows[None, :], q_t, mask=mask_t)
 
 
 # Most amax partials (programs of amax_partials_kernel); the cast kernels reduce them in one block.
@@ -142,25 +144,28 @@ class _TensorwiseGeometry:
     dtypes, flags): a fwd+bwd casts the same few shapes every step."""
 
     __slots__ = ("rows_shape", "trans_shape", "numel", "num_partials", "chunk", "amax_grid", "cast_grid",
-                 "amax_key", "cast_key", "r", "c", "stride_b")
+                 "amax_key", "cast_key", "r", "c", "stride_b", "capacity")
 
-    def __init__(self, x, fp8_dtype, fp8_max, margin, write_rows, write_transposed):
+    def __init__(self, x, fp8_dtype, fp8_max, margin, write_rows, write_transposed, capacity):
         batches, r, c, stride_b = _batched(x)
-        self.rows_shape, self.trans_shape = x.shape, x.shape[:-2] + (c, r)
+        # Outputs, amax partition and cast grid follow the row capacity; only the element count
+        # the amax pass reads and the cast's row mask follow r.
+        self.rows_shape, self.trans_shape = x.shape[:-2] + (capacity, c), x.shape[:-2] + (c, capacity)
         self.numel = numel = batches * r * c
-        self.r, self.c, self.stride_b = r, c, stride_b
-        num_partials = min(MAX_PARTIALS, _cdiv(numel, _AMAX_BLOCK)) if numel else 0
-        self.chunk = chunk = _cdiv(_cdiv(numel, num_partials), _AMAX_BLOCK) * _AMAX_BLOCK if numel else 0
-        self.num_partials = num_partials = _cdiv(numel, chunk) if numel else 0
+        self.r, self.c, self.stride_b, self.capacity = r, c, stride_b, capacity
+        span = batches * capacity * c
+        num_partials = min(MAX_PARTIALS, _cdiv(span, _AMAX_BLOCK)) if numel else 0
+        self.chunk = chunk = _cdiv(_cdiv(span, num_partials), _AMAX_BLOCK) * _AMAX_BLOCK if numel else 0
+        self.num_partials = num_partials = _cdiv(span, chunk) if numel else 0
         self.amax_grid = (num_partials,)
-        self.cast_grid = (_cdiv(r, _CAST_BLOCK), _cdiv(c, _CAST_BLOCK), batches)
+        self.cast_grid = (_cdiv(capacity, _CAST_BLOCK), _cdiv(c, _CAST_BLOCK), batches)
         # The launch keys (LeanLauncher.launch_keyed), less the tensors' alignments added per call:
         # what the integer arguments' facts and the tensors' dtypes depend on. Row counts and sizes
         # that follow the token count enter as their facts, so a new token count is no new key.
         n_fact = arg_fact(numel)
         self.amax_key = (x.dtype, n_fact, arg_fact(chunk))
         self.cast_key = (x.dtype, fp8_dtype, fp8_max, margin, write_rows, write_transposed, n_fact, arg_fact(r),
-                         arg_fact(num_partials), c, batches, stride_b)
+                         arg_fact(capacity), arg_fact(num_partials), c, batches, stride_b)
 
 
 _TENSORWISE_GEOMETRY = {}
@@ -168,28 +173,36 @@ _MAX_GEOMETRIES = 1024
 
 
 def fp8_tensorwise_cast(x, fp8_dtype, fp8_max: float, margin: int = 0, write_rows: bool = True,
-                        write_transposed: bool = False):
+                        write_transposed: bool = False, row_capacity=None):
     """Tensorwise current-scaling FP8 of a 2-D ``[R, C]`` or 3-D ``[B, R, C]`` tensor in two
     launches: amax partials, then the cast (which reduces the partials and derives the scale on the
     device). Returns ``(rows, transposed, dequant)``: contiguous ``[..., R, C]`` and ``[..., C, R]``
     FP8 copies (each None when not asked for) and the 0-dim float32 dequantization scale.
+
+    ``row_capacity`` (>= R; a token bucket's, ``docs/design.md`` "Not yet served"): the copies are
+    allocated with that many rows and returned as views of their first R (the transposed one then
+    has row stride ``row_capacity``), and the amax partition and the cast grid are the capacity's;
+    the values are the R-row call's, bit for bit.
     """
     import torch
 
     x = x if x.is_contiguous() else x.contiguous()  # the amax pass walks flat memory
-    lookup = (x.shape, x.dtype, fp8_dtype, fp8_max, margin, write_rows, write_transposed)
+    capacity = x.shape[-2] if row_capacity is None else row_capacity
+    if capacity < x.shape[-2]:
+        raise ValueError(f"row_capacity ({capacity}) must be at least x's row count ({x.shape[-2]})")
+    lookup = (x.shape, x.dtype, fp8_dtype, fp8_max, margin, write_rows, write_transposed, capacity)
     geo = _TENSORWISE_GEOMETRY.get(lookup)
     if geo is None:
         if len(_TENSORWISE_GEOMETRY) >= _MAX_GEOMETRIES:
             _TENSORWISE_GEOMETRY.clear()
         geo = _TENSORWISE_GEOMETRY[lookup] = _TensorwiseGeometry(x, fp8_dtype, fp8_max, margin, write_rows,
-                                                                 write_transposed)
+                                                                 write_transposed, capacity)
     device = x.device
     rows = torch.empty(geo.rows_shape, dtype=fp8_dtype, device=device) if write_rows else None
     trans = torch.empty(geo.trans_shape, dtype=fp8_dtype, device=device) if write_transposed else None
     if geo.numel == 0:
         dequant = torch.ones((), dtype=torch.float32, device=device)
-        return rows, trans, dequant
+        return _first_rows(rows, trans, geo) + (dequant,)
     # The amax partials and the dequantization scale share one allocation (the scale last).
     stats = torch.empty((geo.num_partials + 1,), dtype=torch.float32, device=device)
     dequant = stats[-1]
@@ -201,11 +214,18 @@ def fp8_tensorwise_cast(x, fp8_dtype, fp8_max: float, margin: int = 0, write_row
         geo.cast_grid, geo.cast_key + aligned + (out.data_ptr() % 16 == 0, trans is None or trans.data_ptr() % 16 == 0,
                                                  dequant.data_ptr() % 16 == 0),
         x, stats, geo.num_partials, out, trans if trans is not None else out, dequant,
-        geo.r, geo.c, geo.stride_b, geo.c, 1,
+        geo.r, geo.c, geo.capacity, geo.stride_b, geo.c, 1,
         FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, WRITE_ROWS=write_rows, WRITE_T=write_transposed,
         BLOCK_R=_CAST_BLOCK, BLOCK_C=_CAST_BLOCK, BLOCK_P=MAX_PARTIALS, num_warps=4,
     )
-    return rows, trans, dequant
+    return _first_rows(rows, trans, geo) + (dequant,)
+
+
+def _first_rows(rows, trans, geo):
+    """The copies' first R rows (views) where their capacity is larger; the copies themselves else."""
+    if geo.capacity == geo.r:
+        return rows, trans
+    return (None if rows is None else rows[..., :geo.r, :]), (None if trans is None else trans[..., :geo.r])
 
 
 @triton.jit
