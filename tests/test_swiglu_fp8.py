@@ -261,6 +261,48 @@ def test_rowwise_stats_tilings_agree_on_gpu():
     run_on_gpu(STATS_TILES_CHECK.replace("DEVICE", "'cuda'"), "stats_tiles_check")
 
 
+CAPACITY_CHECK = textwrap.dedent(
+    """
+    import torch
+    from turbo_moe.kernels.triton.swiglu_fp8 import swiglu_fp8_tensorwise, swiglu_backward_fp8_tensorwise
+    device = DEVICE
+    gen = torch.Generator().manual_seed(5)
+    same = lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    # a row capacity past the row count (a token bucket, docs/design.md "Not yet served"): the FP8
+    # copies are views of the first M rows of capacity-row buffers, with the M-row call's bits
+    for m, f, cap in ((70, 24, 96), (33, 40, 4000), (9, 16, 9)):
+        h = (torch.randn(m, 2 * f, generator=gen) * 2).to(torch.bfloat16).to(device)
+        p = torch.rand(m, generator=gen).to(device)
+        da = torch.randn(m, f, generator=gen).to(torch.bfloat16).to(device)
+        want = swiglu_fp8_tensorwise(h, p, torch.float8_e4m3fn, 448.0, 0, True, True)
+        got = swiglu_fp8_tensorwise(h, p, torch.float8_e4m3fn, 448.0, 0, True, True, row_capacity=cap)
+        assert got[1].shape == (f, m) and got[1].stride() == (cap, 1) and got[0].shape == (m, f)
+        assert same(got[0], want[0]) and same(got[1], want[1]) and torch.equal(got[2], want[2]), (m, f, cap)
+        want = swiglu_backward_fp8_tensorwise(h, p, da, torch.float8_e5m2, 57344.0, 0, torch.float32, True, True)
+        got = swiglu_backward_fp8_tensorwise(h, p, da, torch.float8_e5m2, 57344.0, 0, torch.float32, True, True,
+                                             row_capacity=cap)
+        assert got[1].shape == (2 * f, m) and got[1].stride() == (cap, 1) and got[0].shape == (m, 2 * f)
+        assert same(got[0], want[0]) and same(got[1], want[1]), (m, f, cap, "dh")
+        assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3]), (m, f, cap, "scale, dprobs")
+    try:
+        swiglu_fp8_tensorwise(h, p, torch.float8_e4m3fn, 448.0, row_capacity=h.shape[0] - 1)
+        raise AssertionError("a row capacity under the row count must raise")
+    except ValueError as err:
+        assert "row_capacity" in str(err)
+    print("ok")
+    """
+)
+
+
+def test_swiglu_row_capacity_in_interpreter():
+    assert_prints_ok(CAPACITY_CHECK.replace("DEVICE", "'cpu'"))
+
+
+@pytest.mark.gpu
+def test_swiglu_row_capacity_on_gpu():
+    run_on_gpu(CAPACITY_CHECK.replace("DEVICE", "'cuda'"), "swiglu_capacity_check")
+
+
 def _problem(lens, f, n, dtype=torch.bfloat16, device="cpu", seed=0):
     gen = torch.Generator().manual_seed(seed)
     m = sum(lens)

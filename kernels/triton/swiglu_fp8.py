@@ -114,12 +114,13 @@ def swiglu_amax_partials_kernel(h_ptr, probs_ptr, partials_ptr, R, F, stride_h, 
 @triton.jit
 def swiglu_fp8_cast_kernel(
     h_ptr, probs_ptr, partials_ptr, num_partials, out_ptr, out_t_ptr, dequant_ptr,
-    R, F, stride_h,
+    R, F, stride_h, R_OUT,
     FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_T: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """Tensorwise FP8 of ``a``: ``out [R, F]`` and/or ``out_t [F, R]``; program (0, 0) stores the
-    dequantization scale (``fp8_cast_kernel``'s contract, with ``a`` computed from ``h``)."""
+    """Tensorwise FP8 of ``a``: ``out [R_OUT, F]`` and/or ``out_t [F, R_OUT]`` (R_OUT >= R, a token
+    bucket's row capacity: rows past R are not written); program (0, 0) stores the dequantization
+    scale (``fp8_cast_kernel``'s contract, with ``a`` computed from ``h``)."""
     scale, rows, cols = _cast_tile_start(partials_ptr, num_partials, dequant_ptr, FP8_MAX, MARGIN_FACTOR,
                                          BLOCK_R, BLOCK_C, BLOCK_P)
     if WRITE_ROWS:
@@ -128,7 +129,7 @@ def swiglu_fp8_cast_kernel(
                    FP8_MAX)
     if WRITE_T:
         a_t = _weighted_swiglu_tile(h_ptr, probs_ptr, rows, cols, R, F, stride_h, False)
-        _store_fp8(out_t_ptr + cols[:, None] * R + rows[None, :], a_t, scale,
+        _store_fp8(out_t_ptr + cols[:, None] * R_OUT + rows[None, :], a_t, scale,
                    (cols[:, None] < F) & (rows[None, :] < R), FP8_MAX)
 
 
@@ -212,12 +213,13 @@ def swiglu_backward_amax_kernel(h_ptr, probs_ptr, da_ptr, dprobs_ptr, partials_p
 @triton.jit
 def swiglu_backward_fp8_cast_kernel(
     h_ptr, probs_ptr, da_ptr, partials_ptr, num_partials, out_ptr, out_t_ptr, dequant_ptr,
-    R, F, stride_h, stride_da,
+    R, F, stride_h, stride_da, R_OUT,
     FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_T: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """Tensorwise FP8 of ``dh``: ``out [R, 2F]`` and/or ``out_t [2F, R]`` (columns [0, F) the gate
-    half, [F, 2F) the linear half); program (0, 0) stores the dequantization scale."""
+    """Tensorwise FP8 of ``dh``: ``out [R_OUT, 2F]`` and/or ``out_t [2F, R_OUT]`` (columns [0, F) the
+    gate half, [F, 2F) the linear half; R_OUT >= R as in :func:`swiglu_fp8_cast_kernel`); program
+    (0, 0) stores the dequantization scale."""
     scale, rows, cols = _cast_tile_start(partials_ptr, num_partials, dequant_ptr, FP8_MAX, MARGIN_FACTOR,
                                          BLOCK_R, BLOCK_C, BLOCK_P)
     if WRITE_ROWS:
@@ -230,9 +232,9 @@ def swiglu_backward_fp8_cast_kernel(
         dgate_t, dlinear_t, _ = _swiglu_grad_tile(h_ptr, probs_ptr, da_ptr, rows, cols, R, F, stride_h, stride_da,
                                                   False)
         mask_t = (cols[:, None] < F) & (rows[None, :] < R)
-        ptrs_t = out_t_ptr + cols[:, None] * R + rows[None, :]
+        ptrs_t = out_t_ptr + cols[:, None] * R_OUT + rows[None, :]
         _store_fp8(ptrs_t, dgate_t, scale, mask_t, FP8_MAX)
-        _store_fp8(ptrs_t + F * R, dlinear_t, scale, mask_t, FP8_MAX)
+        _store_fp8(ptrs_t + F * R_OUT, dlinear_t, scale, mask_t, FP8_MAX)
 
 
 @triton.jit
@@ -360,39 +362,56 @@ def _cast_key(fp8_dtype, fp8_max, margin, write_rows, write_transposed, num_part
             trans is None or trans.data_ptr() % 16 == 0, dequant.data_ptr() % 16 == 0)
 
 
+def _row_capacity(r: int, row_capacity) -> int:
+    if row_capacity is None:
+        return r
+    if row_capacity < r:
+        raise ValueError(f"row_capacity ({row_capacity}) must be at least h's row count ({r})")
+    return row_capacity
+
+
+def _first_rows(rows, trans, r: int, capacity: int):
+    """Views of the copies' first r rows where their capacity is larger (a token bucket's)."""
+    if capacity == r:
+        return rows, trans
+    return (None if rows is None else rows[:r]), (None if trans is None else trans[:, :r])
+
+
 def swiglu_fp8_tensorwise(h, probs, fp8_dtype, fp8_max: float, margin: int = 0, write_rows: bool = True,
-                          write_transposed: bool = False):
+                          write_transposed: bool = False, row_capacity=None):
     """Tensorwise FP8 of ``a = silu(h[:, :F]) * h[:, F:] * probs`` without materializing ``a``.
 
     ``h``: ``[M, 2F]`` with unit column stride (any row stride); ``probs``: ``[M]`` contiguous.
     Returns ``(rows [M, F] or None, transposed [F, M] or None, dequant)`` as
-    ``fp8_cast.fp8_tensorwise_cast`` does for a materialized ``a``.
+    ``fp8_cast.fp8_tensorwise_cast`` does for a materialized ``a``, with its ``row_capacity``
+    (the copies views of capacity-row buffers; amax partition and grid the capacity's).
     """
     import torch
 
     r, two_f = h.shape
     f = two_f // 2
+    cap = _row_capacity(r, row_capacity)
     device = h.device
-    rows = torch.empty((r, f), dtype=fp8_dtype, device=device) if write_rows else None
-    trans = torch.empty((f, r), dtype=fp8_dtype, device=device) if write_transposed else None
+    rows = torch.empty((cap, f), dtype=fp8_dtype, device=device) if write_rows else None
+    trans = torch.empty((f, cap), dtype=fp8_dtype, device=device) if write_transposed else None
     if r * f == 0:
-        return rows, trans, torch.ones((), dtype=torch.float32, device=device)
-    num_partials, per, stats, dequant = _partials_buffer(r, device)
+        return _first_rows(rows, trans, r, cap) + (torch.ones((), dtype=torch.float32, device=device),)
+    num_partials, per, stats, dequant = _partials_buffer(cap, device)
     out = rows if rows is not None else trans
     stride_h = h.stride(0)
     aligned = (h.data_ptr() % 16 == 0, probs.data_ptr() % 16 == 0, stats.data_ptr() % 16 == 0)
-    facts = (h.dtype, probs.dtype, arg_fact(r), arg_fact(f), arg_fact(stride_h))
+    facts = (h.dtype, probs.dtype, arg_fact(r), arg_fact(f), arg_fact(stride_h), arg_fact(cap))
     _amax.launch_keyed((num_partials,), facts + aligned + (arg_fact(per),), h, probs, stats, r, f, stride_h, per,
                        BLOCK_R=_AMAX_BLOCK_R, BLOCK_C=_AMAX_BLOCK_C, num_warps=4)
     _cast.launch_keyed(
-        (_cdiv(r, _CAST_BLOCK_R), _cdiv(f, _CAST_BLOCK_C)),
+        (_cdiv(cap, _CAST_BLOCK_R), _cdiv(f, _CAST_BLOCK_C)),
         facts + aligned + _cast_key(fp8_dtype, fp8_max, margin, write_rows, write_transposed, num_partials, out, trans,
                                     dequant),
-        h, probs, stats, num_partials, out, trans if trans is not None else out, dequant, r, f, stride_h,
+        h, probs, stats, num_partials, out, trans if trans is not None else out, dequant, r, f, stride_h, cap,
         FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, WRITE_ROWS=write_rows, WRITE_T=write_transposed,
         BLOCK_R=_CAST_BLOCK_R, BLOCK_C=_CAST_BLOCK_C, BLOCK_P=MAX_PARTIALS, num_warps=4,
     )
-    return rows, trans, dequant
+    return _first_rows(rows, trans, r, cap) + (dequant,)
 
 
 def swiglu_backward(h, probs, da, dprobs_dtype):
@@ -418,26 +437,29 @@ def swiglu_backward(h, probs, da, dprobs_dtype):
 
 
 def swiglu_backward_fp8_tensorwise(h, probs, da, fp8_dtype, fp8_max: float, margin: int, dprobs_dtype,
-                                   write_rows: bool = True, write_transposed: bool = False):
+                                   write_rows: bool = True, write_transposed: bool = False, row_capacity=None):
     """``(rows [M, 2F] or None, transposed [2F, M] or None, dequant, dprobs [M])``: the tensorwise
     FP8 layouts of ``dh`` (as ``fp8_cast.fp8_tensorwise_cast`` would make them from a float32
     ``dh``) and ``dprobs``, from ``da [M, F]`` without materializing ``dh`` (unit column strides;
-    ``probs [M]`` contiguous)."""
+    ``probs [M]`` contiguous). ``row_capacity``: as :func:`swiglu_fp8_tensorwise`'s (``dprobs``
+    keeps M rows)."""
     import torch
 
     r, two_f = h.shape
     f = two_f // 2
+    cap = _row_capacity(r, row_capacity)
     device = h.device
-    rows = torch.empty((r, two_f), dtype=fp8_dtype, device=device) if write_rows else None
-    trans = torch.empty((two_f, r), dtype=fp8_dtype, device=device) if write_transposed else None
+    rows = torch.empty((cap, two_f), dtype=fp8_dtype, device=device) if write_rows else None
+    trans = torch.empty((two_f, cap), dtype=fp8_dtype, device=device) if write_transposed else None
     dprobs = torch.empty((r,), dtype=dprobs_dtype, device=device)
     if r * f == 0:
-        return rows, trans, torch.ones((), dtype=torch.float32, device=device), dprobs.zero_()
-    num_partials, per, stats, dequant = _partials_buffer(r, device)
+        return _first_rows(rows, trans, r, cap) + (torch.ones((), dtype=torch.float32, device=device), dprobs.zero_())
+    num_partials, per, stats, dequant = _partials_buffer(cap, device)
     stride_h, stride_da = h.stride(0), da.stride(0)
     aligned = (h.data_ptr() % 16 == 0, probs.data_ptr() % 16 == 0, da.data_ptr() % 16 == 0,
                stats.data_ptr() % 16 == 0)
-    facts = (h.dtype, probs.dtype, da.dtype, arg_fact(r), arg_fact(f), arg_fact(stride_h), arg_fact(stride_da))
+    facts = (h.dtype, probs.dtype, da.dtype, arg_fact(r), arg_fact(f), arg_fact(stride_h), arg_fact(stride_da),
+             arg_fact(cap))
     _backward_amax.launch_keyed(
         (num_partials,), facts + aligned + (dprobs_dtype, dprobs.data_ptr() % 16 == 0, arg_fact(per)),
         h, probs, da, dprobs, stats, r, f, stride_h, stride_da, per,
@@ -446,14 +468,14 @@ def swiglu_backward_fp8_tensorwise(h, probs, da, fp8_dtype, fp8_max: float, marg
     if out is None:  # dprobs only
         return rows, trans, torch.ones((), dtype=torch.float32, device=device), dprobs
     _backward_cast.launch_keyed(
-        (_cdiv(r, _CAST_BLOCK_R), _cdiv(f, _CAST_BLOCK_C)),
+        (_cdiv(cap, _CAST_BLOCK_R), _cdiv(f, _CAST_BLOCK_C)),
         facts + aligned + _cast_key(fp8_dtype, fp8_max, margin, write_rows, write_transposed, num_partials, out, trans,
                                     dequant),
         h, probs, da, stats, num_partials, out, trans if trans is not None else out, dequant, r, f, stride_h,
-        stride_da, FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, WRITE_ROWS=write_rows, WRITE_T=write_transposed,
+        stride_da, cap, FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, WRITE_ROWS=write_rows, WRITE_T=write_transposed,
         BLOCK_R=_CAST_BLOCK_R, BLOCK_C=_CAST_BLOCK_C, BLOCK_P=MAX_PARTIALS, num_warps=4,
     )
-    return rows, trans, dequant, dprobs
+    return _first_rows(rows, trans, r, cap) + (dequant, dprobs)
 
 
 # -- delayed scaling (amax_history): one pass each, the scale from the history ----------------------
