@@ -173,6 +173,23 @@ KERNEL_CHECK = textwrap.dedent(
                         for g, c in zip(got[:2], cur[:2]):
                             assert (g is None and c is None) or torch.equal(u8(g), u8(c)), label
 
+    # a row capacity past the row count (a token bucket, docs/design.md "Not yet served"): views of
+    # capacity-row buffers with the R-row call's bits, and the same record in the history
+    for (r, c), cap in (((70, 48), 130), ((5, 200), 5), ((33, 64), 1000)):
+        x = (torch.randn(r, c, generator=gen) * 3).to(device)
+        states = []
+        for row_capacity in (None, cap):
+            hist = AmaxHistory(4, False)
+            hist.prepare(x.device, torch.float8_e4m3fn, 0, lambda: x.abs().max().float() * 0.5)
+            out = fp8_tensorwise_cast_delayed(x, hist.state, hist.ticket, 4, False, torch.float8_e4m3fn, 448.0, 0,
+                                              True, True, row_capacity=row_capacity)
+            states.append((out, hist.state.clone(), hist.ticket.clone()))
+        (want, want_state, want_ticket), (got, got_state, got_ticket) = states
+        assert got[1].shape == (c, r) and got[1].stride() == (cap, 1) and got[0].shape == (r, c), (r, c, cap)
+        assert torch.equal(u8(got[0]), u8(want[0])) and torch.equal(u8(got[1]), u8(want[1])), (r, c, cap)
+        assert torch.equal(got[2], want[2]) and torch.equal(got_state, want_state), (r, c, cap)
+        assert got_ticket.item() == 0 == want_ticket.item(), (r, c, cap)
+
     # a NaN in a program's second column tile (each program walks two 64-wide tiles): recorded in
     # the history, and the scale kept
     for rows_t in ((True, False), (False, True), (True, True)):

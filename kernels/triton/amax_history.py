@@ -33,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fp8_cast import _MAX_GEOMETRIES, _batched, _cdiv, _quant_scales, clamp_keep_nan
+from .fp8_cast import _MAX_GEOMETRIES, _batched, _cdiv, _first_rows, _quant_scales, clamp_keep_nan
 from .launch import arg_fact, lean
 
 
@@ -103,7 +103,7 @@ def history_block(history_len: int) -> int:
 @triton.jit
 def fp8_cast_delayed_kernel(
     x_ptr, state_ptr, ticket_ptr, num_programs, out_ptr, out_t_ptr, dequant_ptr,
-    R, C, stride_xb, stride_xr, stride_xc,
+    R, C, stride_xb, stride_xr, stride_xc, R_OUT,
     FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, HISTORY: tl.constexpr, MOST_RECENT: tl.constexpr,
     WRITE_ROWS: tl.constexpr, WRITE_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     TILES_C: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -111,7 +111,8 @@ def fp8_cast_delayed_kernel(
     """``fp8_cast.fp8_cast_kernel`` with the scale from the amax history instead of an amax pass:
     the row-major and/or transposed copy of x [B, R, C], each from its own load (``fp8_cast``'s
     module docstring), over TILES_C adjacent column tiles, and their amax recorded for the next
-    cast (one record per program: fewer atomics)."""
+    cast (one record per program: fewer atomics). The copies have R_OUT >= R rows (a token bucket's
+    row capacity; rows past R are not written)."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
@@ -127,7 +128,7 @@ def fp8_cast_delayed_kernel(
             x = x.to(tl.float32)
             amax = tl.maximum(amax, tile_abs_max(x), propagate_nan=tl.PropagateNan.ALL)
             q = clamp_keep_nan(x * scale, FP8_MAX).to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-            tl.store(out_ptr + batch * R * C + rows[:, None] * C + cols[None, :], q, mask=mask)
+            tl.store(out_ptr + batch * R_OUT * C + rows[:, None] * C + cols[None, :], q, mask=mask)
         if WRITE_T:
             mask_t = (cols[:, None] < C) & (rows[None, :] < R)
             x_t = tl.load(x_tile + cols[:, None] * stride_xc + rows[None, :] * stride_xr, mask=mask_t, other=0.0)
@@ -135,7 +136,7 @@ def fp8_cast_delayed_kernel(
             if not WRITE_ROWS:
                 amax = tl.maximum(amax, tile_abs_max(x_t), propagate_nan=tl.PropagateNan.ALL)
             q_t = clamp_keep_nan(x_t * scale, FP8_MAX).to(out_t_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-            tl.store(out_t_ptr + batch * R * C + cols[:, None] * R + rows[None, :], q_t, mask=mask_t)
+            tl.store(out_t_ptr + batch * R_OUT * C + cols[:, None] * R_OUT + rows[None, :], q_t, mask=mask_t)
     record_amax(state_ptr, ticket_ptr, amax, num_programs, FP8_MAX, MARGIN_FACTOR, HISTORY, MOST_RECENT, BLOCK_H)
 
 
@@ -153,18 +154,19 @@ class _DelayedGeometry:
     ``fp8_cast._TensorwiseGeometry``: a fwd+bwd casts the same few shapes every step."""
 
     __slots__ = ("rows_shape", "trans_shape", "numel", "grid", "num_programs", "r", "c", "stride_b", "key",
-                 "constexprs")
+                 "constexprs", "capacity")
 
-    def __init__(self, x, fp8_dtype, fp8_max, margin, history_len, most_recent, write_rows, write_transposed):
+    def __init__(self, x, fp8_dtype, fp8_max, margin, history_len, most_recent, write_rows, write_transposed,
+                 capacity):
         batches, r, c, stride_b = _batched(x)
-        self.rows_shape, self.trans_shape = x.shape, x.shape[:-2] + (c, r)
+        self.rows_shape, self.trans_shape = x.shape[:-2] + (capacity, c), x.shape[:-2] + (c, capacity)
         self.numel = batches * r * c
-        self.r, self.c, self.stride_b = r, c, stride_b
-        self.grid = (_cdiv(r, _CAST_BLOCK), _cdiv(c, _CAST_BLOCK * _CAST_TILES_C), batches)
+        self.r, self.c, self.stride_b, self.capacity = r, c, stride_b, capacity
+        self.grid = (_cdiv(capacity, _CAST_BLOCK), _cdiv(c, _CAST_BLOCK * _CAST_TILES_C), batches)
         self.num_programs = self.grid[0] * self.grid[1] * self.grid[2]
         # Row counts that follow the token count enter as their facts: a new token count is no new key.
         self.key = (x.dtype, fp8_dtype, fp8_max, margin, history_len, most_recent, write_rows, write_transposed,
-                    arg_fact(self.num_programs), arg_fact(r), c, batches, stride_b)
+                    arg_fact(self.num_programs), arg_fact(r), arg_fact(capacity), c, batches, stride_b)
         self.constexprs = dict(
             FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, HISTORY=history_len, MOST_RECENT=most_recent,
             WRITE_ROWS=write_rows, WRITE_T=write_transposed, BLOCK_R=_CAST_BLOCK, BLOCK_C=_CAST_BLOCK,
@@ -175,35 +177,40 @@ _DELAYED_GEOMETRY = {}  # bounded by fp8_cast's _MAX_GEOMETRIES, as its own cach
 
 
 def fp8_tensorwise_cast_delayed(x, state, ticket, history_len: int, most_recent: bool, fp8_dtype, fp8_max: float,
-                                margin: int = 0, write_rows: bool = True, write_transposed: bool = False):
+                                margin: int = 0, write_rows: bool = True, write_transposed: bool = False,
+                                row_capacity=None):
     """Tensorwise FP8 of ``x`` (``[R, C]`` or ``[B, R, C]``) scaled from the amax history in
     ``state`` / ``ticket`` (module docstring), in one launch that also records x's amax. Returns
-    ``(rows, transposed, dequant)`` as ``fp8_cast.fp8_tensorwise_cast`` does; an empty ``x``
-    launches nothing and records nothing."""
+    ``(rows, transposed, dequant)`` as ``fp8_cast.fp8_tensorwise_cast`` does (``row_capacity``
+    too); an empty ``x`` launches nothing and records nothing."""
     import torch
 
     x = x if x.stride(-1) == 1 else x.contiguous()
-    lookup = (x.shape, x.dtype, fp8_dtype, fp8_max, margin, history_len, most_recent, write_rows, write_transposed)
+    capacity = x.shape[-2] if row_capacity is None else row_capacity
+    if capacity < x.shape[-2]:
+        raise ValueError(f"row_capacity ({capacity}) must be at least x's row count ({x.shape[-2]})")
+    lookup = (x.shape, x.dtype, fp8_dtype, fp8_max, margin, history_len, most_recent, write_rows, write_transposed,
+              capacity)
     geo = _DELAYED_GEOMETRY.get(lookup)
     if geo is None:
         if len(_DELAYED_GEOMETRY) >= _MAX_GEOMETRIES:
             _DELAYED_GEOMETRY.clear()
         geo = _DELAYED_GEOMETRY[lookup] = _DelayedGeometry(x, fp8_dtype, fp8_max, margin, history_len, most_recent,
-                                                           write_rows, write_transposed)
+                                                           write_rows, write_transposed, capacity)
     device = x.device
     rows = torch.empty(geo.rows_shape, dtype=fp8_dtype, device=device) if write_rows else None
     trans = torch.empty(geo.trans_shape, dtype=fp8_dtype, device=device) if write_transposed else None
     out = rows if rows is not None else trans
     if geo.numel == 0 or out is None:
-        return rows, trans, torch.ones((), dtype=torch.float32, device=device)
+        return _first_rows(rows, trans, geo) + (torch.ones((), dtype=torch.float32, device=device),)
     dequant = torch.empty((), dtype=torch.float32, device=device)
     stride_r = x.stride(-2)
     key = geo.key + (arg_fact(stride_r), x.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
                      trans is None or trans.data_ptr() % 16 == 0)
     _cast_delayed.launch_keyed(
         geo.grid, key, x, state, ticket, geo.num_programs, out, trans if trans is not None else out, dequant,
-        geo.r, geo.c, geo.stride_b, stride_r, 1, **geo.constexprs)
-    return rows, trans, dequant
+        geo.r, geo.c, geo.stride_b, stride_r, 1, geo.capacity, **geo.constexprs)
+    return _first_rows(rows, trans, geo) + (dequant,)
 
 
 _cast_delayed = lean(fp8_cast_delayed_kernel)
