@@ -284,6 +284,23 @@ CAPACITY_CHECK = textwrap.dedent(
         assert got[1].shape == (2 * f, m) and got[1].stride() == (cap, 1) and got[0].shape == (m, 2 * f)
         assert same(got[0], want[0]) and same(got[1], want[1]), (m, f, cap, "dh")
         assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3]), (m, f, cap, "scale, dprobs")
+        # delayed scaling: the same bits and the same amax recorded in the history
+        from turbo_moe.delayed_scaling import AmaxHistory
+        from turbo_moe.kernels.triton.swiglu_fp8 import swiglu_fp8_delayed, swiglu_backward_fp8_delayed
+        runs = []
+        for row_capacity in (None, cap):
+            fwd, bwd = AmaxHistory(3, False), AmaxHistory(3, False)
+            fwd.prepare(h.device, torch.float8_e4m3fn, 0, lambda: torch.tensor(2.0, device=device))
+            bwd.prepare(h.device, torch.float8_e5m2, 0, lambda: torch.tensor(0.5, device=device))
+            a = swiglu_fp8_delayed(h, p, fwd.state, fwd.ticket, 3, False, torch.float8_e4m3fn, 448.0, 0, True, True,
+                                   row_capacity=row_capacity)
+            d = swiglu_backward_fp8_delayed(h, p, da, bwd.state, bwd.ticket, 3, False, torch.float8_e5m2, 57344.0, 0,
+                                            torch.float32, True, True, row_capacity=row_capacity)
+            runs.append((a, d, fwd.state.clone(), bwd.state.clone()))
+        (a0, d0, f0, b0), (a1, d1, f1, b1) = runs
+        assert a1[1].stride() == (cap, 1) and d1[1].stride() == (cap, 1), (m, f, cap)
+        assert all(same(x, y) for x, y in zip(a1[:2] + d1[:2], a0[:2] + d0[:2])), (m, f, cap, "delayed")
+        assert torch.equal(d1[3], d0[3]) and torch.equal(f1, f0) and torch.equal(b1, b0), (m, f, cap, "delayed")
     try:
         swiglu_fp8_tensorwise(h, p, torch.float8_e4m3fn, 448.0, row_capacity=h.shape[0] - 1)
         raise AssertionError("a row capacity under the row count must raise")

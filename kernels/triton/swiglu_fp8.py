@@ -252,13 +252,14 @@ def _delayed_tile_start(state_ptr, dequant_ptr, BLOCK_R: tl.constexpr, BLOCK_C: 
 @triton.jit
 def swiglu_fp8_cast_delayed_kernel(
     h_ptr, probs_ptr, state_ptr, ticket_ptr, num_programs, out_ptr, out_t_ptr, dequant_ptr,
-    R, F, stride_h,
+    R, F, stride_h, R_OUT,
     FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, HISTORY: tl.constexpr, MOST_RECENT: tl.constexpr,
     WRITE_ROWS: tl.constexpr, WRITE_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     """:func:`swiglu_fp8_cast_kernel` under delayed scaling (``amax_history``): the scale from the
-    history, no amax pass; the tile's max |a| recorded for the next cast."""
+    history, no amax pass; the tile's max |a| recorded for the next cast. Outputs of R_OUT
+    rows, as there."""
     scale, rows, cols = _delayed_tile_start(state_ptr, dequant_ptr, BLOCK_R, BLOCK_C)
     if WRITE_ROWS:
         a = _weighted_swiglu_tile(h_ptr, probs_ptr, rows, cols, R, F, stride_h, True)
@@ -269,7 +270,7 @@ def swiglu_fp8_cast_delayed_kernel(
         a_t = _weighted_swiglu_tile(h_ptr, probs_ptr, rows, cols, R, F, stride_h, False)
         if not WRITE_ROWS:
             amax = tile_abs_max(a_t)
-        _store_fp8(out_t_ptr + cols[:, None] * R + rows[None, :], a_t, scale,
+        _store_fp8(out_t_ptr + cols[:, None] * R_OUT + rows[None, :], a_t, scale,
                    (cols[:, None] < F) & (rows[None, :] < R), FP8_MAX)
     record_amax(state_ptr, ticket_ptr, amax, num_programs, FP8_MAX, MARGIN_FACTOR, HISTORY, MOST_RECENT, BLOCK_H)
 
@@ -277,7 +278,7 @@ def swiglu_fp8_cast_delayed_kernel(
 @triton.jit
 def swiglu_backward_fp8_delayed_kernel(
     h_ptr, probs_ptr, da_ptr, dprobs_part_ptr, state_ptr, ticket_ptr, num_programs, out_ptr, out_t_ptr, dequant_ptr,
-    R, F, stride_h, stride_da,
+    R, F, stride_h, stride_da, R_OUT,
     FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, HISTORY: tl.constexpr, MOST_RECENT: tl.constexpr,
     WRITE_ROWS: tl.constexpr, WRITE_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -287,7 +288,7 @@ def swiglu_backward_fp8_delayed_kernel(
     ``dprobs`` goes. ``dprobs`` comes out as per-tile partial row sums,
     ``dprobs_part[pid_c, r]``, which :func:`swiglu_dprobs_sum_kernel` adds in column order
     (deterministic; a program walking whole rows instead measured 2x slower: too few loads in
-    flight)."""
+    flight). Outputs of R_OUT rows, as :func:`swiglu_backward_fp8_cast_kernel`'s."""
     scale, rows, cols = _delayed_tile_start(state_ptr, dequant_ptr, BLOCK_R, BLOCK_C)
     if WRITE_ROWS:
         dgate, dlinear, dprob = _swiglu_grad_tile(h_ptr, probs_ptr, da_ptr, rows, cols, R, F, stride_h, stride_da, True)
@@ -303,9 +304,9 @@ def swiglu_backward_fp8_delayed_kernel(
         dgate_t, dlinear_t, dprob_t = _swiglu_grad_tile(h_ptr, probs_ptr, da_ptr, rows, cols, R, F, stride_h,
                                                         stride_da, False)
         mask_t = (cols[:, None] < F) & (rows[None, :] < R)
-        ptrs_t = out_t_ptr + cols[:, None] * R + rows[None, :]
+        ptrs_t = out_t_ptr + cols[:, None] * R_OUT + rows[None, :]
         _store_fp8(ptrs_t, dgate_t, scale, mask_t, FP8_MAX)
-        _store_fp8(ptrs_t + F * R, dlinear_t, scale, mask_t, FP8_MAX)
+        _store_fp8(ptrs_t + F * R_OUT, dlinear_t, scale, mask_t, FP8_MAX)
         if not WRITE_ROWS:
             tl.store(dprobs_part_ptr + tl.program_id(1).to(tl.int64) * R + rows, tl.sum(dprob_t, axis=0),
                      mask=rows < R)
@@ -495,55 +496,59 @@ def _delayed_key(fp8_dtype, fp8_max, margin, history_len, most_recent, write_row
 
 
 def swiglu_fp8_delayed(h, probs, state, ticket, history_len: int, most_recent: bool, fp8_dtype, fp8_max: float,
-                       margin: int = 0, write_rows: bool = True, write_transposed: bool = False):
+                       margin: int = 0, write_rows: bool = True, write_transposed: bool = False, row_capacity=None):
     """:func:`swiglu_fp8_tensorwise` scaled from the amax history ``state`` / ``ticket``
     (``amax_history``), in one launch that records ``max|a|``; nothing is recorded for an empty
-    ``a``."""
+    ``a``. ``row_capacity``: as :func:`swiglu_fp8_tensorwise`'s."""
     import torch
 
     r, two_f = h.shape
     f = two_f // 2
+    cap = _row_capacity(r, row_capacity)
     device = h.device
-    rows = torch.empty((r, f), dtype=fp8_dtype, device=device) if write_rows else None
-    trans = torch.empty((f, r), dtype=fp8_dtype, device=device) if write_transposed else None
+    rows = torch.empty((cap, f), dtype=fp8_dtype, device=device) if write_rows else None
+    trans = torch.empty((f, cap), dtype=fp8_dtype, device=device) if write_transposed else None
     dequant = torch.empty((), dtype=torch.float32, device=device)
     out = rows if rows is not None else trans
     if r * f == 0 or out is None:
-        return rows, trans, dequant.fill_(1.0)
-    grid = (_cdiv(r, _CAST_BLOCK_R), _cdiv(f, _CAST_BLOCK_C))
+        return _first_rows(rows, trans, r, cap) + (dequant.fill_(1.0),)
+    grid = (_cdiv(cap, _CAST_BLOCK_R), _cdiv(f, _CAST_BLOCK_C))
     num_programs = grid[0] * grid[1]
     stride_h = h.stride(0)
-    key = (h.dtype, probs.dtype, arg_fact(r), arg_fact(f), arg_fact(stride_h), h.data_ptr() % 16 == 0,
+    key = (h.dtype, probs.dtype, arg_fact(r), arg_fact(f), arg_fact(stride_h), arg_fact(cap), h.data_ptr() % 16 == 0,
            probs.data_ptr() % 16 == 0) + _delayed_key(fp8_dtype, fp8_max, margin, history_len, most_recent,
                                                        write_rows, write_transposed, num_programs, out, trans)
     _cast_delayed.launch_keyed(
         grid, key, h, probs, state, ticket, num_programs, out, trans if trans is not None else out, dequant,
-        r, f, stride_h, FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, HISTORY=history_len, MOST_RECENT=most_recent,
+        r, f, stride_h, cap, FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, HISTORY=history_len,
+        MOST_RECENT=most_recent,
         WRITE_ROWS=write_rows, WRITE_T=write_transposed, BLOCK_R=_CAST_BLOCK_R, BLOCK_C=_CAST_BLOCK_C,
         BLOCK_H=history_block(history_len), num_warps=4,
     )
-    return rows, trans, dequant
+    return _first_rows(rows, trans, r, cap) + (dequant,)
 
 
 def swiglu_backward_fp8_delayed(h, probs, da, state, ticket, history_len: int, most_recent: bool, fp8_dtype,
                                 fp8_max: float, margin: int, dprobs_dtype, write_rows: bool = True,
-                                write_transposed: bool = False):
+                                write_transposed: bool = False, row_capacity=None):
     """:func:`swiglu_backward_fp8_tensorwise` scaled from the amax history ``state`` / ``ticket``:
     ``(rows, transposed, dequant, dprobs)``; one pass over ``h`` and ``da`` that records
-    ``max|dh|``, then a small launch adding ``dprobs``' per-tile partials."""
+    ``max|dh|``, then a small launch adding ``dprobs``' per-tile partials. ``row_capacity``: as
+    :func:`swiglu_fp8_tensorwise`'s (``dprobs`` keeps M rows)."""
     import torch
 
     r, two_f = h.shape
     f = two_f // 2
+    cap = _row_capacity(r, row_capacity)
     device = h.device
-    rows = torch.empty((r, two_f), dtype=fp8_dtype, device=device) if write_rows else None
-    trans = torch.empty((two_f, r), dtype=fp8_dtype, device=device) if write_transposed else None
+    rows = torch.empty((cap, two_f), dtype=fp8_dtype, device=device) if write_rows else None
+    trans = torch.empty((two_f, cap), dtype=fp8_dtype, device=device) if write_transposed else None
     out = rows if rows is not None else trans
     if r * f == 0 or out is None:  # nothing to cast: dprobs alone, from the backward kernel
         dprobs = swiglu_backward(h, probs, da, dprobs_dtype)[1] if r * f else \
             torch.zeros((r,), dtype=dprobs_dtype, device=device)
-        return rows, trans, torch.ones((), dtype=torch.float32, device=device), dprobs
-    grid = (_cdiv(r, _CAST_BLOCK_R), _cdiv(f, _CAST_BLOCK_C))
+        return _first_rows(rows, trans, r, cap) + (torch.ones((), dtype=torch.float32, device=device), dprobs)
+    grid = (_cdiv(cap, _CAST_BLOCK_R), _cdiv(f, _CAST_BLOCK_C))
     num_programs = grid[0] * grid[1]
     # dprobs' partials and the dequantization scale share one allocation (the scale last)
     stats = torch.empty((grid[1] * r + 1,), dtype=torch.float32, device=device)
@@ -551,12 +556,12 @@ def swiglu_backward_fp8_delayed(h, probs, da, state, ticket, history_len: int, m
     dprobs = torch.empty((r,), dtype=dprobs_dtype, device=device)
     stride_h, stride_da = h.stride(0), da.stride(0)
     key = (h.dtype, probs.dtype, da.dtype, arg_fact(r), arg_fact(f), arg_fact(stride_h), arg_fact(stride_da),
-           h.data_ptr() % 16 == 0, probs.data_ptr() % 16 == 0, da.data_ptr() % 16 == 0,
+           arg_fact(cap), h.data_ptr() % 16 == 0, probs.data_ptr() % 16 == 0, da.data_ptr() % 16 == 0,
            stats.data_ptr() % 16 == 0, dequant.data_ptr() % 16 == 0) + _delayed_key(fp8_dtype, fp8_max, margin, history_len, most_recent,
                                                        write_rows, write_transposed, num_programs, out, trans)
     _backward_delayed.launch_keyed(
         grid, key, h, probs, da, part, state, ticket, num_programs, out, trans if trans is not None else out, dequant,
-        r, f, stride_h, stride_da,
+        r, f, stride_h, stride_da, cap,
         FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, HISTORY=history_len, MOST_RECENT=most_recent,
         WRITE_ROWS=write_rows, WRITE_T=write_transposed, BLOCK_R=_CAST_BLOCK_R, BLOCK_C=_CAST_BLOCK_C,
         BLOCK_H=history_block(history_len), num_warps=_BWD_DELAYED_WARPS,
@@ -565,7 +570,7 @@ def swiglu_backward_fp8_delayed(h, probs, da, state, ticket, history_len: int, m
         (_cdiv(r, _DPROBS_BLOCK),), (dprobs_dtype, arg_fact(r), arg_fact(grid[1]), stats.data_ptr() % 16 == 0,
                                      dprobs.data_ptr() % 16 == 0),
         part, dprobs, r, grid[1], BLOCK=_DPROBS_BLOCK, num_warps=4)
-    return rows, trans, dequant, dprobs
+    return _first_rows(rows, trans, r, cap) + (dequant, dprobs)
 
 
 def swiglu_amax(h, probs):
