@@ -12,10 +12,9 @@ from __future__ import annotations
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-# Stats (rows, columns, warps, rows a step or 0, columns a split): whole tiles over 1024-column
-# splits, then tiles walked 32 rows a step over one column block (its split).
-STATS = [(256, 64, 8, 0, 1024), (32, 64, 4, 0, 1024), (256, 64, 4, 32, 64), (512, 64, 4, 32, 64),
-         (256, 128, 4, 32, 128), (512, 128, 4, 32, 128), (256, 64, 4, 16, 64), (512, 64, 8, 32, 64)]
+# Stats (rows of a slab, columns of a block, warps, rows a step).
+STATS = [(32, 64, 4, 32), (256, 64, 4, 32), (512, 64, 4, 32), (256, 128, 4, 32), (512, 128, 4, 32),
+         (256, 64, 4, 16), (512, 64, 8, 32)]
 CASTS = [(32, 64, 4)] * len(STATS)
 
 

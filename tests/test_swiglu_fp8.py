@@ -211,12 +211,12 @@ STATS_TILES_CHECK = textwrap.dedent(
     device = DEVICE
     gen = torch.Generator().manual_seed(5)
     fp8 = torch.float8_e4m3fn
-    # Every stats tiling gives the same scales and FP8 bits (dprobs: summed over other splits, equal
-    # within float32 rounding): whole tiles over 1024-column splits (the reference), and tiles
-    # walked SUB_R rows a step over one column block each, one step or several, with group ends
-    # inside a step. Magnitudes spread over six decades by row, so that a missed row or column
+    # Every stats tiling (rows of a slab, columns of a block, warps, rows a step) gives the same
+    # scales and FP8 bits (dprobs: summed over other column blocks, equal within float32
+    # rounding): one step a slab (the reference), several, group ends inside a step, blocks past
+    # the columns. Magnitudes spread over six decades by row, so that a missed row or column
     # changes a scale.
-    reference, walked = (32, 64, 4, 0, 1024), ((32, 16, 4, 8, 16), (64, 32, 4, 16, 32), (16, 64, 4, 16, 64))
+    reference, walked = (32, 64, 4, 32), ((32, 16, 4, 8), (64, 32, 4, 16), (16, 64, 4, 16), (128, 128, 4, 32))
     for lens, f in (([5, 0, 40, 17], 24), ([70], 40), ([3, 33, 0, 1, 29], 48)):
         m = sum(lens)
         offs = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=device)

@@ -19,30 +19,29 @@ only inside the kernels (``swiglu_fp8``'s tile functions, the same math as its t
 Neither ``a`` nor ``dh`` is written in high precision: a rowwise MLP quantizes them as the
 tensorwise one does (``swiglu_fp8``'s module docstring), with the rowwise scales.
 
-Tiles. The stats pass walks group-aligned row tiles in the M-grouped problem's group-major order
-(the shared scheduler's ``m_grouped_group_tiles`` / ``swizzle_group_m``): every row of a tile
-belongs to one group, so its column maxima go to one (group, column) slot. Each program finds its
-tile from the offsets loaded as one vector (a cumulative sum of the groups' tile counts), not by a
-walk over the groups. The cast pass walks plain row tiles instead: a tile that starts at a group's
+Tiles. The stats pass walks group-aligned row slabs over one column block each, in the M-grouped
+problem's group-major order (the shared scheduler's ``m_grouped_group_tiles`` /
+``swizzle_group_m``): every row of a slab belongs to one group, so its column maxima go to one
+(group, column) slot. A program walks its slab a few rows a step (``SUB_R``), keeping the column
+maxima elementwise in registers across the steps, so that they meet the other slabs' once per slab
+(the walk of whole tiles across 1024-column splits it replaced reduced them across warps and
+issued atomics every column step: ``dh``'s stats 0.77 -> 0.51 ms, H100, 98304 rows, 64 groups,
+F = 2048). Each program finds its tile from the offsets loaded as one vector (a cumulative sum of
+the groups' tile counts), not by a walk over the groups. The cast pass walks plain row tiles instead: a tile that starts at a group's
 first row is not 16-byte aligned in the transposed copy, whose byte-wise stores ran the cast at
 half speed (H100); it finds its rows' groups by a binary search over the offsets.
 
-Column maxima of one group come from many tiles, and row maxima from every column split: both meet
+Column maxima of one group come from many slabs, and row maxima from every column block: both meet
 by ``atomic_max`` on the float bits (|x| is non-negative, so its bits order as its values; a NaN's
 bits order above +inf, so NaN wins as torch's amax keeps it): exact in any order, deterministic.
 Those buffers start zeroed by :func:`zero_f32_kernel` (a launch, not ``torch.zeros``: a host
 plan's zero-filled allocation would stop its replay from freeing as it goes). ``dprobs`` is summed
-per split, and the cast adds the splits up in order.
+per column block, and the cast adds the blocks up in order.
 
-The SwiGLU sources' stats tiles are group-aligned slabs of rows over one column block, walked a
-few rows a step (``SUB_R``): the column maxima stay elementwise in registers across the steps and
-meet the other tiles' once per slab, instead of a cross-warp reduction and a batch of atomics every
-column step. H100, 98304 rows, 64 groups, F = 2048: ``dh``'s stats 0.77 -> 0.53 ms.
-
-H100, 98304 x 1024 / x 4096 bf16, 64 groups (``scripts/probe_rowwise_layouts.py``): stats 0.10 /
-0.34 ms, cast 0.18 / 0.74 ms, against 0.37 / 1.41 ms for the two one-pass kernels (0.80 / 1.52
-under skewed routing, where the columnwise kernel's per-group programs serialize) and 0.24 / 0.98
-ms for tensorwise's amax and cast.
+H100, 98304 x 1024 / x 4096 bf16, 64 groups (``scripts/probe_rowwise_layouts.py``, the first
+version of these passes): stats 0.10 / 0.34 ms, cast 0.18 / 0.74 ms, against 0.37 / 1.41 ms for
+the two one-pass kernels (0.80 / 1.52 under skewed routing, where the columnwise kernel's
+per-group programs serialize) and 0.24 / 0.98 ms for tensorwise's amax and cast.
 """
 
 from __future__ import annotations
@@ -135,21 +134,17 @@ def _bits(v):
 @triton.jit
 def rowwise_layouts_stats_kernel(
     x_ptr, probs_ptr, da_ptr, offs_ptr, row_amax_ptr, col_amax_ptr, dprobs_part_ptr,
-    R, C, G, num_splits, split_cols, stride_xb, stride_xr, stride_xc, stride_da,
+    R, C, G, num_splits, stride_xb, stride_xr, stride_xc, stride_da,
     SOURCE: tl.constexpr, ONE_GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr, SUB_R: tl.constexpr = 0,
+    BLOCK_C: tl.constexpr, SUB_R: tl.constexpr,
 ):
     """Pass 1 over the source [B, R, C] (C its own columns; the output has 2C for the SwiGLU
-    gradient): tile (group, row block, column split) folds its rows' max |v| over the split into
-    row_amax [B, R] and its columns' max |v| into col_amax [B, G, OUT_C] (both zeroed) by atomic
-    max; SOURCE_SWIGLU_GRAD also stores its rows' dprobs partial sums to dprobs_part
-    [num_splits, R]. (Row maxima by atomics, not per-split partials: the cast then reads one value
-    a row however many splits there are.)
-
-    SUB_R > 0 (the split is one BLOCK_C column block): the tile's BLOCK_R rows are walked SUB_R at
-    a time and its column maxima kept elementwise across them, reduced over rows and folded by
-    atomics once per tile; without it, every BLOCK_C-column step of the split reduces them over the
-    tile's rows (across warps) and issues its atomics."""
+    gradient). A tile is (group, slab of BLOCK_R rows of that group, column block of BLOCK_C: a
+    "split"); it walks its rows SUB_R at a time, keeps its column maxima elementwise in registers
+    across the steps, and folds them into col_amax [B, G, OUT_C] once, by atomic max; each step
+    folds its rows' max |v| over the block into row_amax [B, R] by atomic max (both zeroed).
+    SOURCE_SWIGLU_GRAD also stores each row's dprobs partial sum over the block to dprobs_part
+    [num_splits, R]."""
     batch = tl.program_id(1).to(tl.int64)
     group, lo, hi, m_block, split = _grouped_row_tile(tl.program_id(0).to(tl.int64), offs_ptr, R, G, num_splits,
                                                       ONE_GROUP, G_PAD, BLOCK_R)
@@ -158,52 +153,28 @@ def rowwise_layouts_stats_kernel(
         x_b = x_ptr + batch * stride_xb
         col_slot = col_amax_ptr.to(tl.pointer_type(tl.int32)) + (batch * G + group) * out_c
         row_slot = row_amax_ptr.to(tl.pointer_type(tl.int32)) + batch * R
-        c_lo = split * split_cols
-        if SUB_R > 0:
-            cols = c_lo + tl.arange(0, BLOCK_C)
-            col_ok = cols < C
-            acc0 = tl.zeros((SUB_R, BLOCK_C), tl.int32)
-            acc1 = tl.zeros((SUB_R, BLOCK_C), tl.int32)
-            first = lo + m_block * BLOCK_R
-            for r0 in range(0, tl.minimum(BLOCK_R, hi - first), SUB_R):
-                sub = first + r0 + tl.arange(0, SUB_R)
-                sub_ok = sub < hi
-                v0, v1, dp = _source_tile(x_b, probs_ptr, da_ptr, sub, cols, hi, C, stride_xr, stride_xc, stride_da,
-                                          SOURCE, True)
-                bits = _bits(v0)
-                acc0 = tl.maximum(acc0, bits)
-                sub_bits = tl.max(bits, axis=1)
-                if SOURCE == 2:
-                    bits1 = _bits(v1)
-                    acc1 = tl.maximum(acc1, bits1)
-                    sub_bits = tl.maximum(sub_bits, tl.max(bits1, axis=1))
-                    tl.store(dprobs_part_ptr + split * R + sub, tl.sum(dp, axis=1), mask=sub_ok)
-                tl.atomic_max(row_slot + sub, sub_bits, mask=sub_ok, sem="relaxed")
-            tl.atomic_max(col_slot + cols, tl.max(acc0, axis=0), mask=col_ok, sem="relaxed")
-            if SOURCE == 2:
-                tl.atomic_max(col_slot + C + cols, tl.max(acc1, axis=0), mask=col_ok, sem="relaxed")
-        else:
-            rows = lo + m_block * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = split * BLOCK_C + tl.arange(0, BLOCK_C)
+        col_ok = cols < C
+        acc0 = tl.zeros((SUB_R, BLOCK_C), tl.int32)
+        acc1 = tl.zeros((SUB_R, BLOCK_C), tl.int32)
+        first = lo + m_block * BLOCK_R
+        for r0 in range(0, tl.minimum(BLOCK_R, hi - first), SUB_R):
+            rows = first + r0 + tl.arange(0, SUB_R)
             row_ok = rows < hi
-            row_bits = tl.zeros((BLOCK_R,), tl.int32)
-            dprob = tl.zeros((BLOCK_R,), tl.float32)
-            c_hi = tl.minimum(c_lo + split_cols, C)
-            for c0 in range(c_lo, c_hi, BLOCK_C):
-                cols = c0 + tl.arange(0, BLOCK_C)
-                col_ok = cols < C  # (splits are whole column blocks: a block never crosses into the next split)
-                v0, v1, dp = _source_tile(x_b, probs_ptr, da_ptr, rows, cols, hi, C, stride_xr, stride_xc, stride_da,
-                                          SOURCE, True)
-                bits = _bits(v0)
-                row_bits = tl.maximum(row_bits, tl.max(bits, axis=1))
-                tl.atomic_max(col_slot + cols, tl.max(bits, axis=0), mask=col_ok, sem="relaxed")
-                if SOURCE == 2:
-                    bits1 = _bits(v1)
-                    row_bits = tl.maximum(row_bits, tl.max(bits1, axis=1))
-                    tl.atomic_max(col_slot + C + cols, tl.max(bits1, axis=0), mask=col_ok, sem="relaxed")
-                    dprob += tl.sum(dp, axis=1)
-            tl.atomic_max(row_slot + rows, row_bits, mask=row_ok, sem="relaxed")
+            v0, v1, dp = _source_tile(x_b, probs_ptr, da_ptr, rows, cols, hi, C, stride_xr, stride_xc, stride_da,
+                                      SOURCE, True)
+            bits = _bits(v0)
+            acc0 = tl.maximum(acc0, bits)
+            row_bits = tl.max(bits, axis=1)
             if SOURCE == 2:
-                tl.store(dprobs_part_ptr + split * R + rows, dprob, mask=row_ok)
+                bits1 = _bits(v1)
+                acc1 = tl.maximum(acc1, bits1)
+                row_bits = tl.maximum(row_bits, tl.max(bits1, axis=1))
+                tl.store(dprobs_part_ptr + split * R + rows, tl.sum(dp, axis=1), mask=row_ok)
+            tl.atomic_max(row_slot + rows, row_bits, mask=row_ok, sem="relaxed")
+        tl.atomic_max(col_slot + cols, tl.max(acc0, axis=0), mask=col_ok, sem="relaxed")
+        if SOURCE == 2:
+            tl.atomic_max(col_slot + C + cols, tl.max(acc1, axis=0), mask=col_ok, sem="relaxed")
 
 
 @triton.jit
@@ -310,20 +281,16 @@ def rowwise_layouts_cast_kernel(
                                  MARGIN_FACTOR)
 
 
-# Tiles per source: (rows, columns, warps, rows a step, columns a split) of the stats pass and
-# (rows, columns, warps) of the cast pass. A stats program reads rows x split columns of the source:
-# with rows a step > 0 the split is one column block, walked that many rows a step (SUB_R);
-# with 0, the tile's rows at once over the split's column blocks. H100 sweep
-# (scripts/probe_rowwise_layouts.py, 98304 rows, 64 groups; x 1024 columns, a and dh from F =
-# 2048; ms): stats of x 0.095 (256 x 64 over 1024 columns on 8 warps: 0.111), of a 0.303 (32 x 64
-# over 1024: 0.354), of dh 0.511 (32 x 64 over 1024: 0.767; its cast then adds 32 splits' dprobs,
-# 1.051 -> 1.074); casts 32 x 64 on 4 warps 0.18 / 0.62 / 1.07 (up to 0.26 / 0.86 / 1.31 with
-# other tiles). With 4096 rows and 16 groups: 0.008 / 0.023 / 0.043 against 0.013 / 0.034 / 0.054.
-# Under _MIN_STATS_TILES tiles (few rows), a small configuration keeps the SMs busy.
-_SPLIT = 1024
-_STATS = {SOURCE_TENSOR: (256, 64, 4, 16, 64), SOURCE_SWIGLU: (512, 128, 4, 32, 128),
-          SOURCE_SWIGLU_GRAD: (512, 64, 4, 32, 64)}
-_STATS_FEW_ROWS = (32, 64, 4, 0, _SPLIT)
+# Tiles per source: (rows, columns, warps, rows a step) of the stats pass (a program walks a slab of
+# rows of one group over one column block, the given rows a step) and (rows, columns, warps) of the
+# cast pass. H100 sweep (scripts/probe_rowwise_layouts.py, 98304 rows, 64 groups; x 1024 columns, a
+# and dh from F = 2048; ms): stats of x 0.095, of a 0.303, of dh 0.511 (the whole-tile walk over
+# 1024-column splits before: 0.111 / 0.354 / 0.767, with dh's cast 0.023 faster for summing 2
+# splits' dprobs instead of 32); casts 32 x 64 on 4 warps 0.18 / 0.62 / 1.07 (up to 0.26 / 0.86 /
+# 1.31 with other tiles). With 4096 rows and 16 groups: stats 0.008 / 0.023 / 0.043 (before 0.013 /
+# 0.034 / 0.054). Under _MIN_STATS_TILES tiles (few rows), one-step 32-row slabs keep the SMs busy.
+_STATS = {SOURCE_TENSOR: (256, 64, 4, 16), SOURCE_SWIGLU: (512, 128, 4, 32), SOURCE_SWIGLU_GRAD: (512, 64, 4, 32)}
+_STATS_FEW_ROWS = (32, 64, 4, 32)
 _CAST = {SOURCE_TENSOR: (32, 64, 4), SOURCE_SWIGLU: (32, 64, 4), SOURCE_SWIGLU_GRAD: (32, 64, 4)}
 _MIN_STATS_TILES = 512
 _FINAL = 1024
@@ -334,7 +301,7 @@ def _stats_config(source: int, r: int, c: int, groups: int, batches: int):
     """The stats tiles of a source with r rows and c (its own) columns: the source's, or the small
     configuration where the source's would make fewer than _MIN_STATS_TILES tiles (the grid's bound)."""
     config = _STATS[source]
-    if (_cdiv(r, config[0]) + groups) * max(_cdiv(c, config[4]), 1) * batches < _MIN_STATS_TILES:
+    if (_cdiv(r, config[0]) + groups) * max(_cdiv(c, config[1]), 1) * batches < _MIN_STATS_TILES:
         return _STATS_FEW_ROWS
     return config
 
@@ -353,7 +320,7 @@ class _Geometry:
     __slots__ = ("r", "c", "out_c", "groups", "one_group", "grad", "rows_shape", "trans_shape", "stats_n", "parts",
                  "row_dequant_shape", "col_dequant_shape", "byte_offsets", "zero_grid", "stats_grid", "cast_grid",
                  "num_splits", "cast_tiles", "args", "stats_key", "cast_key", "stats_meta", "cast_meta", "empty",
-                 "strides", "split")
+                 "strides")
 
     def __init__(self, source, x, da, groups, one_group, fp8_dtype, fp8_max, margin, write_rows, write_transposed,
                  probs_dtype, dprobs_dtype):
@@ -364,10 +331,8 @@ class _Geometry:
         lead = x.shape[:-2]
         self.r, self.c, self.out_c, self.groups, self.one_group, self.grad = r, c, out_c, groups, one_group, grad
         self.rows_shape, self.trans_shape = lead + (r, out_c), lead + (out_c, r)
-        stats_r, stats_c, stats_warps, stats_sub, split = _stats_config(source, r, c, 0 if one_group else groups,
-                                                                        batches)
-        self.split = split
-        self.num_splits = num_splits = max(_cdiv(c, split), 1)
+        stats_r, stats_c, stats_warps, stats_sub = _stats_config(source, r, c, 0 if one_group else groups, batches)
+        self.num_splits = num_splits = max(_cdiv(c, stats_c), 1)  # the stats pass's column blocks
         # One float32 allocation: the column and the row amaxes (zeroed), the dprobs partials,
         # then the row and column dequantization scales side by side (a rowwise
         # QuantizedGradHandoff hands them on as one tensor).
@@ -401,7 +366,7 @@ class _Geometry:
                               num_warps=cast_warps)
         self.stats_key = (source, x.dtype, probs_dtype, da.dtype if grad else x.dtype, one_group, g_pad, arg_fact(r),
                           c, groups, batches, stride_b, stride_r, stride_c, arg_fact(stride_da), stats_r, stats_c,
-                          split, stats_sub, stats_warps, cast_r, cast_c, cast_warps)
+                          stats_sub, stats_warps, cast_r, cast_c, cast_warps)
         self.cast_key = self.stats_key + (fp8_dtype, fp8_max, margin, write_rows, write_transposed, num_splits,
                                           arg_fact(cast_tiles), dprobs_dtype)
 
@@ -461,7 +426,7 @@ def _layouts(source, x, probs, da, group_offs, fp8_dtype, fp8_max, margin, write
     _zero.launch_keyed(geo.zero_grid, (arg_fact(geo.parts[1][1]), at[0]), stats, geo.parts[1][1], BLOCK=_FINAL,
                        num_warps=4)
     _stats.launch_keyed(geo.stats_grid, geo.stats_key + aligned,
-                        x, probs_arg, da_arg, offs, row_amax, col_amax, dprobs_part, r, c, groups, num_splits, geo.split,
+                        x, probs_arg, da_arg, offs, row_amax, col_amax, dprobs_part, r, c, groups, num_splits,
                         stride_b, stride_r, stride_c, stride_da, **geo.stats_meta)
     out = rows if rows is not None else (trans if trans is not None else stats)
     dprobs_arg = dprobs if grad else stats
