@@ -27,9 +27,10 @@ maxima elementwise in registers across the steps, so that they meet the other sl
 (the walk of whole tiles across 1024-column splits it replaced reduced them across warps and
 issued atomics every column step: ``dh``'s stats 0.77 -> 0.51 ms, H100, 98304 rows, 64 groups,
 F = 2048). Each program finds its tile from the offsets loaded as one vector (a cumulative sum of
-the groups' tile counts), not by a walk over the groups. The cast pass walks plain row tiles instead: a tile that starts at a group's
-first row is not 16-byte aligned in the transposed copy, whose byte-wise stores ran the cast at
-half speed (H100); it finds its rows' groups by a binary search over the offsets.
+the groups' tile counts), not by a walk over the groups. The cast pass walks plain row tiles
+instead: a tile that starts at a group's first row is not 16-byte aligned in the transposed copy,
+whose byte-wise stores ran the cast at half speed (H100); it finds its rows' groups by a binary
+search over the offsets.
 
 Column maxima of one group come from many slabs, and row maxima from every column block: both meet
 by ``atomic_max`` on the float bits (|x| is non-negative, so its bits order as its values; a NaN's
@@ -223,10 +224,10 @@ def rowwise_layouts_cast_kernel(
     SOURCE: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     FINAL_BLOCK: tl.constexpr,
 ):
-    """Pass 2: tile (row block, column block) of the source scales its rows by their amax (the
-    splits' partials reduced) into out [B, R, OUT_C] and each column by its row's group's amax into
+    """Pass 2: tile (row block, column block) of the source scales its rows by their amax (row_amax,
+    from the stats pass) into out [B, R, OUT_C] and each column by its row's group's amax into
     out_t [B, OUT_C, R]; column block 0 stores the rows' dequantization scales (and dprobs, the
-    splits' partials summed in order). Plain row tiles, not group-aligned ones (module docstring):
+    stats pass's num_splits column-block partials summed in order). Plain row tiles, not group-aligned ones (module docstring):
     a tile inside one group multiplies by one scale vector; one that straddles groups gathers a
     scale per (column, row). Programs past ``num_tiles`` store col_dequant [B, G, OUT_C] for every
     group, empty ones too (amax 0: scale 1)."""
@@ -336,12 +337,12 @@ class _Geometry:
         # One float32 allocation: the column and the row amaxes (zeroed), the dprobs partials,
         # then the row and column dequantization scales side by side (a rowwise
         # QuantizedGradHandoff hands them on as one tensor).
-        col_n, part_n, row_n = batches * groups * out_c, batches * r, batches * r
+        col_n, row_n = batches * groups * out_c, batches * r  # (group, column) and row entries
         dp_n = num_splits * r if grad else 0
-        self.stats_n = col_n + part_n + dp_n + row_n + col_n
-        scales = col_n + part_n + dp_n
+        self.stats_n = col_n + row_n + dp_n + row_n + col_n
+        scales = col_n + row_n + dp_n
         # (start, end) of: column amaxes, row amaxes, dprobs partials, scales, row scales, column scales
-        self.parts = ((0, col_n), (col_n, col_n + part_n), (col_n + part_n, scales), (scales, self.stats_n),
+        self.parts = ((0, col_n), (col_n, col_n + row_n), (col_n + row_n, scales), (scales, self.stats_n),
                       (scales, scales + row_n), (scales + row_n, self.stats_n))
         self.byte_offsets = tuple(4 * start for start, _ in self.parts)
         self.row_dequant_shape, self.col_dequant_shape = x.shape[:-1], lead + (groups, out_c)
@@ -353,7 +354,7 @@ class _Geometry:
         self.strides = (stride_b, stride_r, stride_c, stride_da)
         cast_r, cast_c, cast_warps = _CAST[source]
         # The tile bound needs no group sizes: sum_g cdiv(M_g, BR) <= cdiv(R, BR) + G.
-        self.zero_grid = (_cdiv(col_n + part_n, _FINAL),)  # the column and the row amaxes
+        self.zero_grid = (_cdiv(col_n + row_n, _FINAL),)  # the column and the row amaxes
         self.stats_grid = ((_cdiv(r, stats_r) + (0 if one_group else groups)) * num_splits, batches)
         self.cast_tiles = cast_tiles = _cdiv(r, cast_r) * _cdiv(c, cast_c)
         self.cast_grid = (cast_tiles + _cdiv(groups * out_c, _FINAL), batches)
@@ -401,9 +402,9 @@ def _layouts(source, x, probs, da, group_offs, fp8_dtype, fp8_max, margin, write
     rows = torch.empty(geo.rows_shape, dtype=fp8_dtype, device=device) if write_rows else None
     trans = torch.empty(geo.trans_shape, dtype=fp8_dtype, device=device) if write_transposed else None
     stats = torch.empty((geo.stats_n,), dtype=torch.float32, device=device)
-    (_, col_end), (part_lo, part_hi), (dp_lo, dp_hi), (sc_lo, _), (_, row_end), _ = geo.parts
+    (_, col_end), (row_amax_lo, row_amax_hi), (dp_lo, dp_hi), (sc_lo, _), (_, row_end), _ = geo.parts
     col_amax = stats[:col_end]
-    row_amax = stats[part_lo:part_hi]
+    row_amax = stats[row_amax_lo:row_amax_hi]
     dprobs_part = stats[dp_lo:dp_hi] if grad else stats
     scales = stats[sc_lo:]
     row_dequant = stats[sc_lo:row_end].view(geo.row_dequant_shape)
