@@ -23,6 +23,7 @@ QUANT_NAMES = [
     "amax_partials_kernel", "fp8_cast_kernel", "fp8_rowwise_cast_kernel", "fp8_colwise_grouped_cast_kernel",
     "resolve_group_offs_kernel", "block_cast_rows_kernel", "block_cast_weight_kernel", "block_cast_tokens_kernel",
     "fp8_cast_delayed_kernel", "zero_f32_kernel", "rowwise_layouts_stats_kernel", "rowwise_layouts_cast_kernel",
+    "rowwise_layouts_straddle_kernel",
 ]
 GEMM_NAMES = [
     "m_grouped_gemm_kernel", "k_grouped_gemm_kernel", "m_grouped_gemm_tma_kernel", "k_grouped_gemm_tma_kernel",

@@ -69,10 +69,12 @@ def test_tensorwise_fwd_bwd_launches_and_allocations(cache, monkeypatch):
 def test_rowwise_fwd_bwd_launches(cache, monkeypatch):
     launches, _ = _one_step_counts("rowwise", cache, monkeypatch)
     casts = 2 if cache else 3  # x, dy (and W unless its FP8 copies are cached): both layouts each
-    # per cast: zero the column amaxes, the stats pass, the cast pass writing both layouts
+    # per cast: zero the amaxes, the stats pass, the cast pass writing both layouts; x and dy (grouped
+    # by expert) also the launch for transposed tiles across groups (W's layouts: one group each)
     assert launches == {"resolve_group_offs_kernel": 1, "zero_f32_kernel": casts,
                         "rowwise_layouts_stats_kernel": casts, "rowwise_layouts_cast_kernel": casts,
-                        "m_grouped_gemm_tma_kernel": 2, "k_grouped_gemm_tma_kernel": 1}
+                        "rowwise_layouts_straddle_kernel": 2, "m_grouped_gemm_tma_kernel": 2,
+                        "k_grouped_gemm_tma_kernel": 1}
 
 
 @pytest.mark.parametrize("cache", [False, True])

@@ -30,7 +30,10 @@ F = 2048). Each program finds its tile from the offsets loaded as one vector (a 
 the groups' tile counts), not by a walk over the groups. The cast pass walks plain row tiles
 instead: a tile that starts at a group's first row is not 16-byte aligned in the transposed copy,
 whose byte-wise stores ran the cast at half speed (H100); it finds its rows' groups by a binary
-search over the offsets.
+search over the offsets. A tile whose rows span groups needs a scale per (column, row) in its
+transposed copy: a small third launch writes those tiles (``rowwise_layouts_straddle_kernel``, a
+program per group boundary), because the gathered scales' code in the cast kernel cost every tile
+registers (H100, 98304 rows, 64 groups: the cast of ``dh`` 1.08 -> 0.88 ms, of ``x`` 0.18 -> 0.15).
 
 Column maxima of one group come from many slabs, and row maxima from every column block: both meet
 by ``atomic_max`` on the float bits (|x| is non-negative, so its bits order as its values; a NaN's
@@ -228,8 +231,8 @@ def rowwise_layouts_cast_kernel(
     from the stats pass) into out [B, R, OUT_C] and each column by its row's group's amax into
     out_t [B, OUT_C, R]; column block 0 stores the rows' dequantization scales (and dprobs, the
     stats pass's num_splits column-block partials summed in order). Plain row tiles, not group-aligned ones (module docstring):
-    a tile inside one group multiplies by one scale vector; one that straddles groups gathers a
-    scale per (column, row). Programs past ``num_tiles`` store col_dequant [B, G, OUT_C] for every
+    a tile inside one group multiplies its transposed copy by one scale vector; one that straddles
+    groups leaves that copy to rowwise_layouts_straddle_kernel. Programs past ``num_tiles`` store col_dequant [B, G, OUT_C] for every
     group, empty ones too (amax 0: scale 1)."""
     pid = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
@@ -272,14 +275,38 @@ def rowwise_layouts_cast_kernel(
             group_lo = tl.min(row_group, axis=0)
             out_t_b = out_t_ptr + batch * R * out_c
             col_amax_b = col_amax_ptr + batch * G * out_c
-            if group_lo == tl.max(row_group, axis=0):
+            if group_lo == tl.max(row_group, axis=0):  # a tile across groups: rowwise_layouts_straddle_kernel
                 _cast_transposed(x_b, probs_ptr, da_ptr, out_t_b, col_amax_b, rows, cols, row_ok, col_ok, row_group,
                                  group_lo, R, C, stride_xr, stride_xc, stride_da, SOURCE, True, FP8_MAX,
                                  MARGIN_FACTOR)
-            else:
-                _cast_transposed(x_b, probs_ptr, da_ptr, out_t_b, col_amax_b, rows, cols, row_ok, col_ok, row_group,
-                                 group_lo, R, C, stride_xr, stride_xc, stride_da, SOURCE, False, FP8_MAX,
-                                 MARGIN_FACTOR)
+
+
+@triton.jit
+def rowwise_layouts_straddle_kernel(
+    x_ptr, probs_ptr, da_ptr, offs_ptr, col_amax_ptr, out_t_ptr,
+    R, C, G, stride_xb, stride_xr, stride_xc, stride_da,
+    FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, SOURCE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """The transposed copy's row tiles that hold rows of two or more groups, which the cast pass
+    leaves out: program (boundary g - 1, column block, batch) writes the cast's row tile holding
+    offs[g] (1 <= g < G) with a scale per (column, row), if that boundary falls inside the tile
+    (not on its first row, not past R) and no earlier boundary does (offs[g - 1] at or before the
+    tile's first row): each such tile once. Kept out of the cast kernel because its gathered
+    scales cost every tile registers there (H100: the cast of dh 1.08 -> 0.88 ms without them)."""
+    g = tl.program_id(0).to(tl.int64) + 1
+    n_block = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
+    boundary = tl.load(offs_ptr + g)
+    first = boundary // BLOCK_R * BLOCK_R
+    if (boundary > first) & (boundary < R) & (tl.load(offs_ptr + g - 1) <= first):
+        out_c = 2 * C if SOURCE == 2 else C
+        rows = first + tl.arange(0, BLOCK_R)
+        cols = n_block.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+        row_group = _row_groups(offs_ptr, tl.minimum(rows, R - 1), G, SEARCH_STEPS)
+        _cast_transposed(x_ptr + batch * stride_xb, probs_ptr, da_ptr, out_t_ptr + batch * R * out_c,
+                         col_amax_ptr + batch * G * out_c, rows, cols, rows < R, cols < C, row_group, 0, R, C,
+                         stride_xr, stride_xc, stride_da, SOURCE, False, FP8_MAX, MARGIN_FACTOR)
 
 
 # Tiles per source: (rows, columns, warps, rows a step) of the stats pass (a program walks a slab of
@@ -290,9 +317,12 @@ def rowwise_layouts_cast_kernel(
 # splits' dprobs instead of 32); casts 32 x 64 on 4 warps 0.18 / 0.62 / 1.07 (up to 0.26 / 0.86 /
 # 1.31 with other tiles). With 4096 rows and 16 groups: stats 0.008 / 0.023 / 0.043 (before 0.013 /
 # 0.034 / 0.054). Under _MIN_STATS_TILES tiles (few rows), one-step 32-row slabs keep the SMs busy.
+# The casts without the tiles across groups (rowwise_layouts_straddle_kernel's): x 0.147 (32 x 64),
+# a 0.503 (32 x 128; 32 x 64: 0.548), dh 0.880 (32 x 64; 32 x 128: 0.910), against 0.184 / 0.618 /
+# 1.076 with them.
 _STATS = {SOURCE_TENSOR: (256, 64, 4, 16), SOURCE_SWIGLU: (512, 128, 4, 32), SOURCE_SWIGLU_GRAD: (512, 64, 4, 32)}
 _STATS_FEW_ROWS = (32, 64, 4, 32)
-_CAST = {SOURCE_TENSOR: (32, 64, 4), SOURCE_SWIGLU: (32, 64, 4), SOURCE_SWIGLU_GRAD: (32, 64, 4)}
+_CAST = {SOURCE_TENSOR: (32, 64, 4), SOURCE_SWIGLU: (32, 128, 4), SOURCE_SWIGLU_GRAD: (32, 64, 4)}
 _MIN_STATS_TILES = 512
 _FINAL = 1024
 MAX_GROUPS = 4096
@@ -321,7 +351,7 @@ class _Geometry:
     __slots__ = ("r", "c", "out_c", "groups", "one_group", "grad", "rows_shape", "trans_shape", "stats_n", "parts",
                  "row_dequant_shape", "col_dequant_shape", "byte_offsets", "zero_grid", "stats_grid", "cast_grid",
                  "num_splits", "cast_tiles", "args", "stats_key", "cast_key", "stats_meta", "cast_meta", "empty",
-                 "strides")
+                 "strides", "straddle_grid", "straddle_meta")
 
     def __init__(self, source, x, da, groups, one_group, fp8_dtype, fp8_max, margin, write_rows, write_transposed,
                  probs_dtype, dprobs_dtype):
@@ -370,6 +400,11 @@ class _Geometry:
                           stats_sub, stats_warps, cast_r, cast_c, cast_warps)
         self.cast_key = self.stats_key + (fp8_dtype, fp8_max, margin, write_rows, write_transposed, num_splits,
                                           arg_fact(cast_tiles), dprobs_dtype)
+        # The transposed copy's tiles across groups: a program per group boundary and column block.
+        self.straddle_grid = (groups - 1, _cdiv(c, cast_c), batches) if write_transposed and groups > 1 else None
+        self.straddle_meta = dict(FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, SOURCE=source,
+                                  SEARCH_STEPS=(groups - 1).bit_length(), BLOCK_R=cast_r, BLOCK_C=cast_c,
+                                  num_warps=cast_warps)
 
 
 _GEOMETRY = {}
@@ -438,12 +473,17 @@ def _layouts(source, x, probs, da, group_offs, fp8_dtype, fp8_max, margin, write
         x, probs_arg, da_arg, offs, row_amax, col_amax, dprobs_part, out, trans if trans is not None else out,
         row_dequant, col_dequant, dprobs_arg, r, c, groups, num_splits, geo.cast_tiles, stride_b, stride_r, stride_c,
         stride_da, **geo.cast_meta)
+    if geo.straddle_grid is not None:
+        _straddle.launch_keyed(geo.straddle_grid, geo.cast_key + aligned + (trans.data_ptr() % 16 == 0,),
+                               x, probs_arg, da_arg, offs, col_amax, trans, r, c, groups, stride_b, stride_r, stride_c,
+                               stride_da, **geo.straddle_meta)
     return rows, row_dequant, trans, col_dequant, dprobs, scales
 
 
 def fp8_rowwise_layouts(x, group_offs, fp8_dtype, fp8_max: float, margin: int = 0, write_rows: bool = True,
                         write_transposed: bool = True):
-    """Both rowwise layouts of x [R, C] (or [B, R, C]) in two passes (plus the zeroing launch):
+    """Both rowwise layouts of x [R, C] (or [B, R, C]) in two passes (plus the zeroing launch, and
+    with groups the launch for the transposed tiles across them):
     ``(rows [..., R, C] or None, row dequant [..., R], transposed [..., C, R] or None, column dequant
     [..., G, C])``, the same bits as ``fp8_cast.fp8_rowwise_cast`` and ``fp8_colwise_grouped_cast``.
     ``group_offs`` [G+1] (None: all rows one group, G = 1); at most ``MAX_GROUPS`` groups."""
@@ -476,3 +516,4 @@ def swiglu_backward_rowwise_layouts(h, probs, da, group_offs, fp8_dtype, fp8_max
 _zero = lean(zero_f32_kernel)
 _stats = lean(rowwise_layouts_stats_kernel)
 _cast = lean(rowwise_layouts_cast_kernel)
+_straddle = lean(rowwise_layouts_straddle_kernel)

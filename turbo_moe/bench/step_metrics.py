@@ -122,7 +122,7 @@ def host_issue_us(step: Step, device: torch.device, target_ms: float = 60.0, max
 QUANT_KERNELS = (
     "amax_partials_kernel", "fp8_cast_kernel", "fp8_rowwise_cast_kernel", "fp8_colwise_grouped_cast_kernel",
     "resolve_group_offs_kernel", "fp8_cast_delayed_kernel",
-    "zero_f32_kernel", "rowwise_layouts_stats_kernel", "rowwise_layouts_cast_kernel",
+    "zero_f32_kernel", "rowwise_layouts_stats_kernel", "rowwise_layouts_cast_kernel", "rowwise_layouts_straddle_kernel",
     "block_cast_rows_kernel", "block_cast_weight_kernel", "block_cast_tokens_kernel",
 )
 # GEMM kernels: turbo_moe's Triton and Gluon grouped GEMMs (kernels/triton/grouped_gemm*.py,
