@@ -230,10 +230,11 @@ def rowwise_layouts_cast_kernel(
     """Pass 2: tile (row block, column block) of the source scales its rows by their amax (row_amax,
     from the stats pass) into out [B, R, OUT_C] and each column by its row's group's amax into
     out_t [B, OUT_C, R]; column block 0 stores the rows' dequantization scales (and dprobs, the
-    stats pass's num_splits column-block partials summed in order). Plain row tiles, not group-aligned ones (module docstring):
-    a tile inside one group multiplies its transposed copy by one scale vector; one that straddles
-    groups leaves that copy to rowwise_layouts_straddle_kernel. Programs past ``num_tiles`` store col_dequant [B, G, OUT_C] for every
-    group, empty ones too (amax 0: scale 1)."""
+    stats pass's num_splits column-block partials summed in order). Plain row tiles, not
+    group-aligned ones (module docstring): a tile inside one group multiplies its transposed copy
+    by one scale vector; one that straddles groups leaves that copy to
+    rowwise_layouts_straddle_kernel. Programs past ``num_tiles`` store col_dequant [B, G, OUT_C]
+    for every group, empty ones too (amax 0: scale 1)."""
     pid = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
     out_c = 2 * C if SOURCE == 2 else C
@@ -275,7 +276,7 @@ def rowwise_layouts_cast_kernel(
             group_lo = tl.min(row_group, axis=0)
             out_t_b = out_t_ptr + batch * R * out_c
             col_amax_b = col_amax_ptr + batch * G * out_c
-            if group_lo == tl.max(row_group, axis=0):  # a tile across groups: rowwise_layouts_straddle_kernel
+            if group_lo == tl.max(row_group, axis=0):  # (a tile across groups: the straddle kernel's)
                 _cast_transposed(x_b, probs_ptr, da_ptr, out_t_b, col_amax_b, rows, cols, row_ok, col_ok, row_group,
                                  group_lo, R, C, stride_xr, stride_xc, stride_da, SOURCE, True, FP8_MAX,
                                  MARGIN_FACTOR)
