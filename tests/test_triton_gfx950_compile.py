@@ -124,7 +124,8 @@ def _recorded():
 # What the hot path launches with the recipes above (the test fails if one goes unrecorded, so a
 # renamed or new cast kernel is added here knowingly).
 KERNELS = ["resolve_group_offs_kernel", "amax_partials_kernel", "fp8_cast_kernel", "zero_f32_kernel",
-           *(f"rowwise_layouts_{step}_kernel:source{source}" for step in ("stats", "cast") for source in range(3)),
+           *(f"rowwise_layouts_{step}_kernel:source{source}" for step in ("stats", "cast", "straddle")
+             for source in range(3)),
            "fp8_cast_delayed_kernel", "swiglu_amax_partials_kernel",
            "swiglu_fp8_cast_kernel", "swiglu_backward_amax_kernel", "swiglu_backward_fp8_cast_kernel",
            "swiglu_fp8_cast_delayed_kernel", "swiglu_backward_fp8_delayed_kernel", "swiglu_dprobs_sum_kernel"]
