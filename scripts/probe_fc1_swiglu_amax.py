@@ -17,8 +17,8 @@ accumulators over one A tile, both halves stored through descriptors), in modes:
 over tile shapes and one or two programs per SM, against the tuned plain fc1 of the backend. Each
 mode's h is checked bit for bit against the plain GEMM's. The result (docs/results/h100_fc1_swiglu_amax.md):
 the epilogue's math (a sigmoid per element, which no MMA overlaps in these persistent kernels)
-costs as much as the pass it would replace, so fc1 stays as it is. A wired-up version (backend,
-autograd) is on the branch ``fc1-swiglu-amax-epilogue``.
+costs as much as the pass it would replace, so fc1 stays as it is. (A wired-up version, backend
+and autograd, was built on a local branch and not merged.)
 """
 
 import torch
