@@ -202,7 +202,7 @@ def fp8_tensorwise_cast_delayed(x, state, ticket, history_len: int, most_recent:
     trans = torch.empty(geo.trans_shape, dtype=fp8_dtype, device=device) if write_transposed else None
     out = rows if rows is not None else trans
     if geo.numel == 0 or out is None:
-        return _first_rows(rows, trans, geo) + (torch.ones((), dtype=torch.float32, device=device),)
+        return _first_rows(rows, trans, geo.r, geo.capacity) + (torch.ones((), dtype=torch.float32, device=device),)
     dequant = torch.empty((), dtype=torch.float32, device=device)
     stride_r = x.stride(-2)
     key = geo.key + (arg_fact(stride_r), x.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
@@ -210,7 +210,7 @@ def fp8_tensorwise_cast_delayed(x, state, ticket, history_len: int, most_recent:
     _cast_delayed.launch_keyed(
         geo.grid, key, x, state, ticket, geo.num_programs, out, trans if trans is not None else out, dequant,
         geo.r, geo.c, geo.stride_b, stride_r, 1, geo.capacity, **geo.constexprs)
-    return _first_rows(rows, trans, geo) + (dequant,)
+    return _first_rows(rows, trans, geo.r, geo.capacity) + (dequant,)
 
 
 _cast_delayed = lean(fp8_cast_delayed_kernel)

@@ -202,7 +202,7 @@ def fp8_tensorwise_cast(x, fp8_dtype, fp8_max: float, margin: int = 0, write_row
     trans = torch.empty(geo.trans_shape, dtype=fp8_dtype, device=device) if write_transposed else None
     if geo.numel == 0:
         dequant = torch.ones((), dtype=torch.float32, device=device)
-        return _first_rows(rows, trans, geo) + (dequant,)
+        return _first_rows(rows, trans, geo.r, geo.capacity) + (dequant,)
     # The amax partials and the dequantization scale share one allocation (the scale last).
     stats = torch.empty((geo.num_partials + 1,), dtype=torch.float32, device=device)
     dequant = stats[-1]
@@ -218,14 +218,15 @@ def fp8_tensorwise_cast(x, fp8_dtype, fp8_max: float, margin: int = 0, write_row
         FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, WRITE_ROWS=write_rows, WRITE_T=write_transposed,
         BLOCK_R=_CAST_BLOCK, BLOCK_C=_CAST_BLOCK, BLOCK_P=MAX_PARTIALS, num_warps=4,
     )
-    return _first_rows(rows, trans, geo) + (dequant,)
+    return _first_rows(rows, trans, geo.r, geo.capacity) + (dequant,)
 
 
-def _first_rows(rows, trans, geo):
-    """The copies' first R rows (views) where their capacity is larger; the copies themselves else."""
-    if geo.capacity == geo.r:
+def _first_rows(rows, trans, r: int, capacity: int):
+    """The copies' first r rows (views) where their capacity is larger (a token bucket's); the
+    copies themselves else. Rows copies [..., capacity, C], transposed ones [..., C, capacity]."""
+    if capacity == r:
         return rows, trans
-    return (None if rows is None else rows[..., :geo.r, :]), (None if trans is None else trans[..., :geo.r])
+    return (None if rows is None else rows[..., :r, :]), (None if trans is None else trans[..., :r])
 
 
 @triton.jit

@@ -39,7 +39,8 @@ import triton
 import triton.language as tl
 
 from .amax_history import delayed_scales, history_block, record_amax, tile_abs_max, tile_abs_max2
-from .fp8_cast import MAX_PARTIALS, _amax_from_partials, _cdiv, _quant_scales, abs_max_keep_nan, clamp_keep_nan
+from .fp8_cast import (MAX_PARTIALS, _amax_from_partials, _cdiv, _first_rows, _quant_scales, abs_max_keep_nan,
+                       clamp_keep_nan)
 from .launch import arg_fact, lean
 
 
@@ -371,13 +372,6 @@ def _row_capacity(r: int, row_capacity) -> int:
     return row_capacity
 
 
-def _first_rows(rows, trans, r: int, capacity: int):
-    """Views of the copies' first r rows where their capacity is larger (a token bucket's)."""
-    if capacity == r:
-        return rows, trans
-    return (None if rows is None else rows[:r]), (None if trans is None else trans[:, :r])
-
-
 def swiglu_fp8_tensorwise(h, probs, fp8_dtype, fp8_max: float, margin: int = 0, write_rows: bool = True,
                           write_transposed: bool = False, row_capacity=None):
     """Tensorwise FP8 of ``a = silu(h[:, :F]) * h[:, F:] * probs`` without materializing ``a``.
@@ -557,8 +551,8 @@ def swiglu_backward_fp8_delayed(h, probs, da, state, ticket, history_len: int, m
     stride_h, stride_da = h.stride(0), da.stride(0)
     key = (h.dtype, probs.dtype, da.dtype, arg_fact(r), arg_fact(f), arg_fact(stride_h), arg_fact(stride_da),
            arg_fact(cap), h.data_ptr() % 16 == 0, probs.data_ptr() % 16 == 0, da.data_ptr() % 16 == 0,
-           stats.data_ptr() % 16 == 0, dequant.data_ptr() % 16 == 0) + _delayed_key(fp8_dtype, fp8_max, margin, history_len, most_recent,
-                                                       write_rows, write_transposed, num_programs, out, trans)
+           stats.data_ptr() % 16 == 0, dequant.data_ptr() % 16 == 0) + _delayed_key(
+        fp8_dtype, fp8_max, margin, history_len, most_recent, write_rows, write_transposed, num_programs, out, trans)
     _backward_delayed.launch_keyed(
         grid, key, h, probs, da, part, state, ticket, num_programs, out, trans if trans is not None else out, dequant,
         r, f, stride_h, stride_da, cap,
