@@ -185,7 +185,7 @@ ROWWISE_KERNEL_CHECK = textwrap.dedent(
             check_layouts(rows, row_dq, trans, col_dq, a.detach(), lens, fp8, (tuple(lens), f, fp8, "a"))
             rows, trans, packed, dprobs = swiglu_backward_rowwise_layouts(h, p, da, offs, fp8, fp8_max(fp8), 0,
                                                                           torch.float32)
-            row_dq, col_dq = split_packed_scales(packed, m, 2 * f)
+            row_dq, col_dq = split_packed_scales(packed, m, 2 * f, len(lens))
             assert rows.shape == (m, 2 * f) and trans.shape == (2 * f, m) and col_dq.shape == (len(lens), 2 * f)
             check_layouts(rows, row_dq, trans, col_dq, hd.grad, lens, fp8, (tuple(lens), f, fp8, "dh"))
             scale = (da.cpu().double().abs() * g_.detach().abs() * u_.detach().abs()).sum(1) + 1e-30
@@ -309,6 +309,68 @@ CAPACITY_CHECK = textwrap.dedent(
     print("ok")
     """
 )
+
+
+ROWWISE_CAPACITY_CHECK = textwrap.dedent(
+    """
+    import torch
+    from turbo_moe.kernels.triton import rowwise_layouts as L
+    from turbo_moe.quantize import split_packed_scales
+    device = DEVICE
+    gen = torch.Generator().manual_seed(6)
+    fp8 = torch.float8_e4m3fn
+    same = lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    # Rowwise layouts with a row capacity past the row count (a token bucket): the copies, row
+    # scales and dprobs are views of the first M rows, with the M-row call's bits; the column scales
+    # are the same; the packed scales hold the capacity's row scales, and split_packed_scales finds
+    # both parts. Default stats tiles and one-step ones (several stats and cast tiles past M).
+    for lens, f, cap in (([5, 0, 40, 17], 24, 96), ([70], 40, 300), ([3, 33, 0, 1], 16, 37)):
+        m = sum(lens)
+        offs = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=device)
+        h = (torch.randn(m, 2 * f, generator=gen) * 3).to(torch.bfloat16).to(device)
+        da = torch.randn(m, f, generator=gen).to(torch.bfloat16).to(device)
+        p = torch.rand(m, generator=gen).to(device)
+        x = h[:, :f].contiguous()
+        for tensor in (True, False):
+            want = L.fp8_rowwise_layouts(x, offs, fp8, 448.0) if tensor else L.swiglu_rowwise_layouts(h, p, offs, fp8,
+                                                                                                        448.0)
+            got = (L.fp8_rowwise_layouts(x, offs, fp8, 448.0, row_capacity=cap) if tensor
+                   else L.swiglu_rowwise_layouts(h, p, offs, fp8, 448.0, row_capacity=cap))
+            assert got[0].shape == (m, f) and got[2].shape == (f, m) and got[2].stride() == (cap, 1), (lens, cap)
+            assert same(got[0], want[0]) and same(got[2], want[2]), (lens, cap, tensor, "copies")
+            assert torch.equal(got[1], want[1]) and torch.equal(got[3], want[3]), (lens, cap, tensor, "scales")
+        want = L.swiglu_backward_rowwise_layouts(h, p, da, offs, fp8, 448.0, 0, torch.float32)
+        got = L.swiglu_backward_rowwise_layouts(h, p, da, offs, fp8, 448.0, 0, torch.float32, row_capacity=cap)
+        assert got[1].shape == (2 * f, m) and got[1].stride() == (cap, 1) and got[3].shape == (m,), (lens, cap)
+        assert same(got[0], want[0]) and same(got[1], want[1]) and torch.equal(got[3], want[3]), (lens, cap, "dh")
+        assert got[2].numel() == cap + len(lens) * 2 * f, (lens, cap, "packed")
+        for a, b in zip(split_packed_scales(got[2], m, 2 * f, len(lens)),
+                        split_packed_scales(want[2], m, 2 * f, len(lens))):
+            assert torch.equal(a, b), (lens, cap, "split")
+    # a batch of sources (weights: one group each), rows past the count in every batch's buffers
+    xs = (torch.randn(3, 21, 40, generator=gen) * torch.logspace(-2, 2, 21)[:, None]).to(torch.bfloat16).to(device)
+    want = L.fp8_rowwise_layouts(xs, None, fp8, 448.0)
+    got = L.fp8_rowwise_layouts(xs, None, fp8, 448.0, row_capacity=50)
+    assert got[0].shape == (3, 21, 40) and got[2].shape == (3, 40, 21) and got[1].shape == (3, 21), "batched"
+    assert same(got[0], want[0]) and same(got[2], want[2]) and torch.equal(got[1], want[1]), "batched"
+    assert torch.equal(got[3], want[3]), "batched column scales"
+    try:
+        L.fp8_rowwise_layouts(x, offs, fp8, 448.0, row_capacity=m - 1)
+        raise AssertionError("a row capacity under the row count must raise")
+    except ValueError as err:
+        assert "row_capacity" in str(err)
+    print("ok")
+    """
+)
+
+
+def test_rowwise_layouts_row_capacity_in_interpreter():
+    assert_prints_ok(ROWWISE_CAPACITY_CHECK.replace("DEVICE", "'cpu'"))
+
+
+@pytest.mark.gpu
+def test_rowwise_layouts_row_capacity_on_gpu():
+    run_on_gpu(ROWWISE_CAPACITY_CHECK.replace("DEVICE", "'cuda'"), "rowwise_capacity_check")
 
 
 def test_swiglu_row_capacity_in_interpreter():

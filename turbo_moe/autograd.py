@@ -323,8 +323,8 @@ def fp8_gemm_backward(ctx, dy, w_nk, w_kn_scale, x_km, x_km_scale, group_offs, n
         if dy_t is None:  # rowwise without dgrad
             dy_t, dy_t_scale = _token_major_operand(dy, group_offs, config.grad_dtype, config.margin, rowwise=True)
         return dx, finish_wgrad(target, DeferredWgrad(functools.partial(
-            _run, GemmKind.K_GROUPED, dy_t, x_km, _token_major_scale(dy_t, dy_t_scale), x_km_scale, group_offs,
-            num_cu=num_cu, backend=backend, role="wgrad", config=config)))
+            _run, GemmKind.K_GROUPED, dy_t, x_km, _token_major_scale(dy_t, dy_t_scale, group_offs), x_km_scale,
+            group_offs, num_cu=num_cu, backend=backend, role="wgrad", config=config)))
     buffer, out, dw_dtype = _wgrad_destination(ctx, target)
     wgrad = functools.partial(_wgrad_tensors, dy, dy_t, dy_t_scale, x_km, x_km_scale, group_offs, config, num_cu,
                               backend, dw_dtype, out)
@@ -391,7 +391,8 @@ def _dgrad_tensors(dy, handed, w_kn, w_kn_scale, group_offs, config, num_cu, bac
         dy_fp8, dy_t, dy_scale = handed
         dy_t_scale = dy_scale
         if rowwise and dy_fp8 is not None:  # both scales, packed: the M row scales, then the G x N column ones
-            dy_scale = split_packed_scales(dy_scale, *dy_fp8.shape)[0]  # (dy_t_scale stays packed: _token_major_scale)
+            # the row scales (dy_t_scale stays packed: _token_major_scale)
+            dy_scale = split_packed_scales(dy_scale, *dy_fp8.shape, group_offs.shape[0] - 1)[0]
     elif rowwise and need_dx and need_dw:  # both copies from two passes over dy (not four)
         dy_fp8, dy_scale, dy_t, dy_t_scale = quantize_rowwise_layouts(dy, gdtype, margin, group_offs)
     elif rowwise:
@@ -407,7 +408,7 @@ def _dgrad_tensors(dy, handed, w_kn, w_kn_scale, group_offs, config, num_cu, bac
     return dx, dy_t, dy_t_scale
 
 
-def _token_major_scale(dy_t, dy_t_scale):
+def _token_major_scale(dy_t, dy_t_scale, group_offs):
     """dy's token-major dequantization scale as the wgrad kernel reads it. A rowwise
     ``QuantizedGradHandoff`` hands both of dy's scales packed in one 1-D tensor
     (``quantize.pack_scales``); its column scales are viewed out here, in the region that reads
@@ -415,7 +416,7 @@ def _token_major_scale(dy_t, dy_t_scale):
     1-D form: a tensorwise scale is 0-dim, a rowwise token-major one [G, N]."""
     if dy_t_scale.dim() == 1:
         n, m = dy_t.shape
-        return split_packed_scales(dy_t_scale, m, n)[1]
+        return split_packed_scales(dy_t_scale, m, n, group_offs.shape[0] - 1)[1]
     return dy_t_scale
 
 
@@ -424,8 +425,8 @@ def _wgrad_tensors(dy, dy_t, dy_t_scale, x_km, x_km_scale, group_offs, config, n
     (rowwise without dgrad): dy's token-major copy made here."""
     if dy_t is None:
         dy_t, dy_t_scale = _token_major_operand(dy, group_offs, config.grad_dtype, config.margin, rowwise=True)
-    return (_run(GemmKind.K_GROUPED, dy_t, x_km, _token_major_scale(dy_t, dy_t_scale), x_km_scale, group_offs,
-                 dw_dtype, num_cu, backend, "wgrad", config, out=out, accumulate=out is not None),)
+    return (_run(GemmKind.K_GROUPED, dy_t, x_km, _token_major_scale(dy_t, dy_t_scale, group_offs), x_km_scale,
+                 group_offs, dw_dtype, num_cu, backend, "wgrad", config, out=out, accumulate=out is not None),)
 
 
 def _fp8_forward_tensors(x, w_nk, w_fp8, group_offs, config, num_cu, backend, out_dtype, need_dx, need_dw, delayed):

@@ -195,6 +195,8 @@ def pack_scales(row_dequant: torch.Tensor, col_dequant: torch.Tensor) -> torch.T
     return torch.cat((row_dequant.reshape(-1), col_dequant.reshape(-1)))
 
 
-def split_packed_scales(packed: torch.Tensor, rows: int, cols: int):
-    """``(row dequant [rows], column dequant [G, cols])`` as views of :func:`pack_scales`' tensor."""
-    return packed[:rows], packed[rows:].view(-1, cols)
+def split_packed_scales(packed: torch.Tensor, rows: int, cols: int, groups: int):
+    """``(row dequant [rows], column dequant [groups, cols])`` as views of :func:`pack_scales`'
+    tensor: the first ``rows`` row scales, and the column scales from its end (the row part may hold
+    more rows than ``rows``: a token bucket's capacity, ``kernels/triton/rowwise_layouts.py``)."""
+    return packed[:rows], packed[packed.numel() - groups * cols:].view(groups, cols)

@@ -138,7 +138,7 @@ def _bits(v):
 @triton.jit
 def rowwise_layouts_stats_kernel(
     x_ptr, probs_ptr, da_ptr, offs_ptr, row_amax_ptr, col_amax_ptr, dprobs_part_ptr,
-    R, C, G, num_splits, stride_xb, stride_xr, stride_xc, stride_da,
+    R, R_OUT, C, G, num_splits, stride_xb, stride_xr, stride_xc, stride_da,
     SOURCE: tl.constexpr, ONE_GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr, SUB_R: tl.constexpr,
 ):
@@ -148,7 +148,8 @@ def rowwise_layouts_stats_kernel(
     across the steps, and folds them into col_amax [B, G, OUT_C] once, by atomic max; each step
     folds its rows' max |v| over the block into row_amax [B, R] by atomic max (both zeroed).
     SOURCE_SWIGLU_GRAD also stores each row's dprobs partial sum over the block to dprobs_part
-    [num_splits, R]."""
+    [num_splits, R_OUT]. R_OUT >= R: the rows of the buffers (a token bucket's row capacity,
+    ``docs/design.md`` "Not yet served"; R otherwise); rows past R are never touched."""
     batch = tl.program_id(1).to(tl.int64)
     group, lo, hi, m_block, split = _grouped_row_tile(tl.program_id(0).to(tl.int64), offs_ptr, R, G, num_splits,
                                                       ONE_GROUP, G_PAD, BLOCK_R)
@@ -156,7 +157,7 @@ def rowwise_layouts_stats_kernel(
         out_c = 2 * C if SOURCE == 2 else C
         x_b = x_ptr + batch * stride_xb
         col_slot = col_amax_ptr.to(tl.pointer_type(tl.int32)) + (batch * G + group) * out_c
-        row_slot = row_amax_ptr.to(tl.pointer_type(tl.int32)) + batch * R
+        row_slot = row_amax_ptr.to(tl.pointer_type(tl.int32)) + batch * R_OUT
         cols = split * BLOCK_C + tl.arange(0, BLOCK_C)
         col_ok = cols < C
         acc0 = tl.zeros((SUB_R, BLOCK_C), tl.int32)
@@ -174,7 +175,7 @@ def rowwise_layouts_stats_kernel(
                 bits1 = _bits(v1)
                 acc1 = tl.maximum(acc1, bits1)
                 row_bits = tl.maximum(row_bits, tl.max(bits1, axis=1))
-                tl.store(dprobs_part_ptr + split * R + rows, tl.sum(dp, axis=1), mask=row_ok)
+                tl.store(dprobs_part_ptr + split * R_OUT + rows, tl.sum(dp, axis=1), mask=row_ok)
             tl.atomic_max(row_slot + rows, row_bits, mask=row_ok, sem="relaxed")
         tl.atomic_max(col_slot + cols, tl.max(acc0, axis=0), mask=col_ok, sem="relaxed")
         if SOURCE == 2:
@@ -204,16 +205,16 @@ def _column_scales(col_amax_b, cols, col_ok, row_group, group_lo, out_c, mask_t,
 
 @triton.jit
 def _cast_transposed(x_b, probs_ptr, da_ptr, out_t_b, col_amax_b, rows, cols, row_ok, col_ok, row_group, group_lo,
-                     R, C, stride_xr, stride_xc, stride_da, SOURCE: tl.constexpr, UNIFORM: tl.constexpr,
+                     R, R_OUT, C, stride_xr, stride_xc, stride_da, SOURCE: tl.constexpr, UNIFORM: tl.constexpr,
                      FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr):
     out_c = 2 * C if SOURCE == 2 else C
     mask_t = col_ok[:, None] & row_ok[None, :]
     v0, v1, _ = _source_tile(x_b, probs_ptr, da_ptr, rows, cols, R, C, stride_xr, stride_xc, stride_da, SOURCE, False)
-    _store_fp8_scaled(out_t_b + cols[:, None] * R + rows[None, :], v0,
+    _store_fp8_scaled(out_t_b + cols[:, None] * R_OUT + rows[None, :], v0,
                       _column_scales(col_amax_b, cols, col_ok, row_group, group_lo, out_c, mask_t, UNIFORM, FP8_MAX,
                                      MARGIN_FACTOR), mask_t, FP8_MAX)
     if SOURCE == 2:
-        _store_fp8_scaled(out_t_b + (cols[:, None] + C) * R + rows[None, :], v1,
+        _store_fp8_scaled(out_t_b + (cols[:, None] + C) * R_OUT + rows[None, :], v1,
                           _column_scales(col_amax_b, cols + C, col_ok, row_group, group_lo, out_c, mask_t, UNIFORM,
                                          FP8_MAX, MARGIN_FACTOR), mask_t, FP8_MAX)
 
@@ -222,7 +223,7 @@ def _cast_transposed(x_b, probs_ptr, da_ptr, out_t_b, col_amax_b, rows, cols, ro
 def rowwise_layouts_cast_kernel(
     x_ptr, probs_ptr, da_ptr, offs_ptr, row_amax_ptr, col_amax_ptr, dprobs_part_ptr,
     out_ptr, out_t_ptr, row_dequant_ptr, col_dequant_ptr, dprobs_ptr,
-    R, C, G, num_splits, num_tiles, stride_xb, stride_xr, stride_xc, stride_da,
+    R, R_OUT, C, G, num_splits, num_tiles, stride_xb, stride_xr, stride_xc, stride_da,
     FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_T: tl.constexpr,
     SOURCE: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     FINAL_BLOCK: tl.constexpr,
@@ -234,7 +235,8 @@ def rowwise_layouts_cast_kernel(
     group-aligned ones (module docstring): a tile inside one group multiplies its transposed copy
     by one scale vector; one that straddles groups leaves that copy to
     rowwise_layouts_straddle_kernel. Programs past ``num_tiles`` store col_dequant [B, G, OUT_C]
-    for every group, empty ones too (amax 0: scale 1)."""
+    for every group, empty ones too (amax 0: scale 1). Buffers and outputs have R_OUT >= R rows
+    (the stats kernel's); rows past R are not written."""
     pid = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
     out_c = 2 * C if SOURCE == 2 else C
@@ -253,20 +255,20 @@ def rowwise_layouts_cast_kernel(
         row_ok = rows < R
         col_ok = cols < C
         x_b = x_ptr + batch * stride_xb
-        row_amax = tl.load(row_amax_ptr + batch * R + rows, mask=row_ok, other=0.0)
+        row_amax = tl.load(row_amax_ptr + batch * R_OUT + rows, mask=row_ok, other=0.0)
         row_scale, row_dequant = _quant_scales(row_amax, FP8_MAX, MARGIN_FACTOR)
         if n_block == 0:
-            tl.store(row_dequant_ptr + batch * R + rows, row_dequant, mask=row_ok)
+            tl.store(row_dequant_ptr + batch * R_OUT + rows, row_dequant, mask=row_ok)
             if SOURCE == 2:
                 dprob = tl.zeros((BLOCK_R,), tl.float32)
                 for s in range(0, num_splits):
-                    dprob += tl.load(dprobs_part_ptr + s * R + rows, mask=row_ok, other=0.0)
+                    dprob += tl.load(dprobs_part_ptr + s * R_OUT + rows, mask=row_ok, other=0.0)
                 tl.store(dprobs_ptr + rows, dprob.to(dprobs_ptr.dtype.element_ty), mask=row_ok)
         if WRITE_ROWS:
             mask = row_ok[:, None] & col_ok[None, :]
             v0, v1, _dprob = _source_tile(x_b, probs_ptr, da_ptr, rows, cols, R, C, stride_xr, stride_xc, stride_da,
                                           SOURCE, True)
-            out_rows = out_ptr + batch * R * out_c + rows[:, None] * out_c + cols[None, :]
+            out_rows = out_ptr + batch * R_OUT * out_c + rows[:, None] * out_c + cols[None, :]
             _store_fp8_scaled(out_rows, v0, row_scale[:, None], mask, FP8_MAX)
             if SOURCE == 2:
                 _store_fp8_scaled(out_rows + C, v1, row_scale[:, None], mask, FP8_MAX)
@@ -274,18 +276,18 @@ def rowwise_layouts_cast_kernel(
             # (one group: no search step, no offset read; group 0 everywhere)
             row_group = _row_groups(offs_ptr, tl.minimum(rows, R - 1), G, SEARCH_STEPS)
             group_lo = tl.min(row_group, axis=0)
-            out_t_b = out_t_ptr + batch * R * out_c
+            out_t_b = out_t_ptr + batch * R_OUT * out_c
             col_amax_b = col_amax_ptr + batch * G * out_c
             if group_lo == tl.max(row_group, axis=0):  # (a tile across groups: the straddle kernel's)
                 _cast_transposed(x_b, probs_ptr, da_ptr, out_t_b, col_amax_b, rows, cols, row_ok, col_ok, row_group,
-                                 group_lo, R, C, stride_xr, stride_xc, stride_da, SOURCE, True, FP8_MAX,
+                                 group_lo, R, R_OUT, C, stride_xr, stride_xc, stride_da, SOURCE, True, FP8_MAX,
                                  MARGIN_FACTOR)
 
 
 @triton.jit
 def rowwise_layouts_straddle_kernel(
     x_ptr, probs_ptr, da_ptr, offs_ptr, col_amax_ptr, out_t_ptr,
-    R, C, G, stride_xb, stride_xr, stride_xc, stride_da,
+    R, R_OUT, C, G, stride_xb, stride_xr, stride_xc, stride_da,
     FP8_MAX: tl.constexpr, MARGIN_FACTOR: tl.constexpr, SOURCE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -305,8 +307,8 @@ def rowwise_layouts_straddle_kernel(
         rows = first + tl.arange(0, BLOCK_R)
         cols = n_block.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
         row_group = _row_groups(offs_ptr, tl.minimum(rows, R - 1), G, SEARCH_STEPS)
-        _cast_transposed(x_ptr + batch * stride_xb, probs_ptr, da_ptr, out_t_ptr + batch * R * out_c,
-                         col_amax_ptr + batch * G * out_c, rows, cols, rows < R, cols < C, row_group, 0, R, C,
+        _cast_transposed(x_ptr + batch * stride_xb, probs_ptr, da_ptr, out_t_ptr + batch * R_OUT * out_c,
+                         col_amax_ptr + batch * G * out_c, rows, cols, rows < R, cols < C, row_group, 0, R, R_OUT, C,
                          stride_xr, stride_xc, stride_da, SOURCE, False, FP8_MAX, MARGIN_FACTOR)
 
 
@@ -352,31 +354,35 @@ class _Geometry:
     __slots__ = ("r", "c", "out_c", "groups", "one_group", "grad", "rows_shape", "trans_shape", "stats_n", "parts",
                  "row_dequant_shape", "col_dequant_shape", "byte_offsets", "zero_grid", "stats_grid", "cast_grid",
                  "num_splits", "cast_tiles", "args", "stats_key", "cast_key", "stats_meta", "cast_meta", "empty",
-                 "strides", "straddle_grid", "straddle_meta")
+                 "strides", "straddle_grid", "straddle_meta", "capacity")
 
     def __init__(self, source, x, da, groups, one_group, fp8_dtype, fp8_max, margin, write_rows, write_transposed,
-                 probs_dtype, dprobs_dtype):
+                 probs_dtype, dprobs_dtype, capacity):
         batches, r, c_in, stride_b = _batched(x)
+        # Every allocation, buffer stride and grid follows the row capacity (>= r): a plan recorded at
+        # one row count then fits any count of the bucket. Only masks and group offsets follow r.
         c = c_in if source == SOURCE_TENSOR else c_in // 2  # the source's own columns
         out_c = 2 * c if source == SOURCE_SWIGLU_GRAD else c
         grad = source == SOURCE_SWIGLU_GRAD
         lead = x.shape[:-2]
         self.r, self.c, self.out_c, self.groups, self.one_group, self.grad = r, c, out_c, groups, one_group, grad
-        self.rows_shape, self.trans_shape = lead + (r, out_c), lead + (out_c, r)
-        stats_r, stats_c, stats_warps, stats_sub = _stats_config(source, r, c, 0 if one_group else groups, batches)
+        self.capacity = capacity
+        self.rows_shape, self.trans_shape = lead + (capacity, out_c), lead + (out_c, capacity)
+        stats_r, stats_c, stats_warps, stats_sub = _stats_config(source, capacity, c, 0 if one_group else groups,
+                                                                 batches)
         self.num_splits = num_splits = max(_cdiv(c, stats_c), 1)  # the stats pass's column blocks
         # One float32 allocation: the column and the row amaxes (zeroed), the dprobs partials,
         # then the row and column dequantization scales side by side (a rowwise
         # QuantizedGradHandoff hands them on as one tensor).
-        col_n, row_n = batches * groups * out_c, batches * r  # (group, column) and row entries
-        dp_n = num_splits * r if grad else 0
+        col_n, row_n = batches * groups * out_c, batches * capacity  # (group, column) and row entries
+        dp_n = num_splits * capacity if grad else 0
         self.stats_n = col_n + row_n + dp_n + row_n + col_n
         scales = col_n + row_n + dp_n
         # (start, end) of: column amaxes, row amaxes, dprobs partials, scales, row scales, column scales
         self.parts = ((0, col_n), (col_n, col_n + row_n), (col_n + row_n, scales), (scales, self.stats_n),
                       (scales, scales + row_n), (scales + row_n, self.stats_n))
         self.byte_offsets = tuple(4 * start for start, _ in self.parts)
-        self.row_dequant_shape, self.col_dequant_shape = x.shape[:-1], lead + (groups, out_c)
+        self.row_dequant_shape, self.col_dequant_shape = lead + (capacity,), lead + (groups, out_c)
         self.empty = batches * r * c == 0
         g_pad = 1 if one_group else _next_pow2(groups)
         stride_r = x.stride(-2)
@@ -386,10 +392,10 @@ class _Geometry:
         cast_r, cast_c, cast_warps = _CAST[source]
         # The tile bound needs no group sizes: sum_g cdiv(M_g, BR) <= cdiv(R, BR) + G.
         self.zero_grid = (_cdiv(col_n + row_n, _FINAL),)  # the column and the row amaxes
-        self.stats_grid = ((_cdiv(r, stats_r) + (0 if one_group else groups)) * num_splits, batches)
-        self.cast_tiles = cast_tiles = _cdiv(r, cast_r) * _cdiv(c, cast_c)
+        self.stats_grid = ((_cdiv(capacity, stats_r) + (0 if one_group else groups)) * num_splits, batches)
+        self.cast_tiles = cast_tiles = _cdiv(capacity, cast_r) * _cdiv(c, cast_c)
         self.cast_grid = (cast_tiles + _cdiv(groups * out_c, _FINAL), batches)
-        self.args = (r, c, groups, num_splits)
+        self.args = (r, capacity, c, groups, num_splits)
         self.stats_meta = dict(SOURCE=source, ONE_GROUP=one_group, G_PAD=g_pad, BLOCK_R=stats_r, BLOCK_C=stats_c,
                                SUB_R=stats_sub, num_warps=stats_warps)
         self.cast_meta = dict(FP8_MAX=fp8_max, MARGIN_FACTOR=2.0 ** -margin, WRITE_ROWS=write_rows,
@@ -397,8 +403,8 @@ class _Geometry:
                               BLOCK_R=cast_r, BLOCK_C=cast_c, FINAL_BLOCK=_FINAL,
                               num_warps=cast_warps)
         self.stats_key = (source, x.dtype, probs_dtype, da.dtype if grad else x.dtype, one_group, g_pad, arg_fact(r),
-                          c, groups, batches, stride_b, stride_r, stride_c, arg_fact(stride_da), stats_r, stats_c,
-                          stats_sub, stats_warps, cast_r, cast_c, cast_warps)
+                          arg_fact(capacity), c, groups, batches, stride_b, stride_r, stride_c, arg_fact(stride_da),
+                          stats_r, stats_c, stats_sub, stats_warps, cast_r, cast_c, cast_warps)
         self.cast_key = self.stats_key + (fp8_dtype, fp8_max, margin, write_rows, write_transposed, num_splits,
                                           arg_fact(cast_tiles), dprobs_dtype)
         # The transposed copy's tiles across groups: a program per group boundary and column block.
@@ -413,10 +419,13 @@ _MAX_GEOMETRIES = 1024
 
 
 def _layouts(source, x, probs, da, group_offs, fp8_dtype, fp8_max, margin, write_rows, write_transposed,
-             dprobs_dtype=None):
+             dprobs_dtype=None, row_capacity=None):
     """Both layouts of the source (``x`` [R, C] or [B, R, C]; the SwiGLU sources' ``x`` is ``h``
     [R, 2F]): ``(rows or None, row dequant, transposed or None, column dequant, dprobs or None,
-    both dequant scales packed)``."""
+    both dequant scales packed)``. ``row_capacity`` (>= R, a token bucket's): every buffer has that
+    many rows and the results are views of their first R (the packed scales: the capacity's row
+    scales, then the column scales; ``turbo_moe.quantize.split_packed_scales`` takes the column
+    scales from the end)."""
     import torch
 
     one_group = group_offs is None
@@ -424,16 +433,19 @@ def _layouts(source, x, probs, da, group_offs, fp8_dtype, fp8_max, margin, write
     if groups > MAX_GROUPS:
         raise ValueError(f"rowwise layouts: group_offs has {groups} groups, more than {MAX_GROUPS}")
     grad = source == SOURCE_SWIGLU_GRAD
+    capacity = x.shape[-2] if row_capacity is None else row_capacity
+    if capacity < x.shape[-2]:
+        raise ValueError(f"row_capacity ({capacity}) must be at least the source's row count ({x.shape[-2]})")
     probs_dtype = probs.dtype if probs is not None else x.dtype
     lookup = (source, x.shape, x.stride(), x.dtype, probs_dtype, da.stride(0) if grad else None,
               da.dtype if grad else None, groups if not one_group else None, fp8_dtype, fp8_max, margin, write_rows,
-              write_transposed, dprobs_dtype)
+              write_transposed, dprobs_dtype, capacity)
     geo = _GEOMETRY.get(lookup)
     if geo is None:
         if len(_GEOMETRY) >= _MAX_GEOMETRIES:
             _GEOMETRY.clear()
         geo = _GEOMETRY[lookup] = _Geometry(source, x, da, groups, one_group, fp8_dtype, fp8_max, margin,
-                                            write_rows, write_transposed, probs_dtype, dprobs_dtype)
+                                            write_rows, write_transposed, probs_dtype, dprobs_dtype, capacity)
     device = x.device
     rows = torch.empty(geo.rows_shape, dtype=fp8_dtype, device=device) if write_rows else None
     trans = torch.empty(geo.trans_shape, dtype=fp8_dtype, device=device) if write_transposed else None
@@ -445,12 +457,12 @@ def _layouts(source, x, probs, da, group_offs, fp8_dtype, fp8_max, margin, write
     scales = stats[sc_lo:]
     row_dequant = stats[sc_lo:row_end].view(geo.row_dequant_shape)
     col_dequant = stats[row_end:].view(geo.col_dequant_shape)
-    dprobs = torch.empty((geo.r,), dtype=dprobs_dtype, device=device) if grad else None
+    dprobs = torch.empty((geo.capacity,), dtype=dprobs_dtype, device=device) if grad else None
     if geo.empty:  # no element: every amax is 0, every scale 1
         scales.fill_(1.0)
         if grad:
             dprobs.zero_()
-        return rows, row_dequant, trans, col_dequant, dprobs, scales
+        return _first_rows(geo, rows, row_dequant, trans, col_dequant, dprobs, scales)
     offs = x if one_group else group_offs
     probs_arg = probs if probs is not None else x
     da_arg = da if grad else x
@@ -459,12 +471,12 @@ def _layouts(source, x, probs, da, group_offs, fp8_dtype, fp8_max, margin, write
     aligned = (x.data_ptr() % 16 == 0, probs_arg.data_ptr() % 16 == 0, da_arg.data_ptr() % 16 == 0,
                offs.data_ptr() % 16 == 0, at[0], at[1], at[2] if grad else at[0])
     stride_b, stride_r, stride_c, stride_da = geo.strides
-    r, c, groups, num_splits = geo.args
+    r, capacity, c, groups, num_splits = geo.args
     _zero.launch_keyed(geo.zero_grid, (arg_fact(geo.parts[1][1]), at[0]), stats, geo.parts[1][1], BLOCK=_FINAL,
                        num_warps=4)
     _stats.launch_keyed(geo.stats_grid, geo.stats_key + aligned,
-                        x, probs_arg, da_arg, offs, row_amax, col_amax, dprobs_part, r, c, groups, num_splits,
-                        stride_b, stride_r, stride_c, stride_da, **geo.stats_meta)
+                        x, probs_arg, da_arg, offs, row_amax, col_amax, dprobs_part, r, capacity, c, groups,
+                        num_splits, stride_b, stride_r, stride_c, stride_da, **geo.stats_meta)
     out = rows if rows is not None else (trans if trans is not None else stats)
     dprobs_arg = dprobs if grad else stats
     _cast.launch_keyed(
@@ -472,44 +484,61 @@ def _layouts(source, x, probs, da, group_offs, fp8_dtype, fp8_max, margin, write
         geo.cast_key + aligned + (out.data_ptr() % 16 == 0, trans is None or trans.data_ptr() % 16 == 0, at[4], at[5],
                                   dprobs_arg.data_ptr() % 16 == 0),
         x, probs_arg, da_arg, offs, row_amax, col_amax, dprobs_part, out, trans if trans is not None else out,
-        row_dequant, col_dequant, dprobs_arg, r, c, groups, num_splits, geo.cast_tiles, stride_b, stride_r, stride_c,
-        stride_da, **geo.cast_meta)
+        row_dequant, col_dequant, dprobs_arg, r, capacity, c, groups, num_splits, geo.cast_tiles, stride_b, stride_r,
+        stride_c, stride_da, **geo.cast_meta)
     if geo.straddle_grid is not None:
         _straddle.launch_keyed(geo.straddle_grid, geo.cast_key + aligned + (trans.data_ptr() % 16 == 0,),
-                               x, probs_arg, da_arg, offs, col_amax, trans, r, c, groups, stride_b, stride_r, stride_c,
-                               stride_da, **geo.straddle_meta)
-    return rows, row_dequant, trans, col_dequant, dprobs, scales
+                               x, probs_arg, da_arg, offs, col_amax, trans, r, capacity, c, groups, stride_b, stride_r,
+                               stride_c, stride_da, **geo.straddle_meta)
+    return _first_rows(geo, rows, row_dequant, trans, col_dequant, dprobs, scales)
+
+
+def _first_rows(geo, rows, row_dequant, trans, col_dequant, dprobs, scales):
+    """``_layouts``' results, the per-row ones as views of their first R rows where the buffers
+    have a larger capacity (the packed scales stay whole: the capacity's row scales first)."""
+    r = geo.r
+    if geo.capacity == r:
+        return rows, row_dequant, trans, col_dequant, dprobs, scales
+    return (None if rows is None else rows[..., :r, :], row_dequant[..., :r],
+            None if trans is None else trans[..., :r], col_dequant, None if dprobs is None else dprobs[:r], scales)
 
 
 def fp8_rowwise_layouts(x, group_offs, fp8_dtype, fp8_max: float, margin: int = 0, write_rows: bool = True,
-                        write_transposed: bool = True):
+                        write_transposed: bool = True, row_capacity=None):
     """Both rowwise layouts of x [R, C] (or [B, R, C]) in two passes (plus the zeroing launch, and
     with groups the launch for the transposed tiles across them):
     ``(rows [..., R, C] or None, row dequant [..., R], transposed [..., C, R] or None, column dequant
     [..., G, C])``, the same bits as ``fp8_cast.fp8_rowwise_cast`` and ``fp8_colwise_grouped_cast``.
-    ``group_offs`` [G+1] (None: all rows one group, G = 1); at most ``MAX_GROUPS`` groups."""
+    ``group_offs`` [G+1] (None: all rows one group, G = 1); at most ``MAX_GROUPS`` groups.
+    ``row_capacity`` (>= R; a token bucket's, ``docs/design.md`` "Not yet served"): the copies and
+    row scales are views of the first R rows of buffers with that many rows (the transposed copy's
+    row stride is the capacity), with the R-row call's bits."""
     return _layouts(SOURCE_TENSOR, x, None, None, group_offs, fp8_dtype, fp8_max, margin, write_rows,
-                    write_transposed)[:4]
+                    write_transposed, row_capacity=row_capacity)[:4]
 
 
 def swiglu_rowwise_layouts(h, probs, group_offs, fp8_dtype, fp8_max: float, margin: int = 0, write_rows: bool = True,
-                           write_transposed: bool = True):
+                           write_transposed: bool = True, row_capacity=None):
     """Both rowwise layouts of ``a = silu(h[:, :F]) * h[:, F:] * probs`` without materializing it:
     ``(rows [M, F], row dequant [M], transposed [F, M], column dequant [G, F])`` (``h`` [M, 2F] with
-    unit column stride; ``probs`` [M] contiguous float)."""
+    unit column stride; ``probs`` [M] contiguous float). ``row_capacity``: as
+    :func:`fp8_rowwise_layouts`'."""
     return _layouts(SOURCE_SWIGLU, h, probs, None, group_offs, fp8_dtype, fp8_max, margin, write_rows,
-                    write_transposed)[:4]
+                    write_transposed, row_capacity=row_capacity)[:4]
 
 
 def swiglu_backward_rowwise_layouts(h, probs, da, group_offs, fp8_dtype, fp8_max: float, margin: int, dprobs_dtype,
-                                    write_rows: bool = True, write_transposed: bool = True):
+                                    write_rows: bool = True, write_transposed: bool = True, row_capacity=None):
     """Both rowwise layouts of ``dh`` [M, 2F] (the SwiGLU's input gradient, from its float32 values)
     and ``dprobs`` [M] in ``dprobs_dtype``, without materializing ``dh``: ``(rows [M, 2F] or None,
     transposed [2F, M] or None, packed dequantization scales, dprobs)``, the scales packed as one
     float32 tensor (the M row scales, then the G x 2F column scales) for a rowwise
-    ``QuantizedGradHandoff`` (``turbo_moe.quantize.split_packed_scales`` views them apart)."""
+    ``QuantizedGradHandoff`` (``turbo_moe.quantize.split_packed_scales`` views them apart).
+    ``row_capacity``: as :func:`fp8_rowwise_layouts`'; the packed scales then hold the capacity's
+    row scales (the first M of them this call's)."""
     rows, _, trans, _, dprobs, packed = _layouts(SOURCE_SWIGLU_GRAD, h, probs, da, group_offs, fp8_dtype, fp8_max,
-                                                 margin, write_rows, write_transposed, dprobs_dtype)
+                                                 margin, write_rows, write_transposed, dprobs_dtype,
+                                                 row_capacity=row_capacity)
     return rows, trans, packed, dprobs
 
 
