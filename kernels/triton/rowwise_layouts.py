@@ -55,6 +55,7 @@ import triton.language as tl
 
 from . import scheduler as S
 from .fp8_cast import _batched, _cdiv, _quant_scales, clamp_keep_nan
+from .fp8_cast import _first_rows as _first_copy_rows
 from .launch import arg_fact, lean
 from .swiglu_fp8 import _swiglu_grad_tile, _weighted_swiglu_tile
 
@@ -499,8 +500,8 @@ def _first_rows(geo, rows, row_dequant, trans, col_dequant, dprobs, scales):
     r = geo.r
     if geo.capacity == r:
         return rows, row_dequant, trans, col_dequant, dprobs, scales
-    return (None if rows is None else rows[..., :r, :], row_dequant[..., :r],
-            None if trans is None else trans[..., :r], col_dequant, None if dprobs is None else dprobs[:r], scales)
+    rows, trans = _first_copy_rows(rows, trans, r, geo.capacity)
+    return rows, row_dequant[..., :r], trans, col_dequant, None if dprobs is None else dprobs[:r], scales
 
 
 def fp8_rowwise_layouts(x, group_offs, fp8_dtype, fp8_max: float, margin: int = 0, write_rows: bool = True,
