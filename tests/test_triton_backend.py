@@ -305,7 +305,7 @@ def _compile_gluon_for_hopper(kernel_name: str, descriptors: dict, scalars: dict
 
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("compiling needs TRITON_INTERPRET unset")
-    from turbo_moe.kernels.triton import blockwise_gemm_gluon, grouped_gemm_gluon
+    from turbo_moe.kernels.triton import blockwise_gemm_gluon, grouped_gemm_gluon, m_grouped_gemm_gluon
 
     if grouped_gemm_gluon.GLUON_ERROR:
         pytest.skip(grouped_gemm_gluon.GLUON_ERROR)
@@ -318,11 +318,16 @@ def _compile_gluon_for_hopper(kernel_name: str, descriptors: dict, scalars: dict
                                                                 grouped_gemm_gluon.shared_layout(block, dtype)))
                  for name, (block, dtype) in descriptors.items()}
     signature.update(scalars)
+    options = dict(num_warps=constexprs["num_warps"])
+    if "maxnreg" in constexprs:  # a launch option, not a kernel argument
+        constexprs = dict(constexprs)
+        options["maxnreg"] = constexprs.pop("maxnreg")
     signature.update({name: "constexpr" for name in constexprs})
-    kernel = getattr(grouped_gemm_gluon, kernel_name, None) or getattr(blockwise_gemm_gluon, kernel_name)
+    kernel = next(getattr(module, kernel_name) for module in (grouped_gemm_gluon, blockwise_gemm_gluon,
+                                                              m_grouped_gemm_gluon) if hasattr(module, kernel_name))
     try:
         return triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=constexprs["num_warps"]))
+                              target=GPUTarget("cuda", 90, 32), options=options)
     except Exception as exc:
         if "ptxas" in str(exc).lower() or "cuda" in type(exc).__name__.lower():
             pytest.skip(f"cannot compile for sm_90 here: {exc}")
@@ -361,6 +366,32 @@ def test_gluon_wgrad_compiles_for_hopper(case):
         dict(A_ROWWISE=accumulate, B_ROWWISE=accumulate, GROUP_M=8, BAND_CYCLIC=False, ACCUMULATE=accumulate,
              STAGES=stages, num_warps=8))
     _assert_gluon_wgrad_ptx(compiled, wgmmas=8)
+
+
+@pytest.mark.parametrize("case", ["bf16 tensorwise s4", "fp32 rowwise s3"])
+def test_gluon_pingpong_compiles_for_hopper(case):
+    """The Gluon M-grouped ping-pong compiles for sm_90 on any machine with the backend's register
+    split: two consumer warpgroups and a producer warp (12 warps), each consumer's 128 x 128 tile
+    two m64 wgmmas per 32 of K (8 a box), TMA loads and stores, setmaxnreg, shared memory within
+    the budget."""
+    from turbo_moe.backends.triton_backend import _SHARED_MEMORY_BUDGET, PINGPONG_REGS
+
+    rowwise = "rowwise" in case
+    out_dtype = torch.float32 if case.startswith("fp32") else torch.bfloat16
+    compiled = _compile_gluon_for_hopper(
+        "m_grouped_gemm_pingpong_kernel",
+        {"a_desc": ([128, 128], torch.float8_e5m2), "b_desc": ([128, 128], torch.float8_e4m3fn),
+         "out_desc": ([128, 128], out_dtype)},
+        {"out_ptr": "*fp32" if rowwise else "*bf16", **_GLUON_SCALARS, "stride_om": "i32"},
+        dict(A_ROWWISE=rowwise, B_ROWWISE=rowwise, GROUP_M=8, STAGES=3 if rowwise else 4, **PINGPONG_REGS,
+             num_warps=4))
+    ptx = compiled.asm["ptx"]
+    assert compiled.metadata.num_warps == 12, compiled.metadata.num_warps
+    assert ptx.count("wgmma.mma_async") == 16, ptx.count("wgmma.mma_async")
+    assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx), "no TMA loads"
+    assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx, "no TMA store"
+    assert "setmaxnreg" in ptx and "mbarrier.try_wait" in ptx
+    assert compiled.metadata.shared <= _SHARED_MEMORY_BUDGET, compiled.metadata.shared
 
 
 def test_tuning_cancels_clock_drift(monkeypatch):
@@ -440,7 +471,18 @@ def test_gluon_wgrads_decline_what_they_cannot_take(monkeypatch):
     assert "contiguous" in tb._gluon_reason(wgrad(), wide, strided)
     fwd = GroupedGemmProblem(GemmKind.M_GROUPED, torch.zeros(160, 256, dtype=e4m3), torch.zeros(3, 128, 256, dtype=e4m3),
                              one, one, offs, torch.bfloat16)
-    assert "K-grouped" in tb._gluon_reason(fwd, wide, None)
+    # M-grouped: the ping-pong, whose consumers are one warpgroup each.
+    pingpong = next(c for c in tb.GPU_CANDIDATES[GemmKind.M_GROUPED] if c.gluon)
+    assert "num_warps=4" in tb._gluon_reason(fwd, wide, None)
+    assert tb._gluon_reason(fwd, pingpong, None) == ""
+    assert "shared memory" in tb._gluon_reason(dataclasses.replace(fwd, out_dtype=torch.float32), pingpong, None)
+    assert tb._gluon_reason(dataclasses.replace(fwd, out_dtype=torch.float32),
+                            dataclasses.replace(pingpong, num_stages=3), None) == ""
+    odd_n = GroupedGemmProblem(GemmKind.M_GROUPED, torch.zeros(160, 256, dtype=e4m3),
+                               torch.zeros(3, 100, 256, dtype=e4m3), one, one, offs, torch.bfloat16)
+    assert "16-byte row stride" in tb._gluon_reason(odd_n, pingpong, None)
+    assert "promote" in tb._gluon_reason(dataclasses.replace(fwd, promote_accumulation=True), pingpong, None)
+    assert pingpong in tb.candidates_for(fwd)
     # The candidates a problem is tuned among: the Gluon ones only where they can run.
     assert [c for c in tb.candidates_for(wgrad(n=200)) if c.gluon] == []
     assert any(c.gluon for c in tb.candidates_for(wgrad()))

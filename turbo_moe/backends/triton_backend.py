@@ -57,10 +57,12 @@ class KernelConfig:
     # epilogue (or pipeline fill) run beside another's MMAs on the same SM, for configs whose
     # shared memory and registers fit twice. With a cap, one per SM (the cap counts SMs).
     programs_per_sm: int = 1
-    # K-grouped on sm_90: the Gluon kernel (kernels/triton/grouped_gemm_gluon.py), whose loads run
-    # ahead across tiles and whose epilogue store overlaps the next tile; num_stages is its ring's
-    # depth. Same bits as the Triton TMA kernel. A problem it cannot take (_gluon_reason) runs the
-    # Triton TMA kernel with the same tiles.
+    # On sm_90, a Gluon kernel. K-grouped: kernels/triton/grouped_gemm_gluon.py, whose loads run
+    # ahead across tiles and whose epilogue store overlaps the next tile. M-grouped:
+    # kernels/triton/m_grouped_gemm_gluon.py, a warp-specialized ping-pong (num_warps: each of its
+    # two consumer warpgroups'; a producer warp besides). num_stages is the ring's depth. Same bits
+    # as the Triton TMA kernels. A problem it cannot take (_gluon_reason) runs the Triton TMA kernel
+    # with the same tiles.
     gluon: bool = False
 
     def __str__(self) -> str:
@@ -78,6 +80,13 @@ class KernelConfig:
 # 128x128x128 with 8 warps is what Hopper's FP8 wgmma likes (two warpgroups, K-major operands).
 GPU_CANDIDATES: Dict[GemmKind, Tuple[KernelConfig, ...]] = {
     GemmKind.M_GROUPED: (
+        # The Gluon ping-pong first (the untuned default where a problem can take it): two 128 x 128
+        # consumer warpgroups, one's epilogue beside the other's MMAs
+        # (kernels/triton/m_grouped_gemm_gluon.py). H100, the expert-dominated training layer's four
+        # M-grouped GEMMs, ms against the Triton kernel's 128 x 256 tiles: fc1 fwd 0.82 / 0.97,
+        # fc2 fwd 0.38 / 0.46, fc2 dgrad 0.44 / 0.55, fc1 dgrad 0.72 / 0.76
+        # (scripts/probe_m_grouped_epilogue.py).
+        KernelConfig(128, 128, 128, 8, 4, 4, gluon=True),
         KernelConfig(128, 256, 128, 8, 8, 3),
         KernelConfig(128, 128, 128, 8, 8, 4),
         KernelConfig(128, 256, 128, 8, 8, 3, tma_store=False),
@@ -207,19 +216,19 @@ def _gluon_device_reason(device: torch.device) -> str:
     return "" if cap == (9, 0) else f"the Gluon kernel needs sm_90 (wgmma), not sm_{cap[0]}{cap[1]}"
 
 
-# Why the Gluon wgrads are off in this process ("" while they are on): the first compile of one
+# Why the Gluon kernels are off in this process ("" while they are on): the first compile of one
 # failed here, e.g. under a Triton whose Gluon API differs from the 3.6 and 3.9 they compile with.
 _GLUON_OFF = ""
 
 
 def gluon_unavailable(device: torch.device) -> str:
-    """Empty if the Gluon wgrads may run on ``device``, else why not (the device, or a failed compile)."""
+    """Empty if the Gluon kernels may run on ``device``, else why not (the device, or a failed compile)."""
     return _GLUON_OFF or _gluon_device_reason(device)
 
 
 def launch_gluon_or_fall_back(plan, launch, fallback):
     """``launch(plan)`` for a new Gluon plan, whose first launch compiles its kernel. If that compile
-    fails, the Gluon wgrads are turned off for the process (a warning says why) and
+    fails, the Gluon kernels are turned off for the process (a warning says why) and
     ``launch(fallback())`` runs the Triton kernel instead. Returns the plan that ran. Only compile
     errors are caught: they come before anything is launched, so nothing runs twice (an fp32
     main_grad is never added into twice)."""
@@ -232,10 +241,10 @@ def launch_gluon_or_fall_back(plan, launch, fallback):
         return plan
     except (CompilationError, OutOfResources, PTXASError) as exc:
         first_line = (str(exc).strip().splitlines() or [""])[-1][:300]
-        _GLUON_OFF = f"the Gluon wgrad did not compile here ({type(exc).__name__}: {first_line})"
+        _GLUON_OFF = f"a Gluon kernel did not compile here ({type(exc).__name__}: {first_line})"
     import warnings
 
-    warnings.warn(f"turbo_moe: {_GLUON_OFF}; the Triton wgrad kernels run instead", RuntimeWarning, stacklevel=3)
+    warnings.warn(f"turbo_moe: {_GLUON_OFF}; the Triton kernels run instead", RuntimeWarning, stacklevel=3)
     plan = fallback()
     launch(plan)
     return plan
@@ -244,8 +253,6 @@ def launch_gluon_or_fall_back(plan, launch, fallback):
 def _gluon_reason(problem: GroupedGemmProblem, config: KernelConfig, out: Optional[torch.Tensor]) -> str:
     """Empty if the Gluon K-grouped kernel can run ``problem`` with ``config``'s tiles into ``out``
     (None: a fresh contiguous output), else why not."""
-    if problem.kind is not GemmKind.K_GROUPED:
-        return "the Gluon kernel is the K-grouped one"
     if not config.tma:
         return "the configuration asks for pointer loads"
     why = gluon_unavailable(problem.device)
@@ -256,12 +263,44 @@ def _gluon_reason(problem: GroupedGemmProblem, config: KernelConfig, out: Option
     why = _tma_reason(problem)
     if why:
         return why
+    if problem.kind is GemmKind.M_GROUPED:
+        why = pingpong_reason(problem, config, out)
+        if why:
+            return why
+        from turbo_moe.kernels.triton import m_grouped_gemm_gluon
+
+        return m_grouped_gemm_gluon.GLUON_ERROR
     why = gluon_output_reason(problem, config, out)
     if why:
         return why
     from turbo_moe.kernels.triton import grouped_gemm_gluon
 
     return grouped_gemm_gluon.GLUON_ERROR
+
+
+# The ping-pong's register split (setmaxnreg, per thread): 224 for each consumer warpgroup (a 128 x
+# 128 fp32 accumulator is 128 of them), 64 for the producer's warpgroup, 65536 in all; the kernel's
+# own limit is the SM's file over its 12 warps. sm_90 compile: no spills, tensorwise or rowwise.
+PINGPONG_REGS = dict(CONSUMER_REGS=224, PRODUCER_REGS=64, maxnreg=168)
+
+
+def pingpong_reason(problem: GroupedGemmProblem, config: KernelConfig, out: Optional[torch.Tensor]) -> str:
+    """Empty if the Gluon M-grouped ping-pong can run ``problem`` with ``config``'s tiles into
+    ``out`` (None: a fresh contiguous output), else why not."""
+    if config.num_warps != 4:
+        return "the ping-pong's consumers are one warpgroup each (num_warps=4)"
+    if config.programs_per_sm != 1:
+        return "the ping-pong runs one program per SM"
+    _, N, _ = problem.mnk
+    item = torch.empty((), dtype=problem.out_dtype).element_size()
+    if problem.out_dtype not in (torch.bfloat16, torch.float16, torch.float32) or (N * item) % 16:
+        return "the output needs a 16-byte row stride and a 16/32-bit float dtype"
+    if out is not None and not (out.is_contiguous() and _tma_store_ok(out)):
+        return "the output must be contiguous and 16-byte aligned"
+    operands = config.num_stages * (config.block_m + config.block_n) * config.block_k
+    if operands + 2 * config.block_m * config.block_n * item > _SHARED_MEMORY_BUDGET:
+        return "its ring and two store tiles do not fit in shared memory"
+    return ""
 
 
 # Under the interpreter: small tiles, so that small test shapes still span many tiles.
@@ -288,6 +327,12 @@ class _Kernels:
         from turbo_moe.kernels.triton import grouped_gemm_gluon, launch
 
         return launch.lean(grouped_gemm_gluon.k_grouped_gemm_gluon_kernel)
+
+    @functools.cached_property
+    def m_grouped_gemm_pingpong_kernel(self):  # imported on first use: only sm_90 plans launch it
+        from turbo_moe.kernels.triton import launch, m_grouped_gemm_gluon
+
+        return launch.lean(m_grouped_gemm_gluon.m_grouped_gemm_pingpong_kernel)
 
 
 def _kernels():
@@ -419,6 +464,8 @@ class TritonBackend(GroupedGemmBackend):
             limit *= config.programs_per_sm
         if config.gluon and _gluon_reason(problem, config, out):  # e.g. a config given by a caller
             config = dataclasses.replace(config, gluon=False)
+        if config.gluon and problem.kind is GemmKind.M_GROUPED:
+            return self._make_pingpong_plan(problem, out, config, limit)
         if config.gluon:
             return self._make_gluon_plan(problem, out, config, limit)
         use_tma = config.tma and not _tma_reason(problem)
@@ -475,6 +522,27 @@ class TritonBackend(GroupedGemmBackend):
             key=next(_PLAN_IDS), kind=problem.kind, config=config, grid=(ts.persistent_grid_size(tiles, limit),),
             use_tma=True, tma_store=True, constexprs=flags, descriptor_geometry=geometry,
             kernel_name="k_grouped_gemm_gluon_kernel", int_args=(N, K, G), gluon=True,
+        )
+
+    def _make_pingpong_plan(self, problem: GroupedGemmProblem, out: torch.Tensor, config: KernelConfig,
+                            limit: int) -> "_LaunchPlan":
+        from turbo_moe.kernels import tile_scheduler as ts
+        from turbo_moe.kernels.triton.grouped_gemm_gluon import shared_layout
+
+        a, b = problem.a, problem.b
+        M, N, K = problem.mnk
+        G = problem.num_groups
+        bm, bn, bk = config.block_m, config.block_n, config.block_k
+        bound = ts.m_grouped_tile_upper_bound(M, G, bm, ts.cdiv(N, bn))
+        flags = dict(A_ROWWISE=problem.a_scale.dim() > 0, B_ROWWISE=problem.b_scale.dim() > 0, GROUP_M=config.group_m,
+                     STAGES=config.num_stages, **PINGPONG_REGS, num_warps=config.num_warps)
+        geometry = (([M, K], [a.stride(0), 1], [bm, bk], shared_layout([bm, bk], a.dtype)),
+                    ([G * N, K], [b.stride(1), 1], [bn, bk], shared_layout([bn, bk], b.dtype)),
+                    ([M, N], [N, 1], [bm, bn], shared_layout([bm, bn], out.dtype)))
+        return _LaunchPlan(
+            key=next(_PLAN_IDS), kind=problem.kind, config=config, grid=(ts.persistent_grid_size(bound, limit),),
+            use_tma=True, tma_store=True, constexprs=flags, descriptor_geometry=geometry,
+            kernel_name="m_grouped_gemm_pingpong_kernel", int_args=(N, K, G, N), gluon=True,
         )
 
     # ------------------------------------------------------------------ tuning
@@ -588,10 +656,13 @@ class _LaunchPlan:
             return
         if self.gluon:  # host descriptors only: no global scratch to allocate
             (a_geo, b_geo, out_geo), plan = self.descriptor_geometry, self.key
-            launcher.launch_keyed(self.grid, key, HostDesc(a, *a_geo[:3], (plan, 0, a.data_ptr()), a_geo[3]),
-                                  HostDesc(b, *b_geo[:3], (plan, 1, b.data_ptr()), b_geo[3]),
-                                  HostDesc(out, *out_geo[:3], (plan, 2, out.data_ptr()), out_geo[3]),
-                                  a_scale, b_scale, offs, *self.int_args, **self.constexprs)
+            descriptors = (HostDesc(a, *a_geo[:3], (plan, 0, a.data_ptr()), a_geo[3]),
+                           HostDesc(b, *b_geo[:3], (plan, 1, b.data_ptr()), b_geo[3]),
+                           HostDesc(out, *out_geo[:3], (plan, 2, out.data_ptr()), out_geo[3]))
+            # The ping-pong also stores a group's last rows through out's pointer.
+            pointers = (out,) if self.kind is GemmKind.M_GROUPED else ()
+            launcher.launch_keyed(self.grid, key, *descriptors, *pointers, a_scale, b_scale, offs, *self.int_args,
+                                  **self.constexprs)
             return
         # Device-side TMA descriptors need global scratch memory; hand Triton torch's allocator
         # (stream-ordered, so also legal while a CUDA graph is captured). triton.set_allocator sets
