@@ -1,4 +1,4 @@
-"""Probe: how much of the M-grouped FP8 GEMM (fwd / dgrad) is its epilogue? (H100)
+"""Probe: how much of the M-grouped FP8 GEMM (fwd / dgrad) is its epilogue, and what the ping-pong wins (H100)
 
     python scripts/probe_m_grouped_epilogue.py [--shapes train-fc1-fwd,...]
 
@@ -15,10 +15,12 @@ M-grouped config (128 x 256 x 128, 8 warps, 3 stages), with a copy of
   past a group's end are overwritten by the next group's tile, so the result is wrong at group
   boundaries: a timing bound only).
 
-Beside them: the backend's M-grouped candidates given explicitly (plus two-programs-per-SM
+Beside them: the backend's M-grouped candidates given explicitly (the Gluon ping-pong
+among them, whose consumers overlap one's epilogue with the other's MMAs; plus two-programs-per-SM
 configs the candidate table lacks), dense ``torch._scaled_mm`` over all rows with one weight (what
 cuBLAS reaches at this M, N, K), and CUTLASS's ``torch._scaled_grouped_mm``. Mode 0's output is
 checked bit for bit against the backend's. Warm-L2 CUDA-event medians (``warm_median_ms``).
+Results: docs/results/h100_pingpong.md.
 """
 
 import argparse
