@@ -291,11 +291,13 @@ def test_rocm_tunes_among_the_hip_candidates(monkeypatch):
     assert candidates_for(problem(GemmKind.K_GROUPED)) is HIP_CANDIDATES[GemmKind.K_GROUPED]
     assert candidates_for(problem(GemmKind.K_GROUPED, True)) is HIP_ACCUMULATE_CANDIDATES
     monkeypatch.setattr(torch.version, "hip", None)
-    assert candidates_for(problem(GemmKind.M_GROUPED)) is GPU_CANDIDATES[GemmKind.M_GROUPED]
-    # The Gluon wgrad configurations only where an sm_90 GPU takes them (here: a device that is not one).
+    # The Gluon configurations (the wgrads, the fwd/dgrad ping-pong) only where an sm_90 GPU takes
+    # them (here: a device that is not one).
     from turbo_moe.backends import triton_backend
 
     monkeypatch.setattr(triton_backend, "_gluon_device_reason", lambda device: "not sm_90")
+    assert candidates_for(problem(GemmKind.M_GROUPED)) == tuple(c for c in GPU_CANDIDATES[GemmKind.M_GROUPED]
+                                                                if not c.gluon)
     assert candidates_for(problem(GemmKind.K_GROUPED, True)) == tuple(c for c in ACCUMULATE_CANDIDATES if not c.gluon)
 
 

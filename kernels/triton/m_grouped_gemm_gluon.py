@@ -219,7 +219,9 @@ if gluon is not None:
             mbarrier.init(empty.index(s), count=1)
         for c in gl.static_range(2):
             mbarrier.init(turn.index(c), count=1)
-        # p: what every partition reads; then the consumer's index and the constexpr flags.
+        # p: what every partition reads; then the consumer's index and the flags. The default
+        # partition (consumer 0) gets them as constexprs; a worker partition's arguments arrive as
+        # run-time values, so consumer 1 branches on them at run time (the same results).
         p = (a_desc, b_desc, out_desc, out_ptr, a_bufs, b_bufs, out_bufs, ready, empty, turn, a_scale_ptr, b_scale_ptr,
              group_offs_ptr, N, K, G, stride_om)
         flags = (A_ROWWISE, B_ROWWISE, GROUP_M)
