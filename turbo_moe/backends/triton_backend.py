@@ -196,14 +196,24 @@ def gluon_output_reason(problem, config, out: Optional[torch.Tensor]) -> str:
         return f"N={N} is not a multiple of the Gluon kernel's BLOCK_M={config.block_m} (one [G*N, K] store descriptor)"
     if problem.num_groups * N >= 2**31:
         return "TMA coordinates are 32-bit"
+    why = _store_descriptor_reason(problem.out_dtype, K, out)
+    if why:
+        return why
     item = torch.empty((), dtype=problem.out_dtype).element_size()
-    if problem.out_dtype not in (torch.bfloat16, torch.float16, torch.float32) or (K * item) % 16:
-        return "the output needs a 16-byte row stride and a 16/32-bit float dtype"
-    if out is not None and not (out.is_contiguous() and _tma_store_ok(out)):
-        return "the output must be contiguous and 16-byte aligned"
     operands = config.num_stages * (config.block_m + config.block_n) * config.block_k
     if operands + config.block_m * config.block_n * item > _SHARED_MEMORY_BUDGET:
         return "its ring and store tile do not fit in shared memory"
+    return ""
+
+
+def _store_descriptor_reason(out_dtype: torch.dtype, row: int, out: Optional[torch.Tensor]) -> str:
+    """Empty if the Gluon kernels' host store descriptor can cover an output of ``row``-element rows
+    (``out``, or a fresh contiguous one when None), else why not."""
+    item = torch.empty((), dtype=out_dtype).element_size()
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32) or (row * item) % 16:
+        return "the output needs a 16-byte row stride and a 16/32-bit float dtype"
+    if out is not None and not (out.is_contiguous() and _tma_store_ok(out)):
+        return "the output must be contiguous and 16-byte aligned"
     return ""
 
 
@@ -251,8 +261,9 @@ def launch_gluon_or_fall_back(plan, launch, fallback):
 
 
 def _gluon_reason(problem: GroupedGemmProblem, config: KernelConfig, out: Optional[torch.Tensor]) -> str:
-    """Empty if the Gluon K-grouped kernel can run ``problem`` with ``config``'s tiles into ``out``
-    (None: a fresh contiguous output), else why not."""
+    """Empty if the Gluon kernel of ``problem``'s kind (the K-grouped wgrad, the M-grouped
+    ping-pong) can run it with ``config``'s tiles into ``out`` (None: a fresh contiguous output),
+    else why not."""
     if not config.tma:
         return "the configuration asks for pointer loads"
     why = gluon_unavailable(problem.device)
@@ -292,11 +303,10 @@ def pingpong_reason(problem: GroupedGemmProblem, config: KernelConfig, out: Opti
     if config.programs_per_sm != 1:
         return "the ping-pong runs one program per SM"
     _, N, _ = problem.mnk
+    why = _store_descriptor_reason(problem.out_dtype, N, out)
+    if why:
+        return why
     item = torch.empty((), dtype=problem.out_dtype).element_size()
-    if problem.out_dtype not in (torch.bfloat16, torch.float16, torch.float32) or (N * item) % 16:
-        return "the output needs a 16-byte row stride and a 16/32-bit float dtype"
-    if out is not None and not (out.is_contiguous() and _tma_store_ok(out)):
-        return "the output must be contiguous and 16-byte aligned"
     operands = config.num_stages * (config.block_m + config.block_n) * config.block_k
     if operands + 2 * config.block_m * config.block_n * item > _SHARED_MEMORY_BUDGET:
         return "its ring and two store tiles do not fit in shared memory"
@@ -542,7 +552,7 @@ class TritonBackend(GroupedGemmBackend):
         return _LaunchPlan(
             key=next(_PLAN_IDS), kind=problem.kind, config=config, grid=(ts.persistent_grid_size(bound, limit),),
             use_tma=True, tma_store=True, constexprs=flags, descriptor_geometry=geometry,
-            kernel_name="m_grouped_gemm_pingpong_kernel", int_args=(N, K, G, N), gluon=True,
+            kernel_name="m_grouped_gemm_pingpong_kernel", int_args=(N, K, G, N), gluon=True,  # out's row stride: N
         )
 
     # ------------------------------------------------------------------ tuning
