@@ -368,7 +368,7 @@ def test_gluon_wgrad_compiles_for_hopper(case):
     _assert_gluon_wgrad_ptx(compiled, wgmmas=8)
 
 
-@pytest.mark.parametrize("case", ["bf16 tensorwise s4", "fp32 rowwise s3"])
+@pytest.mark.parametrize("case", ["bf16 tensorwise s4", "fp32 rowwise s3", "bf16 tensorwise s4 swiglu"])
 def test_gluon_pingpong_compiles_for_hopper(case):
     """The Gluon M-grouped ping-pong compiles for sm_90 on any machine with the backend's register
     split: two consumer warpgroups and a producer warp (12 warps), each consumer's 128 x 128 tile
@@ -376,20 +376,22 @@ def test_gluon_pingpong_compiles_for_hopper(case):
     the budget."""
     from turbo_moe.backends.triton_backend import _SHARED_MEMORY_BUDGET, PINGPONG_REGS
 
-    rowwise = "rowwise" in case
+    rowwise, swiglu = "rowwise" in case, "swiglu" in case
     out_dtype = torch.float32 if case.startswith("fp32") else torch.bfloat16
+    box = 64 if swiglu else 128  # SWIGLU tiles: a 64-column gate box and a linear one
     compiled = _compile_gluon_for_hopper(
         "m_grouped_gemm_pingpong_kernel",
-        {"a_desc": ([128, 128], torch.float8_e5m2), "b_desc": ([128, 128], torch.float8_e4m3fn),
-         "out_desc": ([128, 128], out_dtype)},
-        {"out_ptr": "*fp32" if rowwise else "*bf16", **_GLUON_SCALARS, "stride_om": "i32"},
+        {"a_desc": ([128, 128], torch.float8_e5m2), "b_desc": ([box, 128], torch.float8_e4m3fn),
+         "out_desc": ([128, box], out_dtype)},
+        {"out_ptr": "*fp32" if rowwise else "*bf16", **_GLUON_SCALARS, "stride_om": "i32", "probs_ptr": "*fp32",
+         "amax_ptr": "*fp32", "amax_slots": "i32"},
         dict(A_ROWWISE=rowwise, B_ROWWISE=rowwise, GROUP_M=8, STAGES=3 if rowwise else 4, **PINGPONG_REGS,
-             num_warps=4))
+             SWIGLU=swiglu, num_warps=4))
     ptx = compiled.asm["ptx"]
     assert compiled.metadata.num_warps == 12, compiled.metadata.num_warps
     assert ptx.count("wgmma.mma_async") == 16, ptx.count("wgmma.mma_async")
     assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx), "no TMA loads"
-    assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx, "no TMA store"
+    assert ptx.count("cp.async.bulk.tensor.2d.global.shared::cta") == (4 if swiglu else 2), "TMA stores"
     assert "setmaxnreg" in ptx and "mbarrier.try_wait" in ptx
     assert compiled.metadata.shared <= _SHARED_MEMORY_BUDGET, compiled.metadata.shared
 

@@ -284,7 +284,8 @@ def test_rocm_tunes_among_the_hip_candidates(monkeypatch):
                                                    HIP_CANDIDATES, candidates_for)
 
     def problem(kind, accumulate=False):
-        return SimpleNamespace(device=torch.device("cuda", 0), kind=kind, accumulate=accumulate, out=None)
+        return SimpleNamespace(device=torch.device("cuda", 0), kind=kind, accumulate=accumulate, out=None,
+                               swiglu_probs=None)
 
     monkeypatch.setattr(torch.version, "hip", "6.4.0")
     assert candidates_for(problem(GemmKind.M_GROUPED)) is HIP_CANDIDATES[GemmKind.M_GROUPED]

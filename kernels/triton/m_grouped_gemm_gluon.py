@@ -67,17 +67,63 @@ if gluon is not None:
         return group, first, lo, hi, tiles
 
     @gluon.jit
+    def _num_n_blocks(N, BOX_N: gl.constexpr, SWIGLU: gl.constexpr):
+        """Column blocks of a group: of N, or with SWIGLU of the F = N / 2 gate columns (a tile holds
+        BOX_N gate columns and the BOX_N linear ones F further)."""
+        if SWIGLU:
+            return gl.cdiv(N // 2, BOX_N)
+        else:
+            return gl.cdiv(N, BOX_N)
+
+    # The SWIGLU amax epilogue reads the staged tile in chunks of _AMAX_ROWS rows x BOX_N column pairs.
+    _AMAX_ROWS = gl.constexpr(32)
+
+    @gluon.constexpr_function
+    def _amax_layout(num_warps):
+        """The register layout of an amax chunk: 8 consecutive bf16 (16 bytes) a thread, a warp's 8
+        threads over a row's 64 columns (128 bytes), its 4 thread rows and the warps down the rows."""
+        return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[num_warps, 1],
+                                order=[1, 0])
+
+    @gluon.jit
+    def _swiglu_probs_chunk(probs_ptr, first_row, rows_left, chunk: gl.constexpr, num_warps: gl.constexpr):
+        """The routing weights of the tile's rows [chunk * _AMAX_ROWS, (chunk + 1) * _AMAX_ROWS)
+        (float32, 0 past the group's rows), in the amax chunk's row layout."""
+        rows = chunk * _AMAX_ROWS + gl.arange(0, _AMAX_ROWS, layout=gl.SliceLayout(1, _amax_layout(num_warps)))
+        return gl.load(probs_ptr + first_row + rows, mask=rows < rows_left, other=0.0).to(gl.float32)
+
+    @gluon.jit
+    def _swiglu_chunk_amax(out_buf, p, rows_left, cols_left, running, chunk: gl.constexpr, BOX_N: gl.constexpr,
+                           num_warps: gl.constexpr):
+        """max(running, |a|'s bits) element by element over the staged tile's chunk ``chunk``, with
+        ``a = silu(gate) * linear * p`` from its bf16 values as
+        ``swiglu_fp8.swiglu_amax_partials_kernel`` computes it (the same float32 operations, in its
+        order), 0 past ``rows_left`` rows and ``cols_left`` column pairs. |a|'s bits as int32: NaN's
+        sit above Inf's, so a NaN survives the max. The running maximum stays a register tile (one
+        cross-warp reduction a program, not one a chunk)."""
+        layout: gl.constexpr = _amax_layout(num_warps)
+        rows = chunk * _AMAX_ROWS + gl.arange(0, _AMAX_ROWS, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, BOX_N, layout=gl.SliceLayout(0, layout))
+        gate = out_buf.slice(0, BOX_N, 1).slice(chunk * _AMAX_ROWS, _AMAX_ROWS, 0).load(layout).to(gl.float32)
+        linear = out_buf.slice(BOX_N, BOX_N, 1).slice(chunk * _AMAX_ROWS, _AMAX_ROWS, 0).load(layout).to(gl.float32)
+        a = gate * (1 / (1 + gl.exp(-gate))) * linear * p[:, None]  # tl.sigmoid's definition, inlined
+        a = gl.where((rows < rows_left)[:, None] & (cols < cols_left)[None, :], a, 0.0)
+        return gl.maximum(running, gl.abs(a).to(gl.int32, bitcast=True))
+
+    @gluon.jit
     def _producer(p, CONSUMER: gl.constexpr, A_ROWWISE: gl.constexpr, B_ROWWISE: gl.constexpr,
                   GROUP_M: gl.constexpr):
         """The load partition: every box of every tile of this program into the ring, in order."""
         (a_desc, b_desc, out_desc, out_ptr, a_bufs, b_bufs, out_bufs, ready, empty, turn, a_scale_ptr, b_scale_ptr,
-         group_offs_ptr, N, K, G, stride_om) = p
+         group_offs_ptr, N, K, G, stride_om, probs_ptr, amax_ptr, amax_slots) = p
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        BOX_N: gl.constexpr = b_desc.block_type.shape[0]
         STAGES: gl.constexpr = a_bufs.type.shape[0]
+        # Read off the ring's shape: a worker partition's arguments arrive as run-time values.
+        SWIGLU: gl.constexpr = b_bufs.type.shape[1] != BOX_N
         num_programs = gl.num_programs(0)
-        num_n_blocks = gl.cdiv(N, BLOCK_N)
+        num_n_blocks = _num_n_blocks(N, BOX_N, SWIGLU)
         num_k_blocks = gl.cdiv(K, BLOCK_K)
         group, first, lo, hi, tiles = _cursor_start(group_offs_ptr, G, BLOCK_M, num_n_blocks)
         tile = first + gl.program_id(0)
@@ -88,14 +134,22 @@ if gluon is not None:
             if group < G:
                 m_block, n_block = S.swizzle_group_m(tile - first, S.cdiv(hi - lo, BLOCK_M), num_n_blocks, GROUP_M)
                 row_a = (lo + m_block * BLOCK_M).to(gl.int32)
-                row_b = (group * N + n_block * BLOCK_N).to(gl.int32)
+                row_b = (group * N + n_block * BOX_N).to(gl.int32)  # SWIGLU: the gate rows of W
                 for k_block in range(num_k_blocks):
                     slot = issued % STAGES
                     # Fresh barriers count as having completed phase 1: the first round does not wait.
                     mbarrier.wait(empty.index(slot), ((issued // STAGES) & 1) ^ 1)
-                    mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                    _tma_load(a_desc, [row_a, k_block * BLOCK_K], ready.index(slot), a_bufs.index(slot))
-                    _tma_load(b_desc, [row_b, k_block * BLOCK_K], ready.index(slot), b_bufs.index(slot))
+                    if SWIGLU:  # the gate box, then the linear box F rows further, in one slot
+                        mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes)
+                        _tma_load(a_desc, [row_a, k_block * BLOCK_K], ready.index(slot), a_bufs.index(slot))
+                        _tma_load(b_desc, [row_b, k_block * BLOCK_K], ready.index(slot),
+                                  b_bufs.index(slot).slice(0, BOX_N, 0))
+                        _tma_load(b_desc, [row_b + N // 2, k_block * BLOCK_K], ready.index(slot),
+                                  b_bufs.index(slot).slice(BOX_N, BOX_N, 0))
+                    else:
+                        mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                        _tma_load(a_desc, [row_a, k_block * BLOCK_K], ready.index(slot), a_bufs.index(slot))
+                        _tma_load(b_desc, [row_b, k_block * BLOCK_K], ready.index(slot), b_bufs.index(slot))
                     issued += 1
             tile += num_programs
 
@@ -140,22 +194,26 @@ if gluon is not None:
         """An MMA partition: the program's tiles CONSUMER, CONSUMER + 2, ...; MMAs from the ring,
         then the epilogue through this consumer's own staging tile."""
         (a_desc, b_desc, out_desc, out_ptr, a_bufs, b_bufs, out_bufs, ready, empty, turn, a_scale_ptr, b_scale_ptr,
-         group_offs_ptr, N, K, G, stride_om) = p
+         group_offs_ptr, N, K, G, stride_om, probs_ptr, amax_ptr, amax_slots) = p
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        BOX_N: gl.constexpr = b_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = b_bufs.type.shape[1]  # BOX_N, or with SWIGLU a gate and a linear box
+        SWIGLU: gl.constexpr = BLOCK_N != BOX_N  # read off the ring's shape (see _producer)
         STAGES: gl.constexpr = a_bufs.type.shape[0]
         WARPS: gl.constexpr = gl.num_warps()
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                              instr_shape=[16, BLOCK_N, 32])
         out_buf = out_bufs.index(CONSUMER)
         num_programs = gl.num_programs(0)
-        num_n_blocks = gl.cdiv(N, BLOCK_N)
+        num_n_blocks = _num_n_blocks(N, BOX_N, SWIGLU)
         num_k_blocks = gl.cdiv(K, BLOCK_K)
         group, first, lo, hi, tiles = _cursor_start(group_offs_ptr, G, BLOCK_M, num_n_blocks)
         tile = first + gl.program_id(0) + CONSUMER * num_programs
         consumed = CONSUMER * num_k_blocks  # boxes of this program's earlier tiles
         turns = 0
+        # SWIGLU: this consumer's running max of |a|'s bits, element by element
+        amax_bits = gl.zeros([_AMAX_ROWS, BOX_N], gl.int32, layout=_amax_layout(WARPS))
         while group < G:
             group, first, lo, hi, tiles = _cursor_advance(tile, group, first, lo, hi, tiles, group_offs_ptr, G, BLOCK_M,
                                                           num_n_blocks)
@@ -163,6 +221,16 @@ if gluon is not None:
                 rows = hi - lo
                 m_block, n_block = S.swizzle_group_m(tile - first, S.cdiv(rows, BLOCK_M), num_n_blocks, GROUP_M)
                 acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma_layout)
+                if SWIGLU:
+                    # The tile's routing weights, loaded before its MMAs: issued at the epilogue,
+                    # their latency sat in it (H100: +0.07 ms on the training fc1).
+                    gl.static_assert(BLOCK_M == 4 * _AMAX_ROWS)
+                    probs_first = lo + m_block * BLOCK_M
+                    probs_left = rows - m_block * BLOCK_M
+                    p0 = _swiglu_probs_chunk(probs_ptr, probs_first, probs_left, 0, WARPS)
+                    p1 = _swiglu_probs_chunk(probs_ptr, probs_first, probs_left, 1, WARPS)
+                    p2 = _swiglu_probs_chunk(probs_ptr, probs_first, probs_left, 2, WARPS)
+                    p3 = _swiglu_probs_chunk(probs_ptr, probs_first, probs_left, 3, WARPS)
                 # Our turn at the ring: the other consumer has waited for all the boxes of its tile
                 # before ours. A slot's ready barrier tells phases apart by parity only, so a
                 # consumer waiting for a box a whole ring cycle (or more) ahead of the other one's
@@ -189,28 +257,64 @@ if gluon is not None:
                 out_buf.store(acc.to(out_desc.dtype))
                 fence_async_shared()
                 row0 = (lo + m_block * BLOCK_M).to(gl.int32)
-                col0 = (n_block * BLOCK_N).to(gl.int32)
                 rows_left = rows - m_block * BLOCK_M
-                if rows_left >= BLOCK_M:
-                    _tma_store(out_desc, [row0, col0], out_buf)
+                if SWIGLU:  # gate columns [col0, col0 + BOX_N) and the linear ones F further
+                    F = N // 2
+                    col0 = (n_block * BOX_N).to(gl.int32)
+                    gate_buf = out_buf.slice(0, BOX_N, 1)
+                    linear_buf = out_buf.slice(BOX_N, BOX_N, 1)
+                    if rows_left >= BLOCK_M:
+                        _tma_store(out_desc, [row0, col0], gate_buf)
+                        _tma_store(out_desc, [row0, col0 + F], linear_buf)
+                    else:
+                        _store_group_tail(gate_buf, out_ptr, row0, col0, rows_left, F, stride_om, BLOCK_M, BOX_N,
+                                          WARPS)
+                        _store_group_tail(linear_buf, out_ptr, row0, col0 + F, rows_left, N, stride_om, BLOCK_M,
+                                          BOX_N, WARPS)
+                    amax_bits = _swiglu_chunk_amax(out_buf, p0, rows_left, F - col0, amax_bits, 0, BOX_N, WARPS)
+                    amax_bits = _swiglu_chunk_amax(out_buf, p1, rows_left, F - col0, amax_bits, 1, BOX_N, WARPS)
+                    amax_bits = _swiglu_chunk_amax(out_buf, p2, rows_left, F - col0, amax_bits, 2, BOX_N, WARPS)
+                    amax_bits = _swiglu_chunk_amax(out_buf, p3, rows_left, F - col0, amax_bits, 3, BOX_N, WARPS)
                 else:
-                    _store_group_tail(out_buf, out_ptr, row0, col0, rows_left, N, stride_om, BLOCK_M, BLOCK_N, WARPS)
+                    col0 = (n_block * BLOCK_N).to(gl.int32)
+                    if rows_left >= BLOCK_M:
+                        _tma_store(out_desc, [row0, col0], out_buf)
+                    else:
+                        _store_group_tail(out_buf, out_ptr, row0, col0, rows_left, N, stride_om, BLOCK_M, BLOCK_N,
+                                          WARPS)
             tile += 2 * num_programs
+        if SWIGLU:
+            # The SwiGLU cast reduces all ``amax_slots`` partials (fp8_cast's contract): this
+            # consumer's maximum in slot 2 * pid + CONSUMER, zeros in the slots no program owns.
+            amax = gl.max(gl.max(amax_bits, axis=1), axis=0).to(gl.float32, bitcast=True)
+            own = gl.program_id(0) * 2 + CONSUMER
+            for slot in range(own, amax_slots, 2 * num_programs):
+                gl.store(amax_ptr + slot, gl.where(slot == own, amax, 0.0))
         tma.store_wait(pendings=0)
 
     @gluon.jit
     def m_grouped_gemm_pingpong_kernel(
-        a_desc, b_desc, out_desc, out_ptr, a_scale_ptr, b_scale_ptr, group_offs_ptr, N, K, G, stride_om,
-        A_ROWWISE: gl.constexpr, B_ROWWISE: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+        a_desc, b_desc, out_desc, out_ptr, a_scale_ptr, b_scale_ptr, group_offs_ptr, N, K, G, stride_om, probs_ptr,
+        amax_ptr, amax_slots, A_ROWWISE: gl.constexpr, B_ROWWISE: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SWIGLU: gl.constexpr, num_warps: gl.constexpr,
     ):
         """a_desc: a [M, K] with [BLOCK_M, BLOCK_K] boxes; b_desc: b as one [G*N, K] matrix with
         [BLOCK_N, BLOCK_K] boxes (columns past N of a group read the next group's rows: never
         stored); out_desc: out [M, N] with [BLOCK_M, BLOCK_N] boxes. num_warps: one consumer's
-        (4: a warpgroup); the kernel runs two consumers and a producer warp."""
+        (4: a warpgroup); the kernel runs two consumers and a producer warp.
+
+        SWIGLU (an expert MLP's fc1, N = 2F, tensorwise): b_desc's boxes are [BOX_N, BLOCK_K] and
+        out_desc's [BLOCK_M, BOX_N]; a tile holds BOX_N gate columns and the BOX_N linear ones F
+        further, and the kernel also writes ``amax_slots`` float32 partials to ``amax_ptr`` whose
+        maximum is max |silu(gate) * linear * probs| over all rows (``probs_ptr``: [M]); the grid
+        has at most ``amax_slots / 2`` programs. Without SWIGLU, probs_ptr and amax_ptr are unused."""
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-        out_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
+        # SWIGLU: a tile's b is its gate box and its linear box, its output both halves side by side.
+        WIDEN: gl.constexpr = 1 + SWIGLU
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, WIDEN * b_desc.block_type.shape[0],
+                                                          b_desc.block_type.shape[1]], b_desc.layout)
+        out_bufs = gl.allocate_shared_memory(out_desc.dtype, [2, out_desc.block_type.shape[0],
+                                                              WIDEN * out_desc.block_type.shape[1]], out_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -223,7 +327,7 @@ if gluon is not None:
         # partition (consumer 0) gets them as constexprs; a worker partition's arguments arrive as
         # run-time values, so consumer 1 branches on them at run time (the same results).
         p = (a_desc, b_desc, out_desc, out_ptr, a_bufs, b_bufs, out_bufs, ready, empty, turn, a_scale_ptr, b_scale_ptr,
-             group_offs_ptr, N, K, G, stride_om)
+             group_offs_ptr, N, K, G, stride_om, probs_ptr, amax_ptr, amax_slots)
         flags = (A_ROWWISE, B_ROWWISE, GROUP_M)
         gl.warp_specialize([(_consumer, (p, 0) + flags), (_consumer, (p, 1) + flags), (_producer, (p, 0) + flags)],
                            [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])

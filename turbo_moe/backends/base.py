@@ -75,6 +75,13 @@ class GroupedGemmProblem:
     # Float8Config(accumulation="promoted"): add partial sums into fp32 every K block where the
     # hardware's FP8 accumulator is narrower (Hopper); a no-op where products accumulate in fp32.
     promote_accumulation: bool = False
+    # M_GROUPED with N = 2F, tensorwise (an expert MLP's fc1): also reduce, in the epilogue, the
+    # amax of the routing-weighted SwiGLU of the output, silu(out[:, :F]) * out[:, F:] *
+    # swiglu_probs[row] ([M]), as the values of float32 ``swiglu_amax`` (1-D: the maximum is the
+    # maximum of its entries, every one written), for the SwiGLU's FP8 cast to take its scale from.
+    # Only backends that fuse it take such a problem (the Triton one); the others refuse it.
+    swiglu_probs: Optional[torch.Tensor] = None
+    swiglu_amax: Optional[torch.Tensor] = None
 
     def signature(self) -> tuple:
         """Everything a backend's ``can_handle`` and launch plan depend on, as a hashable key: the
@@ -98,6 +105,7 @@ class GroupedGemmProblem:
             offs.dtype, offs.device, offs.shape,
             self.accumulate, self.promote_accumulation, None if self.out is None else
             (self.out.dtype, self.out.device, self.out.shape, self.out.stride(), self.out.data_ptr() % 16),
+            None if self.swiglu_probs is None else _fused_swiglu_facts(self.swiglu_probs, self.swiglu_amax),
         )
         return signature
 
@@ -146,6 +154,26 @@ class GroupedGemmProblem:
                 return f"accumulate=True needs a float32 out (an fp32 main_grad), got {out.dtype}"
         return ""
 
+    def swiglu_reason(self) -> str:
+        """Empty if the SwiGLU amax epilogue's operands (``swiglu_probs``, ``swiglu_amax``) are
+        consistent with the problem, or absent; else why not, naming the argument."""
+        probs, amax = self.swiglu_probs, self.swiglu_amax
+        if probs is None and amax is None:
+            return ""
+        if probs is None or amax is None:
+            return "swiglu_probs and swiglu_amax go together"
+        if self.kind is not GemmKind.M_GROUPED or self.rowwise or self.b.dim() != 3 or self.b.shape[1] % 2:
+            return "the SwiGLU amax epilogue is for tensorwise M_GROUPED problems with an even N (2F)"
+        if not probs.dtype.is_floating_point or probs.dim() != 1 or probs.shape[0] != self.a.shape[0] \
+                or probs.stride(0) != 1:
+            return f"swiglu_probs must be a contiguous float [M={self.a.shape[0]}] tensor, got {probs.dtype} " \
+                   f"{tuple(probs.shape)}"
+        if amax.dtype != torch.float32 or amax.dim() != 1 or amax.numel() == 0 or amax.stride(0) != 1:
+            return f"swiglu_amax must be a contiguous non-empty 1-D float32 tensor, got {amax.dtype} {tuple(amax.shape)}"
+        if probs.device != self.a.device or amax.device != self.a.device:
+            return f"swiglu_probs and swiglu_amax must be on a's device {self.a.device}"
+        return ""
+
     def describe(self) -> str:
         g = self.num_groups
         m, n, k = self.mnk
@@ -155,7 +183,14 @@ class GroupedGemmProblem:
             f"{str(self.a.dtype).replace('torch.', '')}x{str(self.b.dtype).replace('torch.', '')} "
             f"{scales}{' promoted-acc' if self.promote_accumulation else ''} -> "
             f"{'+= ' if self.accumulate else ''}{str(self.out_dtype).replace('torch.', '')} on {self.device.type}"
+            f"{' + SwiGLU amax' if self.swiglu_probs is not None else ''}"
         )
+
+
+def _fused_swiglu_facts(probs: torch.Tensor, amax: Optional[torch.Tensor]) -> tuple:
+    """The signature's part for the SwiGLU amax epilogue's tensors."""
+    return (probs.dtype, probs.device, probs.shape, probs.stride(), probs.data_ptr() % 16,
+            None if amax is None else (amax.dtype, amax.device, amax.shape, amax.stride(), amax.data_ptr() % 16))
 
 
 class GroupedGemmBackend(abc.ABC):

@@ -94,6 +94,8 @@ class FlyDSLBackend(GroupedGemmBackend):
         return True, ""
 
     def can_handle(self, problem: GroupedGemmProblem) -> Tuple[bool, str]:
+        if problem.swiglu_probs is not None:
+            return False, "the SwiGLU amax epilogue is not written for FlyDSL (the amax runs as its own pass)"
         try:
             self._plan(problem)
         except (ValueError, TypeError) as exc:

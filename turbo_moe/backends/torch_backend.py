@@ -31,10 +31,13 @@ class TorchBackend(GroupedGemmBackend):
         why = problem.out_reason()
         if why:
             return False, why
+        if problem.swiglu_probs is not None:
+            return False, "the SwiGLU amax epilogue is fused by the Triton kernels only (the reference runs the amax apart)"
         return True, ""
 
     def run(self, problem: GroupedGemmProblem) -> torch.Tensor:
-        why = problem.out_reason()
+        why = problem.out_reason() or ("the SwiGLU amax epilogue is fused by the Triton kernels only"
+                                       if problem.swiglu_probs is not None else "")
         if why:
             raise ValueError(f"torch backend cannot run {problem.describe()}: {why}")
         return run_reference(problem, reference_grouped_gemm)

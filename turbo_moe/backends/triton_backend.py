@@ -176,9 +176,17 @@ def _on_rocm(problem: GroupedGemmProblem) -> bool:
     return problem.device.type == "cuda" and bool(torch.version.hip)
 
 
+# fc1 with the SwiGLU amax epilogue: the ping-pong's SWIGLU tiles (kernels/triton/m_grouped_gemm_gluon.py),
+# block_n counting a tile's gate columns (it holds as many linear ones: 128 x 128 in all). Its
+# epilogue, which computes the SwiGLU for the amax, runs beside the other consumer's MMAs.
+SWIGLU_CANDIDATES: Tuple[KernelConfig, ...] = (KernelConfig(128, 64, 128, 8, 4, 4, gluon=True),)
+
+
 def candidates_for(problem: GroupedGemmProblem) -> Tuple[KernelConfig, ...]:
     """The configurations tuning chooses among for ``problem``; the first is the default. Gluon
     configurations only where the problem can take them (``_gluon_reason``)."""
+    if problem.swiglu_probs is not None:
+        return SWIGLU_CANDIDATES
     if _on_rocm(problem):
         return HIP_ACCUMULATE_CANDIDATES if problem.accumulate else HIP_CANDIDATES[problem.kind]
     candidates = ACCUMULATE_CANDIDATES if problem.accumulate else GPU_CANDIDATES[problem.kind]
@@ -295,6 +303,18 @@ def _gluon_reason(problem: GroupedGemmProblem, config: KernelConfig, out: Option
 PINGPONG_REGS = dict(CONSUMER_REGS=224, PRODUCER_REGS=64, maxnreg=168)
 
 
+def swiglu_reason(problem: GroupedGemmProblem) -> str:
+    """Empty if the ping-pong's SWIGLU tiles can run ``problem`` (fc1 with the SwiGLU amax
+    epilogue, whose operands ``GroupedGemmProblem.swiglu_reason`` has checked), else why not."""
+    config = SWIGLU_CANDIDATES[0]
+    F = problem.mnk[1] // 2
+    if F % config.block_n:
+        return f"F={F} is not a multiple of the SwiGLU tile's {config.block_n} gate columns"
+    if problem.swiglu_amax.numel() < 2:
+        return "the SwiGLU amax needs two slots a program"
+    return _gluon_reason(problem, config, problem.out)
+
+
 def pingpong_reason(problem: GroupedGemmProblem, config: KernelConfig, out: Optional[torch.Tensor]) -> str:
     """Empty if the Gluon M-grouped ping-pong can run ``problem`` with ``config``'s tiles into
     ``out`` (None: a fresh contiguous output), else why not."""
@@ -307,8 +327,9 @@ def pingpong_reason(problem: GroupedGemmProblem, config: KernelConfig, out: Opti
     if why:
         return why
     item = torch.empty((), dtype=problem.out_dtype).element_size()
-    operands = config.num_stages * (config.block_m + config.block_n) * config.block_k
-    if operands + 2 * config.block_m * config.block_n * item > _SHARED_MEMORY_BUDGET:
+    widen = 2 if problem.swiglu_probs is not None else 1  # SWIGLU tiles: a gate and a linear box
+    operands = config.num_stages * (config.block_m + widen * config.block_n) * config.block_k
+    if operands + 2 * config.block_m * widen * config.block_n * item > _SHARED_MEMORY_BUDGET:
         return "its ring and two store tiles do not fit in shared memory"
     return ""
 
@@ -416,7 +437,9 @@ class TritonBackend(GroupedGemmBackend):
         why = self._device_reason(problem.device)
         if why:
             return False, why
-        why = _validate(problem) or problem.out_reason()
+        why = _validate(problem) or problem.out_reason() or problem.swiglu_reason()
+        if not why and problem.swiglu_probs is not None:
+            why = swiglu_reason(problem)
         if why:
             return False, why
         return True, ""
@@ -436,6 +459,8 @@ class TritonBackend(GroupedGemmBackend):
                 raise ValueError(f"triton backend cannot run {problem.describe()}: {why}")
             out = _output(problem)
             if out.numel() == 0:
+                if problem.swiglu_amax is not None:
+                    problem.swiglu_amax.zero_()  # no SwiGLU values: amax 0, as the amax pass gives
                 return out
             tuned_or_given = config is not None or self._is_tuned(problem)
             plan = self._make_plan(problem, out, config or self._choose_config(problem, out))
@@ -474,6 +499,8 @@ class TritonBackend(GroupedGemmBackend):
             limit *= config.programs_per_sm
         if config.gluon and _gluon_reason(problem, config, out):  # e.g. a config given by a caller
             config = dataclasses.replace(config, gluon=False)
+        if problem.swiglu_probs is not None and not config.gluon:
+            raise ValueError(f"only the Gluon ping-pong reduces the SwiGLU amax, not {config}")
         if config.gluon and problem.kind is GemmKind.M_GROUPED:
             return self._make_pingpong_plan(problem, out, config, limit)
         if config.gluon:
@@ -543,16 +570,22 @@ class TritonBackend(GroupedGemmBackend):
         M, N, K = problem.mnk
         G = problem.num_groups
         bm, bn, bk = config.block_m, config.block_n, config.block_k
-        bound = ts.m_grouped_tile_upper_bound(M, G, bm, ts.cdiv(N, bn))
+        swiglu = problem.swiglu_probs is not None  # bn: a tile's gate columns (and as many linear ones)
+        bound = ts.m_grouped_tile_upper_bound(M, G, bm, ts.cdiv(N // 2 if swiglu else N, bn))
+        grid = ts.persistent_grid_size(bound, limit)
+        slots = problem.swiglu_amax.numel() if swiglu else 0
+        if swiglu:  # two partials a program (one a consumer), every slot written
+            grid = min(grid, slots // 2)
         flags = dict(A_ROWWISE=problem.a_scale.dim() > 0, B_ROWWISE=problem.b_scale.dim() > 0, GROUP_M=config.group_m,
-                     STAGES=config.num_stages, **PINGPONG_REGS, num_warps=config.num_warps)
+                     STAGES=config.num_stages, **PINGPONG_REGS, SWIGLU=swiglu, num_warps=config.num_warps)
         geometry = (([M, K], [a.stride(0), 1], [bm, bk], shared_layout([bm, bk], a.dtype)),
                     ([G * N, K], [b.stride(1), 1], [bn, bk], shared_layout([bn, bk], b.dtype)),
                     ([M, N], [N, 1], [bm, bn], shared_layout([bm, bn], out.dtype)))
         return _LaunchPlan(
-            key=next(_PLAN_IDS), kind=problem.kind, config=config, grid=(ts.persistent_grid_size(bound, limit),),
+            key=next(_PLAN_IDS), kind=problem.kind, config=config, grid=(grid,),
             use_tma=True, tma_store=True, constexprs=flags, descriptor_geometry=geometry,
-            kernel_name="m_grouped_gemm_pingpong_kernel", int_args=(N, K, G, N), gluon=True,  # out's row stride: N
+            kernel_name="m_grouped_gemm_pingpong_kernel", int_args=(N, K, G, N),  # out's row stride: N
+            gluon=True, swiglu=swiglu, amax_slots=slots,
         )
 
     # ------------------------------------------------------------------ tuning
@@ -562,7 +595,8 @@ class TritonBackend(GroupedGemmBackend):
         return (
             problem.kind, N, K, _pow2_class(M), _pow2_class(max(M // max(G, 1), 1)), G if G <= 8 else _pow2_class(G) + 100,
             problem.a.dtype, problem.b.dtype, problem.a_scale.dim(), problem.b_scale.dim(), problem.out_dtype,
-            str(problem.device), problem.num_cu, problem.accumulate, problem.promote_accumulation,
+            str(problem.device), problem.num_cu, problem.swiglu_probs is not None, problem.accumulate,
+            problem.promote_accumulation,
         )
 
     def _is_tuned(self, problem: GroupedGemmProblem) -> bool:
@@ -654,6 +688,9 @@ class _LaunchPlan:
     # The Gluon K-grouped kernel: descriptor_geometry's entries carry their shared layout, slots a,
     # b, out (as one [G*N, K] matrix).
     gluon: bool = False
+    # The ping-pong's SWIGLU tiles (fc1 with the SwiGLU amax epilogue) and the amax partials it writes.
+    swiglu: bool = False
+    amax_slots: int = 0
 
     def launch(self, problem: GroupedGemmProblem, out: torch.Tensor) -> None:
         launcher = getattr(_kernels(), self.kernel_name)
@@ -669,10 +706,19 @@ class _LaunchPlan:
             descriptors = (HostDesc(a, *a_geo[:3], (plan, 0, a.data_ptr()), a_geo[3]),
                            HostDesc(b, *b_geo[:3], (plan, 1, b.data_ptr()), b_geo[3]),
                            HostDesc(out, *out_geo[:3], (plan, 2, out.data_ptr()), out_geo[3]))
-            # The ping-pong also stores a group's last rows through out's pointer.
-            pointers = (out,) if self.kind is GemmKind.M_GROUPED else ()
-            launcher.launch_keyed(self.grid, key, *descriptors, *pointers, a_scale, b_scale, offs, *self.int_args,
-                                  **self.constexprs)
+            if self.kind is GemmKind.K_GROUPED:
+                launcher.launch_keyed(self.grid, key, *descriptors, a_scale, b_scale, offs, *self.int_args,
+                                      **self.constexprs)
+                return
+            # The ping-pong also stores a group's last rows through out's pointer; its SWIGLU tiles
+            # read the routing weights and write the amax partials (plain tiles: unused pointers).
+            if self.swiglu:
+                probs, amax = problem.swiglu_probs, problem.swiglu_amax
+                key += (probs.dtype, probs.data_ptr() % 16 == 0, amax.data_ptr() % 16 == 0)
+            else:
+                probs = amax = a_scale
+            launcher.launch_keyed(self.grid, key, *descriptors, out, a_scale, b_scale, offs, *self.int_args, probs,
+                                  amax, self.amax_slots, **self.constexprs)
             return
         # Device-side TMA descriptors need global scratch memory; hand Triton torch's allocator
         # (stream-ordered, so also legal while a CUDA graph is captured). triton.set_allocator sets
