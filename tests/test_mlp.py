@@ -130,3 +130,55 @@ def test_module_on_gpu_matches_the_chain():
     for name, a, b in zip("x probs w1 w2".split(), ours, reference):
         # the reference quantizes dh from bf16 (no handoff between separate calls): FP8 rounding
         assert float((a.double() - b.double()).norm() / b.double().norm()) < 0.15, name
+
+
+def test_forward_amax_handoff_is_for_its_h_as_it_was():
+    """fc1's epilogue amax reaches fc2's cast only for the same, unchanged ``h``, and only once."""
+    from turbo_moe.autograd import QuantizedGradHandoff
+
+    handoff = QuantizedGradHandoff(swiglu_probs=torch.rand(4))
+    h, amax = torch.randn(4, 8), torch.tensor([3.0, 1.0])
+    handoff.note_forward_amax(h, amax)
+    assert handoff.forward_amax(h) is amax
+    assert handoff.forward_amax(h) is None  # taken
+    handoff.note_forward_amax(h, amax)
+    assert handoff.forward_amax(h.clone()) is None  # another tensor
+    handoff.note_forward_amax(h, amax)
+    h.add_(1.0)
+    assert handoff.forward_amax(h) is None  # changed in place since
+
+
+@pytest.mark.parametrize("granularity,delayed,given", [("tensorwise", False, True), ("rowwise", False, False),
+                                                        ("tensorwise", True, False)])
+def test_mlp_hands_fc1_amax_to_the_swiglu_cast(monkeypatch, granularity, delayed, given):
+    """The MLP gives fc1 the routing weights; a tensorwise current-scaling fc1 whose GEMM reduced the
+    SwiGLU amax (faked here: the ping-pong runs on sm_90 only) hands the partials to fc2's cast,
+    with the same outputs; rowwise and delayed scaling never ask for them."""
+    from turbo_moe import autograd, swiglu
+
+    made, seen = [], []
+    real_fc1, real_quantize = autograd._fc1_with_swiglu_amax, swiglu.quantize_weighted_swiglu
+
+    def fake_fc1(x_fp8, w_q, x_scale, w_scale, group_offs, out_dtype, num_cu, backend, config, probs):
+        h, _ = real_fc1(x_fp8, w_q, x_scale, w_scale, group_offs, out_dtype, num_cu, backend, config, probs)
+        made.append(torch.stack([weighted_swiglu(h, probs).abs().max(), torch.tensor(0.0)]))
+        return h, made[-1]
+
+    def spy(*args, amax_partials=None, **kwargs):
+        seen.append(amax_partials)
+        return real_quantize(*args, **kwargs)
+
+    monkeypatch.setattr(autograd, "_fc1_with_swiglu_amax", fake_fc1)
+    monkeypatch.setattr(swiglu, "quantize_weighted_swiglu", spy)
+    config = Float8Config(granularity=granularity, **({"strategy": "delayed"} if delayed else {}))
+    mlp = GroupedSwiGLUMLPFP8(4, 24, 20, backend="torch", config=config)
+    x, probs, dy, lens = _inputs(24, torch.float32)
+    y = mlp(x, lens, probs=probs)
+    monkeypatch.undo()
+    plain = GroupedSwiGLUMLPFP8(4, 24, 20, backend="torch", config=config)
+    plain.load_state_dict(mlp.state_dict())
+    assert torch.equal(y, plain(x, lens, probs=probs))
+    if given:
+        assert len(made) == 1 and len(seen) == 1 and seen[0] is made[0]
+    else:
+        assert made == [] and all(s is None for s in seen)

@@ -45,6 +45,9 @@ class _Plans:
         return False
 
 
+AMAX_SLOTS = 256  # the SwiGLU amax partials of the fake fc1 forward
+
+
 def _fake_regions(ext, monkeypatch, main_grad=False):
     """Tensorwise, no weight cache, group_lens: offsets; fc1 forward; SwiGLU + fc2 forward; fc2
     dgrad (W^T held, released) and wgrad; the SwiGLU backward (dh's two layouts); fc1 dgrad
@@ -54,15 +57,18 @@ def _fake_regions(ext, monkeypatch, main_grad=False):
              [([1, 2, 3, 4, 5], [((G, HIDDEN, F), BF16)], alloc[:1]), ([1, 2, 3, 4, 5], [((G, 2 * F, HIDDEN), BF16)], alloc[:1])])
     regions = {
         "OFFSETS_REGION": _Plans(ext, ([0], [((G + 1,), torch.int64)], alloc[:1])),
-        "_FORWARD_REGION": _Plans(ext, ([0, 1, 2], [((M, 2 * F), BF16), ((G, HIDDEN, 2 * F), E4M3), ((), F32),
-                                                   ((HIDDEN, M), E4M3)], [*alloc[:4], ("alloc", 2)])),
+        # fc1's forward also makes the SwiGLU amax partials (tensorwise current scaling), from the
+        # routing weights (its input 7, after the weight cache's four).
+        "_FORWARD_REGION": _Plans(ext, ([0, 1, 2, 7], [((M, 2 * F), BF16), ((G, HIDDEN, 2 * F), E4M3), ((), F32),
+                                                      ((HIDDEN, M), E4M3), ((AMAX_SLOTS,), F32)],
+                                        [*alloc[:4], ("alloc", 2), ("alloc", 4)])),
         "_DGRAD_REGION": _Plans(ext, ([0, 4, 5, 6], [((M, F), BF16), ((HIDDEN, M), E4M3), ((), F32)], alloc[:3]),
                                 ([1, 2, 3, 4, 5, 6], [((M, HIDDEN), BF16)], [alloc[0], ("input", 2), ("input", 3)])),
         "_WGRAD_REGION": _Plans(ext, *wgrad),
     }
     swiglu_regions = {
-        "_FORWARD_REGION": _Plans(ext, ([0, 1, 2, 3], [((M, HIDDEN), BF16), ((G, F, HIDDEN), E4M3), ((), F32),
-                                                      ((F, M), E4M3)], [*alloc[:4], ("alloc", 2)])),
+        "_FORWARD_REGION": _Plans(ext, ([0, 1, 2, 3, 8], [((M, HIDDEN), BF16), ((G, F, HIDDEN), E4M3), ((), F32),
+                                                         ((F, M), E4M3)], [*alloc[:4], ("alloc", 2)])),
         "_BACKWARD_REGION": _Plans(ext, ([0, 1, 2], [((M, 2 * F), E4M3), ((2 * F, M), E4M3), ((), F32), ((M,), F32)],
                                          alloc[:4])),
     }
@@ -112,10 +118,11 @@ def test_plan_mlp_chains_the_regions_keys_and_runs_as_one_node(plan_ext, monkeyp
 
     scalar = alloc(dtype=F32)
     h = alloc(M, 2 * F, dtype=BF16)
-    assert regions["_FORWARD_REGION"].keys == [(((config, None, "auto", BF16, True, True, True, False), 0), fact(x),
-                                                fact(w1), offs, None, None, None, None)]
-    assert swiglu_regions["_FORWARD_REGION"].keys == [(((config, None, "auto", BF16, True, True, True, False), 0), h,
-                                                       fact(probs), fact(w2), offs, None, None, None, None)]
+    assert regions["_FORWARD_REGION"].keys == [(((config, None, "auto", BF16, True, True, True, False, "swiglu amax"),
+                                                 0), fact(x), fact(w1), offs, None, None, None, None, fact(probs))]
+    assert swiglu_regions["_FORWARD_REGION"].keys == [(((config, None, "auto", BF16, True, True, True, False,
+                                                         "given amax"), 0), h, fact(probs), fact(w2), offs, None,
+                                                       None, None, None, alloc(AMAX_SLOTS, dtype=F32))]
     fc2_dgrad, fc1_dgrad = regions["_DGRAD_REGION"].keys
     assert fc2_dgrad == (((config, None, "auto", BF16, True, True), 0), alloc(M, HIDDEN, dtype=BF16), None, None, None,
                          alloc(G, F, HIDDEN, dtype=E4M3), scalar, offs)

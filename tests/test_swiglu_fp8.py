@@ -382,6 +382,45 @@ def test_swiglu_row_capacity_on_gpu():
     run_on_gpu(CAPACITY_CHECK.replace("DEVICE", "'cuda'"), "swiglu_capacity_check")
 
 
+GIVEN_AMAX_CHECK = textwrap.dedent(
+    """
+    import torch
+    from turbo_moe.kernels.triton.swiglu_fp8 import swiglu_amax, swiglu_fp8_tensorwise
+    device = DEVICE
+    gen = torch.Generator().manual_seed(3)
+    for r, f in ((37, 70), (300, 256)):
+        h = (torch.randn(r, 2 * f, generator=gen) * 3).to(torch.bfloat16).to(device)
+        p = torch.rand(r, generator=gen).to(device)
+        plain = swiglu_fp8_tensorwise(h, p, torch.float8_e4m3fn, 448.0, write_rows=True, write_transposed=True)
+        amax = swiglu_amax(h, p)
+        # fc1's epilogue hands partials whose maximum is the amax: one slot each consumer, zeros elsewhere
+        partials = torch.zeros(9, device=device)
+        partials[4] = amax
+        partials[7] = amax * 0.5
+        given = swiglu_fp8_tensorwise(h, p, torch.float8_e4m3fn, 448.0, write_rows=True, write_transposed=True,
+                                      amax_partials=partials)
+        for a, b in zip(plain, given):
+            assert torch.equal(a.cpu().reshape(-1).view(torch.uint8), b.cpu().reshape(-1).view(torch.uint8)), (r, f)
+        # a wrong maximum shows: the scale follows the partials
+        partials[4] = amax * 2
+        off = swiglu_fp8_tensorwise(h, p, torch.float8_e4m3fn, 448.0, amax_partials=partials)
+        assert not torch.equal(off[2].cpu(), plain[2].cpu())
+    print("ok")
+    """
+)
+
+
+def test_swiglu_cast_takes_given_amax_partials_in_interpreter():
+    """The SwiGLU's cast with fc1's amax partials (``amax_partials``) gives the bits of its own
+    amax pass where their maximum is that amax, and follows them where it is not."""
+    assert_prints_ok(GIVEN_AMAX_CHECK.replace("DEVICE", "'cpu'"))
+
+
+@pytest.mark.gpu
+def test_swiglu_cast_takes_given_amax_partials_on_gpu():
+    run_on_gpu(GIVEN_AMAX_CHECK.replace("DEVICE", "'cuda'"), "swiglu_given_amax_check")
+
+
 def _problem(lens, f, n, dtype=torch.bfloat16, device="cpu", seed=0):
     gen = torch.Generator().manual_seed(seed)
     m = sum(lens)

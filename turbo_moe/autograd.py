@@ -20,13 +20,16 @@ second-order gradient. On the meta device every entry infers shapes and dtypes (
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import weakref
 from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from .backends import GemmKind, GroupedGemmProblem, select_backend
 from .checks import HIGH_PRECISION_DTYPES, check_group_offs, check_operands, check_wgrad_operands, resolve_group_offs
+from ._triton_kernels import triton_kernels
 from .config import Float8Config, ScalingGranularity
 from . import host_plan
 from .delayed_scaling import AmaxHistory, DelayedScalingState
@@ -214,12 +217,21 @@ class QuantizedGradHandoff:
 
     The caller guarantees that nothing between the two reads that gradient (a bias add, a hook):
     such an op would see the zeros. ``TurboMoEGroupedMLP`` hands off only with no fc1 bias.
+
+    The forward pair uses the same object. With the SwiGLU's routing weights given
+    (``swiglu_probs``, by the MLP before fc1 runs), a tensorwise current-scaling fc1 reduces
+    ``max |silu(gate) * linear * probs|`` of its output in its GEMM's epilogue
+    (``backends.base.GroupedGemmProblem.swiglu_amax``), and the fused SwiGLU + fc2 forward takes its
+    scale from that (:meth:`forward_amax`) instead of an amax pass over ``h``.
     """
 
     __slots__ = ("grad_dtype", "margin", "need_rows", "need_transposed", "history", "rowwise", "_given",
-                 "_placeholder")
+                 "_placeholder", "swiglu_probs", "_amax", "_amax_of", "_amax_version")
 
-    def __init__(self) -> None:
+    def __init__(self, swiglu_probs: Optional[torch.Tensor] = None) -> None:
+        # [M] routing weights of the SwiGLU that consumes the producer's output (forward fusion).
+        self.swiglu_probs = swiglu_probs
+        self._amax = self._amax_of = self._amax_version = None
         self.grad_dtype: Optional[torch.dtype] = None
         self.margin = 0
         self.history: Optional[AmaxHistory] = None  # delayed scaling: the producer's grad_output history
@@ -248,6 +260,21 @@ class QuantizedGradHandoff:
         self._given = (rows, transposed, scale)
         self._placeholder = torch.zeros((), dtype=like.dtype, device=like.device).expand(like.shape)
         return self._placeholder
+
+    def note_forward_amax(self, h: torch.Tensor, amax: Optional[torch.Tensor]) -> None:
+        """The producer's forward: ``amax`` (float32 1-D, its maximum the SwiGLU's amax) of ``h``."""
+        self._amax = amax
+        self._amax_of = None if amax is None else weakref.ref(h)
+        self._amax_version = h._version
+
+    def forward_amax(self, h: torch.Tensor) -> Optional[torch.Tensor]:
+        """What :meth:`note_forward_amax` kept, if it was of this ``h`` as it is now (not changed in
+        place since); None otherwise (the SwiGLU then runs its own amax pass)."""
+        amax, of = self._amax, self._amax_of
+        self._amax = self._amax_of = None
+        if amax is None or of() is not h or h._version != self._amax_version:
+            return None
+        return amax
 
     def take(self, grad: torch.Tensor):
         """``(rows, transposed, scale)`` handed over for ``grad``, or None if nothing was."""
@@ -429,7 +456,44 @@ def _wgrad_tensors(dy, dy_t, dy_t_scale, x_km, x_km_scale, group_offs, config, n
                  group_offs, dw_dtype, num_cu, backend, "wgrad", config, out=out, accumulate=out is not None),)
 
 
-def _fp8_forward_tensors(x, w_nk, w_fp8, group_offs, config, num_cu, backend, out_dtype, need_dx, need_dw, delayed):
+# Slots of the SwiGLU amax that fc1's epilogue writes: two per program of the ping-pong's persistent
+# grid (the backend caps the grid to half of them: 256 programs, more than an H100's 132 SMs); the
+# SwiGLU's cast reads them all (at most fp8_cast.MAX_PARTIALS).
+SWIGLU_AMAX_SLOTS = 512
+
+
+def fuses_swiglu_amax(config: Float8Config) -> bool:
+    """Whether fc1's forward reduces the SwiGLU's amax for it: tensorwise current scaling (rowwise
+    needs per-row and per-column maxima; delayed scaling takes the scale from its history)."""
+    return config.granularity is ScalingGranularity.TENSORWISE and not config.fine_grained \
+        and not config.delayed
+
+
+# (backend argument, the fused problem's signature) -> whether that backend's kernel fuses the amax
+_SWIGLU_AMAX_FUSED: dict = {}
+
+
+def _fc1_with_swiglu_amax(x_fp8, w_q, x_scale, w_scale, group_offs, out_dtype, num_cu, backend, config, probs):
+    """``(h, amax)``: fc1's GEMM and the SwiGLU amax of its output as float32 partials, reduced in
+    the GEMM's epilogue where the chosen backend does it (Triton), else by the SwiGLU's amax pass."""
+    problem = GroupedGemmProblem(GemmKind.M_GROUPED, x_fp8, w_q, x_scale, w_scale, group_offs, out_dtype, num_cu,
+                                 "fwd", None, False, config.promotes_accumulation)
+    chosen = select_backend(problem, backend)
+    slots = torch.empty((SWIGLU_AMAX_SLOTS,), dtype=torch.float32, device=x_fp8.device)
+    fused = dataclasses.replace(problem, swiglu_probs=probs, swiglu_amax=slots)
+    key = (chosen.name, fused.signature())
+    fuses = _SWIGLU_AMAX_FUSED.get(key)
+    if fuses is None:
+        fuses = _SWIGLU_AMAX_FUSED[key] = chosen.can_handle(fused)[0]
+    if fuses:
+        return chosen.run(fused), slots
+    h = chosen.run(problem)
+    kernels = triton_kernels("swiglu_fp8") if h.is_cuda else None
+    return h, (kernels.swiglu_amax_partials(h, probs) if kernels is not None else None)
+
+
+def _fp8_forward_tensors(x, w_nk, w_fp8, group_offs, config, num_cu, backend, out_dtype, need_dx, need_dw, delayed,
+                         swiglu_probs=None):
     """The forward's GPU work (see :func:`fp8_gemm_forward`)."""
     dtype, margin = config.forward_dtype, config.margin
     # Backward's operands, contiguous along their contraction dims: dgrad reads W as
@@ -447,7 +511,13 @@ def _fp8_forward_tensors(x, w_nk, w_fp8, group_offs, config, num_cu, backend, ou
         x_km_scale = x_scale
     if not need_dx:
         w_kn = w_kn_scale = None
+    if swiglu_probs is not None and x.device.type != "meta":
+        y, amax = _fc1_with_swiglu_amax(x_fp8, w_q, x_scale, w_scale, group_offs, out_dtype, num_cu, backend, config,
+                                        swiglu_probs)
+        return y, w_kn, w_kn_scale, x_km, x_km_scale, amax
     y = _run(GemmKind.M_GROUPED, x_fp8, w_q, x_scale, w_scale, group_offs, out_dtype, num_cu, backend, "fwd", config)
+    if swiglu_probs is not None:
+        return y, w_kn, w_kn_scale, x_km, x_km_scale, None
     return y, w_kn, w_kn_scale, x_km, x_km_scale
 
 
@@ -476,15 +546,20 @@ def through_plan(region: host_plan.Region, static, inputs, compute, histories=()
 
 
 def fp8_gemm_forward(x, w_nk, w_fp8: Optional[Float8Weight], group_offs, config: Float8Config, num_cu, backend,
-                     out_dtype, need_dx: bool, need_dw: bool, delayed: Optional[DelayedScalingState]):
+                     out_dtype, need_dx: bool, need_dw: bool, delayed: Optional[DelayedScalingState],
+                     swiglu_probs: Optional[torch.Tensor] = None):
     """``(y, W^T in FP8, its scale, x token-major in FP8, its scale)``: quantize ``W`` (unless
     ``w_fp8`` has it) and ``x``, run the forward GEMM. On a GPU, a repeated signature replays its
-    recorded launches from C++ (``turbo_moe.host_plan``)."""
+    recorded launches from C++ (``turbo_moe.host_plan``). ``swiglu_probs`` (fc1 of an expert MLP,
+    where :func:`fuses_swiglu_amax`): a sixth result, the SwiGLU amax partials of ``y`` (None
+    where no kernel makes them: off a GPU)."""
     compute = functools.partial(_fp8_forward_tensors, x, w_nk, w_fp8, group_offs, config, num_cu, backend, out_dtype,
-                                need_dx, need_dw, delayed)
+                                need_dx, need_dw, delayed, swiglu_probs)
     static = (config, num_cu, backend, out_dtype, need_dx, need_dw, *cached_weight_key(w_fp8))
-    return through_plan(_FORWARD_REGION, static, (x, w_nk, group_offs, *cached_weight_inputs(w_fp8)), compute,
-                        (delayed and delayed.input,))
+    inputs = (x, w_nk, group_offs, *cached_weight_inputs(w_fp8))
+    if swiglu_probs is not None:  # the key and inputs of a plain forward stay as they were
+        static, inputs = (*static, "swiglu amax"), (*inputs, swiglu_probs)
+    return through_plan(_FORWARD_REGION, static, inputs, compute, (delayed and delayed.input,))
 
 
 def cached_weight_inputs(w_fp8: Optional[Float8Weight]) -> tuple:
@@ -507,8 +582,11 @@ class GroupedGemmFP8Function(torch.autograd.Function):
                 w_fp8: Optional[Float8Weight] = None, wgrad_target: Optional[WgradTarget] = None,
                 grad_handoff: Optional[QuantizedGradHandoff] = None, delayed: Optional[DelayedScalingState] = None):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        y, w_kn, w_kn_scale, x_km, x_km_scale = fp8_gemm_forward(x, w_nk, w_fp8, group_offs, config, num_cu, backend,
-                                                                 out_dtype, need_dx, need_dw, delayed)
+        probs = grad_handoff.swiglu_probs if grad_handoff is not None and fuses_swiglu_amax(config) else None
+        y, w_kn, w_kn_scale, x_km, x_km_scale, *amax = fp8_gemm_forward(
+            x, w_nk, w_fp8, group_offs, config, num_cu, backend, out_dtype, need_dx, need_dw, delayed, probs)
+        if probs is not None:
+            grad_handoff.note_forward_amax(y, amax[0])
         # w itself is saved (a live parameter: no memory) to re-derive W^T if backward runs again
         # (retain_graph); the saved-tensor version check then also catches an in-place change of w.
         grad_history = delayed and delayed.grad_output

@@ -77,8 +77,9 @@ class GroupedSwiGLUMLPFP8(planned_layer.KeepsPlannedLayers, nn.Module):
             if weights.dim() != 1 or weights.shape[0] != x.shape[0]:
                 raise ValueError(f"probs must be [M] or [M, 1] with M = {x.shape[0]}, got {tuple(probs.shape)}")
             return fc2(weighted_swiglu(h, weights).to(h.dtype), group_offs=offs)
-        # fc1's output feeds the fused fc2 alone: its gradient can come back in FP8.
-        handoff = QuantizedGradHandoff()
+        # fc1's output feeds the fused fc2 alone: its gradient can come back in FP8, and (tensorwise,
+        # on the ping-pong) fc1's epilogue can reduce the activation's amax for fc2's cast.
+        handoff = QuantizedGradHandoff(swiglu_probs=probs.reshape(-1))
         h = _grouped_gemm_fp8_resolved(
             x, fc1.weight, offs, config=self.config, num_cu=fc1.num_cu, backend=fc1.backend,
             w_fp8=fc1._cached_fp8_weight() if fc1.cache_fp8_weight else None, grad_handoff=handoff,

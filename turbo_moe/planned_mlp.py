@@ -41,7 +41,7 @@ import torch
 
 from . import host_plan, planned_layer, swiglu
 from .autograd import (_FORWARD_REGION, QuantizedGradHandoff, cached_weight_inputs, cached_weight_key,
-                       fp8_gemm_backward, stash_for_fp8_gemm_backward)
+                       fp8_gemm_backward, fuses_swiglu_amax, stash_for_fp8_gemm_backward)
 from .checks import OFFSETS_REGION, offsets_region_key
 from .config import ScalingGranularity
 from .planned_layer import NOT_PLANNABLE, _Builder, _contiguous_strides, _history_tensors, gemm_backward_steps
@@ -60,7 +60,8 @@ Y, W2_KN, W2_KN_SCALE, A_KM, A_SCALE = 31, 32, 33, 34, 35
 DY, DA, DW2, DY_T, DY_T_SCALE = 36, 37, 38, 39, 40
 DH_ROWS, DH_T, DH_SCALE, DPROBS = 41, 42, 43, 44
 DX, DW1, DH_T_PASSED, DH_SCALE_PASSED = 45, 46, 47, 48
-NUM_VALUES = 49
+AMAX1 = 49  # tensorwise current scaling: the SwiGLU amax partials fc1's forward hands to the SwiGLU's cast
+NUM_VALUES = 50
 # Where a cache's W^T (Float8Weight.data_t) sits among each forward region's inputs: fc1's
 # (x, w, offsets, *cache), the SwiGLU forward's (h, probs, w, offsets, *cache).
 _FC1_CACHED_W_KN, _FC2_CACHED_W_KN = 5, 6
@@ -144,12 +145,18 @@ def plan_mlp(x, w1, w2, probs, src, from_lens: bool, fc1: MLPSide, fc2: MLPSide,
     if from_lens:
         b.step(OFFSETS_REGION, offsets_region_key(x.shape[0], True), (SRC,), (OFFS_MADE,))
         offs, forward_steps = OFFS_MADE, 3
-    b.step(_FORWARD_REGION, ((config, fc1.num_cu, fc1.backend, out_dtype1, need_dx1, need_dw1,
-                              *cached_weight_key(fc1.w_fp8)), live1),
-           (X, W1, offs, *present(CACHE1), *x_hist1), (H, W1_KN, W1_KN_SCALE, X_KM, X_KM_SCALE))
-    b.step(swiglu._FORWARD_REGION, ((config, fc2.num_cu, fc2.backend, out_dtype2, need_da, need_dw2,
-                                     *cached_weight_key(fc2.w_fp8)), live2),
-           (H, PROBS, W2, offs, *present(CACHE2), *x_hist2), (Y, W2_KN, W2_KN_SCALE, A_KM, A_SCALE))
+    # Tensorwise current scaling: fc1's forward also makes the SwiGLU amax partials (in its GEMM's
+    # epilogue where the ping-pong runs, else by the amax pass) and the SwiGLU's cast takes them:
+    # the Python path's region keys and inputs (autograd.fp8_gemm_forward, swiglu's Function).
+    amax = fuses_swiglu_amax(config)
+    key1 = (config, fc1.num_cu, fc1.backend, out_dtype1, need_dx1, need_dw1, *cached_weight_key(fc1.w_fp8))
+    key2 = (config, fc2.num_cu, fc2.backend, out_dtype2, need_da, need_dw2, *cached_weight_key(fc2.w_fp8))
+    b.step(_FORWARD_REGION, ((*key1, "swiglu amax") if amax else key1, live1),
+           (X, W1, offs, *present(CACHE1), *((PROBS,) if amax else ()), *x_hist1),
+           (H, W1_KN, W1_KN_SCALE, X_KM, X_KM_SCALE, *((AMAX1,) if amax else ())))
+    b.step(swiglu._FORWARD_REGION, ((*key2, "given amax") if amax else key2, live2),
+           (H, PROBS, W2, offs, *present(CACHE2), *((AMAX1,) if amax else ()), *x_hist2),
+           (Y, W2_KN, W2_KN_SCALE, A_KM, A_SCALE))
     if b.missing or b.refused:
         return NOT_PLANNABLE if b.refused else None
     kept1 = b.regions[-2][1].outputs[1] == ("input", _FC1_CACHED_W_KN)

@@ -89,11 +89,14 @@ def _swiglu_kernels(h: torch.Tensor):
 
 
 def quantize_weighted_swiglu(h: torch.Tensor, probs: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, *,
-                             rows: bool = True, transposed: bool = False, history: Optional[AmaxHistory] = None):
+                             rows: bool = True, transposed: bool = False, history: Optional[AmaxHistory] = None,
+                             amax_partials: Optional[torch.Tensor] = None):
     """Tensorwise FP8 of :func:`weighted_swiglu` ``(h, probs)`` in the layouts asked for:
     ``(rows [M, F] or None, transposed [F, M] or None, 0-dim dequant scale)``, as
     ``quantize.quantize_tensorwise_layouts`` returns them for a materialized activation.
-    ``history``: delayed scaling (``turbo_moe.delayed_scaling``): one pass, the scale from it."""
+    ``history``: delayed scaling (``turbo_moe.delayed_scaling``): one pass, the scale from it.
+    ``amax_partials``: float32, their maximum ``max |a|`` (fc1's GEMM reduced it in its epilogue,
+    ``autograd.QuantizedGradHandoff.forward_amax``): the cast pass alone runs."""
     kernels = _swiglu_kernels(h)
     if kernels is not None and history is not None:
         history.prepare(h.device, fp8_dtype, margin, lambda: kernels.swiglu_amax(h, probs))
@@ -102,7 +105,7 @@ def quantize_weighted_swiglu(h: torch.Tensor, probs: torch.Tensor, fp8_dtype: to
                                           write_transposed=transposed)
     if kernels is not None:
         return kernels.swiglu_fp8_tensorwise(h, probs, fp8_dtype, fp8_max(fp8_dtype), margin, write_rows=rows,
-                                             write_transposed=transposed)
+                                             write_transposed=transposed, amax_partials=amax_partials)
     return quantize_tensorwise_layouts(weighted_swiglu(h, probs), fp8_dtype, margin, rows=rows, transposed=transposed,
                                        history=history)
 
@@ -188,7 +191,7 @@ def _grad_is_observed(h: Optional[torch.Tensor]) -> bool:
 
 
 def _swiglu_gemm_forward_tensors(h, probs, w_nk, w_fp8, group_offs, config, num_cu, backend, out_dtype, need_da,
-                                 need_dw, history):
+                                 need_dw, history, amax_partials=None):
     """The forward's GPU work: ``(y, W^T in FP8, its scale, a token-major in FP8, its scale)``
     with ``a = weighted_swiglu(h, probs)`` (never materialized in h's dtype)."""
     w_q, w_scale, w_kn, w_kn_scale = fp8_weight_for(w_nk, w_fp8, config, need_da)
@@ -197,7 +200,8 @@ def _swiglu_gemm_forward_tensors(h, probs, w_nk, w_fp8, group_offs, config, num_
                                                                             config.margin, transposed=need_dw)
     else:
         a_fp8, a_km, a_scale = quantize_weighted_swiglu(h, probs, config.forward_dtype, config.margin,
-                                                        transposed=need_dw, history=history)
+                                                        transposed=need_dw, history=history,
+                                                        amax_partials=amax_partials)
         a_km_scale = a_scale
     y = _run(GemmKind.M_GROUPED, a_fp8, w_q, a_scale, w_scale, group_offs, out_dtype, num_cu, backend, "fwd", config)
     if not need_da:
@@ -223,11 +227,15 @@ class GroupedSwiGLUGemmFP8Function(torch.autograd.Function):
         need_da = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         need_dw = ctx.needs_input_grad[2]
         history = delayed and delayed.input
+        # fc1's GEMM may have reduced the activation's amax already (the handoff kept it for this h).
+        amax = h_grad_handoff.forward_amax(h) if h_grad_handoff is not None else None
         compute = functools.partial(_swiglu_gemm_forward_tensors, h, probs, w_nk, w_fp8, group_offs, config, num_cu,
-                                    backend, out_dtype, need_da, need_dw, history)
-        y, w_kn, w_kn_scale, a_km, a_km_scale = through_plan(
-            _FORWARD_REGION, (config, num_cu, backend, out_dtype, need_da, need_dw, *cached_weight_key(w_fp8)),
-            (h, probs, w_nk, group_offs, *cached_weight_inputs(w_fp8)), compute, (history,))
+                                    backend, out_dtype, need_da, need_dw, history, amax)
+        static = (config, num_cu, backend, out_dtype, need_da, need_dw, *cached_weight_key(w_fp8))
+        inputs = (h, probs, w_nk, group_offs, *cached_weight_inputs(w_fp8))
+        if amax is not None:  # the key and inputs without it stay as they were (the planned MLP's)
+            static, inputs = (*static, "given amax"), (*inputs, amax)
+        y, w_kn, w_kn_scale, a_km, a_km_scale = through_plan(_FORWARD_REGION, static, inputs, compute, (history,))
         stash_for_fp8_gemm_backward(ctx, w_kn, config, num_cu, backend, h.dtype, w_nk.dtype, wgrad_target,
                                     grad_history=delayed and delayed.grad_output, w_fp8=w_fp8)
         ctx.h_grad_handoff = h_grad_handoff

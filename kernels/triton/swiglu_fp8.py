@@ -373,13 +373,15 @@ def _row_capacity(r: int, row_capacity) -> int:
 
 
 def swiglu_fp8_tensorwise(h, probs, fp8_dtype, fp8_max: float, margin: int = 0, write_rows: bool = True,
-                          write_transposed: bool = False, row_capacity=None):
+                          write_transposed: bool = False, row_capacity=None, amax_partials=None):
     """Tensorwise FP8 of ``a = silu(h[:, :F]) * h[:, F:] * probs`` without materializing ``a``.
 
     ``h``: ``[M, 2F]`` with unit column stride (any row stride); ``probs``: ``[M]`` contiguous.
     Returns ``(rows [M, F] or None, transposed [F, M] or None, dequant)`` as
     ``fp8_cast.fp8_tensorwise_cast`` does for a materialized ``a``, with its ``row_capacity``
     (the copies views of capacity-row buffers; amax partition and grid the capacity's).
+    ``amax_partials``: float32 ``[<= MAX_PARTIALS]`` whose maximum is ``max |a|``, already reduced
+    (by fc1's epilogue, ``m_grouped_gemm_gluon``'s SWIGLU tiles): then only the cast pass runs.
     """
     import torch
 
@@ -391,13 +393,18 @@ def swiglu_fp8_tensorwise(h, probs, fp8_dtype, fp8_max: float, margin: int = 0, 
     trans = torch.empty((f, cap), dtype=fp8_dtype, device=device) if write_transposed else None
     if r * f == 0:
         return _first_rows(rows, trans, r, cap) + (torch.ones((), dtype=torch.float32, device=device),)
-    num_partials, per, stats, dequant = _partials_buffer(cap, device)
-    out = rows if rows is not None else trans
     stride_h = h.stride(0)
-    aligned = (h.data_ptr() % 16 == 0, probs.data_ptr() % 16 == 0, stats.data_ptr() % 16 == 0)
     facts = (h.dtype, probs.dtype, arg_fact(r), arg_fact(f), arg_fact(stride_h), arg_fact(cap))
-    _amax.launch_keyed((num_partials,), facts + aligned + (arg_fact(per),), h, probs, stats, r, f, stride_h, per,
-                       BLOCK_R=_AMAX_BLOCK_R, BLOCK_C=_AMAX_BLOCK_C, num_warps=4)
+    if amax_partials is None:
+        num_partials, per, stats, dequant = _partials_buffer(cap, device)
+        aligned = (h.data_ptr() % 16 == 0, probs.data_ptr() % 16 == 0, stats.data_ptr() % 16 == 0)
+        _amax.launch_keyed((num_partials,), facts + aligned + (arg_fact(per),), h, probs, stats, r, f, stride_h, per,
+                           BLOCK_R=_AMAX_BLOCK_R, BLOCK_C=_AMAX_BLOCK_C, num_warps=4)
+    else:
+        stats, num_partials = amax_partials, amax_partials.numel()
+        dequant = torch.empty((), dtype=torch.float32, device=device)
+        aligned = (h.data_ptr() % 16 == 0, probs.data_ptr() % 16 == 0, stats.data_ptr() % 16 == 0)
+    out = rows if rows is not None else trans
     _cast.launch_keyed(
         (_cdiv(cap, _CAST_BLOCK_R), _cdiv(f, _CAST_BLOCK_C)),
         facts + aligned + _cast_key(fp8_dtype, fp8_max, margin, write_rows, write_transposed, num_partials, out, trans,
@@ -581,6 +588,25 @@ def swiglu_amax(h, probs):
     _amax.launch_keyed((num_partials,), key, h, probs, stats, r, f, stride_h, per,
                        BLOCK_R=_AMAX_BLOCK_R, BLOCK_C=_AMAX_BLOCK_C, num_warps=4)
     return stats[:num_partials].max()  # torch's max keeps NaN
+
+
+def swiglu_amax_partials(h, probs):
+    """float32 ``[programs]`` whose maximum is ``max|a|``: the amax pass alone, its partials for
+    :func:`swiglu_fp8_tensorwise`'s ``amax_partials`` (where fc1's GEMM did not reduce them)."""
+    import torch
+
+    r, two_f = h.shape
+    f = two_f // 2
+    if r * f == 0:
+        return torch.zeros((1,), dtype=torch.float32, device=h.device)
+    num_partials, per = _amax_partition(r)
+    stats = torch.empty((num_partials,), dtype=torch.float32, device=h.device)
+    stride_h = h.stride(0)
+    key = (h.dtype, probs.dtype, arg_fact(r), arg_fact(f), arg_fact(stride_h), h.data_ptr() % 16 == 0,
+           probs.data_ptr() % 16 == 0, stats.data_ptr() % 16 == 0, arg_fact(per))
+    _amax.launch_keyed((num_partials,), key, h, probs, stats, r, f, stride_h, per,
+                       BLOCK_R=_AMAX_BLOCK_R, BLOCK_C=_AMAX_BLOCK_C, num_warps=4)
+    return stats
 
 
 def swiglu_backward_dh_amax(h, probs, da):

@@ -87,7 +87,10 @@ class TurboMoEGroupedMLP(planned_layer.KeepsPlannedLayers, TEGroupedMLP):
             x = (probs * x).to(permuted_local_hidden_states.dtype)
             probs = torch.ones_like(probs)
         fuses_activation = self._fuses_activation()
-        handoff = QuantizedGradHandoff() if fuses_activation and self._hands_off_dh() else None
+        # The handoff also carries the routing weights to fc1, whose epilogue can then reduce the
+        # activation's amax for fc2's cast (tensorwise, on the ping-pong; turbo_moe.autograd).
+        handoff = QuantizedGradHandoff(swiglu_probs=probs.reshape(-1)) if fuses_activation and self._hands_off_dh() \
+            else None
         fc1_kwargs = {} if handoff is None else {"grad_handoff": handoff}  # a custom fc1 may not take it
         fc1_output, fc1_bias = self.linear_fc1(x, group_offs=offs, **fc1_kwargs)
         if fc1_bias is not None:  # a fc1 built with skip_bias_add=True by a custom spec
