@@ -368,6 +368,33 @@ def test_gluon_wgrad_compiles_for_hopper(case):
     _assert_gluon_wgrad_ptx(compiled, wgmmas=8)
 
 
+@pytest.mark.parametrize("scales", ["tensorwise", "rowwise"])
+def test_wgrad_pingpong_compiles_for_hopper(scales):
+    """The accumulating wgrad ping-pong compiles for sm_90 with the backend's candidate and register
+    split: two consumer warpgroups and a producer warp (12 warps), each consumer's 128 x 128 tile two
+    m64 wgmmas per 32 tokens for a full box and for a sliced one (16 a consumer), partition-local
+    named barriers for the masking and the read-modify-write (a CTA-wide one would hang), shared
+    memory within the budget (three stages beside two 64 KB float32 staging tiles)."""
+    from turbo_moe.backends.triton_backend import ACCUMULATE_CANDIDATES, PINGPONG_REGS
+
+    config = next(c for c in ACCUMULATE_CANDIDATES if c.pingpong)
+    rowwise = scales == "rowwise"
+    compiled = _compile_gluon_for_hopper(
+        "k_grouped_gemm_pingpong_kernel",
+        {"a_desc": ([config.block_m, config.block_k], torch.float8_e5m2),
+         "b_desc": ([config.block_n, config.block_k], torch.float8_e4m3fn),
+         "out_desc": ([config.block_m, config.block_n], torch.float32)}, _GLUON_SCALARS,
+        dict(A_ROWWISE=rowwise, B_ROWWISE=rowwise, GROUP_M=config.group_m, BAND_CYCLIC=config.band_cyclic,
+             STAGES=config.num_stages, **PINGPONG_REGS, num_warps=config.num_warps))
+    assert compiled.metadata.num_warps == 12, compiled.metadata.num_warps
+    _assert_gluon_wgrad_ptx(compiled, wgmmas=32)
+    ptx = compiled.asm["ptx"]
+    assert "setmaxnreg" in ptx
+    named = re.findall(r"bar\.sync\s+(\d+),\s*(\d+);", ptx)
+    assert named and all(count == "128" for _, count in named), named
+    assert not re.search(r"bar\.sync\s+\d+;", ptx), "a CTA-wide barrier inside a partition"
+
+
 @pytest.mark.parametrize("case", ["bf16 tensorwise s4", "fp32 rowwise s3", "bf16 tensorwise s4 swiglu"])
 def test_gluon_pingpong_compiles_for_hopper(case):
     """The Gluon M-grouped ping-pong compiles for sm_90 on any machine with the backend's register

@@ -279,6 +279,193 @@ if gluon is not None:
         _release(ready, out_ready, STAGES)
 
 
+    # ---------------------------------------------------------------- the accumulating ping-pong
+    # The wgrad into an fp32 main_grad (out[g] += the result) as a warp-specialized ping-pong, like
+    # m_grouped_gemm_gluon's: a producer warp walks the program's (tile, box) sequence into a ring of
+    # STAGES slots; two consumer warpgroups take the program's tiles in turn (consumer c its tiles c,
+    # c + 2, ...), so that one's read-modify-write of its fp32 tile runs beside the other's MMAs.
+    # In the single-stream kernel above that read-modify-write (about as many bytes as the operands
+    # at training-step group sizes) runs while no MMA does. Same token walk, MMAs and epilogue
+    # arithmetic as the kernel above: the same bits. Measured (H100, scripts/probe_wgrad_pingpong.py,
+    # docs/results/h100_wgrad_pingpong.md): 0.95x the single-stream kernel's time at DeepSeek-V3's
+    # fc1 (32 x 512 tokens, K 7168), but 1.04x / 1.15x at the train preset's fc1 / fc2, whose
+    # main_grad traffic makes them DRAM-bound: overlapping it with MMAs does not shorten them, and
+    # its two 64 KB float32 staging tiles leave room for three ring stages, not four. A tuning
+    # candidate, not the default.
+
+    @gluon.jit
+    def _pingpong_producer(p, CONSUMER: gl.constexpr, A_ROWWISE: gl.constexpr, B_ROWWISE: gl.constexpr,
+                           GROUP_M: gl.constexpr, BAND_CYCLIC: gl.constexpr):
+        """The load partition: every box of every tile of this program into the ring, in order."""
+        (a_desc, b_desc, out_desc, a_bufs, b_bufs, out_bufs, ready, empty, turn, loaded, a_scale_ptr, b_scale_ptr,
+         group_offs_ptr, N, K, G) = p
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        STAGES: gl.constexpr = a_bufs.type.shape[0]
+        pid = gl.program_id(0)
+        num_programs = gl.num_programs(0)
+        num_m_blocks = gl.cdiv(N, BLOCK_M)
+        num_n_blocks = gl.cdiv(K, BLOCK_N)
+        my_tiles = gl.cdiv(G * num_m_blocks * num_n_blocks - pid, num_programs)
+        issued = 0
+        for i in range(my_tiles):
+            _, row_a, row_b, _, _, start, boxes = _tile_of(i, pid, num_programs, G, num_m_blocks, num_n_blocks,
+                                                           group_offs_ptr, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                                                           BAND_CYCLIC)
+            for box in range(boxes):
+                slot = issued % STAGES
+                # Fresh barriers count as having completed phase 1: the first round does not wait.
+                mbarrier.wait(empty.index(slot), ((issued // STAGES) & 1) ^ 1)
+                _load_slot(a_desc, b_desc, a_bufs, b_bufs, ready, slot, row_a, row_b, start + box * BLOCK_K)
+                issued += 1
+
+    @gluon.jit
+    def _pingpong_dequantize(acc, a_scale_ptr, b_scale_ptr, group, row_a, row_b, N, K, mma_layout: gl.constexpr,
+                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, A_ROWWISE: gl.constexpr,
+                             B_ROWWISE: gl.constexpr):
+        """:func:`_dequantize`'s products. Each scale is one vector load whose offsets the flags choose
+        (a tensorwise scale: every lane the one address, the same products). Consumer 1 gets the
+        flags at run time; with a load in each branch, Triton 3.6's lowering failed on the untaken
+        rowwise one (its axis analysis), as it did on a scalar load inside a partition."""
+        group_row = group.to(gl.int64)
+        rows = row_a + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
+        cols = row_b + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+        if A_ROWWISE:
+            a_index = group_row * N + rows
+        else:
+            a_index = (rows * 0).to(gl.int64)
+        if B_ROWWISE:
+            b_index = group_row * K + gl.where(cols < K, cols, 0)
+        else:
+            b_index = (cols * 0).to(gl.int64)
+        acc = acc * gl.load(a_scale_ptr + a_index)[:, None]
+        return acc * gl.load(b_scale_ptr + b_index)[None, :]
+
+    @gluon.jit
+    def _pingpong_consumer(p, CONSUMER: gl.constexpr, A_ROWWISE: gl.constexpr, B_ROWWISE: gl.constexpr,
+                           GROUP_M: gl.constexpr, BAND_CYCLIC: gl.constexpr):
+        """An MMA partition: the program's tiles CONSUMER, CONSUMER + 2, ...; the old fp32 tile read
+        into this consumer's staging tile while its MMAs run, then added to and written back."""
+        (a_desc, b_desc, out_desc, a_bufs, b_bufs, out_bufs, ready, empty, turn, loaded, a_scale_ptr, b_scale_ptr,
+         group_offs_ptr, N, K, G) = p
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        STAGES: gl.constexpr = a_bufs.type.shape[0]
+        WARPS: gl.constexpr = gl.num_warps()
+        SLICE_K: gl.constexpr = 32  # the FP8 wgmma's K: the Triton kernel's narrow-chunk width
+        SLICES: gl.constexpr = BLOCK_K // SLICE_K
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                             instr_shape=[16, BLOCK_N, 32])
+        mask_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[16, 2],
+                                                     warps_per_cta=[WARPS, 1], order=[1, 0])
+        out_buf = out_bufs.index(CONSUMER)
+        out_loaded = loaded.index(CONSUMER)
+        pid = gl.program_id(0)
+        num_programs = gl.num_programs(0)
+        num_m_blocks = gl.cdiv(N, BLOCK_M)
+        num_n_blocks = gl.cdiv(K, BLOCK_N)
+        my_tiles = gl.cdiv(G * num_m_blocks * num_n_blocks - pid, num_programs)
+        consumed = 0  # boxes of this program's earlier tiles, both consumers'
+        turns = 0
+        out_loads = 0
+        for i in range(my_tiles):
+            group, row_a, row_b, lo, hi, start, boxes = _tile_of(
+                i, pid, num_programs, G, num_m_blocks, num_n_blocks, group_offs_ptr, BLOCK_M, BLOCK_N, BLOCK_K,
+                GROUP_M, BAND_CYCLIC)
+            if i % 2 == CONSUMER:
+                out_row = group * N + row_a
+                if boxes > 0:  # a tile without tokens is neither read nor written (+0.0 would turn -0.0)
+                    tma.store_wait(pendings=0)  # this consumer's previous store has read out_buf
+                    mbarrier.expect(out_loaded, out_desc.block_type.nbytes)
+                    _tma_load(out_desc, [out_row, row_b], out_loaded, out_buf)
+                acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma_layout)
+                # Our turn at the ring (m_grouped_gemm_gluon's consumers: the ready barriers tell
+                # phases apart by parity only, so the consumers take their boxes in tile order).
+                mbarrier.wait(turn.index(CONSUMER), (turns & 1) ^ (1 - CONSUMER))
+                turns += 1
+                for box in range(boxes):
+                    slot = consumed % STAGES
+                    mbarrier.wait(ready.index(slot), (consumed // STAGES) & 1)
+                    a_buf = a_bufs.index(slot)
+                    b_buf = b_bufs.index(slot)
+                    box_token = start + box * BLOCK_K
+                    acc = warpgroup_mma_init(acc)
+                    if (box_token < lo) | (box_token + BLOCK_K > hi):
+                        # A box with a neighbouring group's tokens (k_grouped_gemm_gluon_kernel's
+                        # masking): only the slices before hi run, those holding other tokens zeroed.
+                        straddles = (hi - box_token) % SLICE_K != 0
+                        if (box_token < lo) | (straddles & (box_token + BLOCK_K > hi)):
+                            for j in gl.static_range(SLICES):
+                                first = box_token + j * SLICE_K
+                                if (first < lo) | ((first < hi) & (first + SLICE_K > hi)):
+                                    _zero_other_groups(a_buf.slice(j * SLICE_K, SLICE_K, 1), first, lo, hi, SLICE_K,
+                                                       mask_layout)
+                                    _zero_other_groups(b_buf.slice(j * SLICE_K, SLICE_K, 1), first, lo, hi, SLICE_K,
+                                                       mask_layout)
+                            fence_async_shared()  # the stores, before the tensor cores read them
+                            _cta_barrier()  # this warpgroup's (a named barrier inside a partition)
+                        for j in gl.static_range(SLICES):
+                            if box_token + j * SLICE_K < hi:
+                                acc = warpgroup_mma(a_buf.slice(j * SLICE_K, SLICE_K, 1),
+                                                    b_buf.slice(j * SLICE_K, SLICE_K, 1).permute((1, 0)), acc,
+                                                    is_async=True)
+                    else:
+                        acc = warpgroup_mma(a_buf, b_buf.permute((1, 0)), acc, is_async=True)
+                    # One wgmma group in flight: the previous box's are done, so its slot is free.
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                    mbarrier.arrive(empty.index((consumed + STAGES - 1) % STAGES), count=1, pred=box > 0)
+                    consumed += 1
+                mbarrier.arrive(turn.index(1 - CONSUMER), count=1)  # the other consumer's turn
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                if boxes > 0:
+                    mbarrier.arrive(empty.index((consumed + STAGES - 1) % STAGES), count=1)
+                    acc = _pingpong_dequantize(acc, a_scale_ptr, b_scale_ptr, group, row_a, row_b, N, K, mma_layout,
+                                               BLOCK_M, BLOCK_N, A_ROWWISE, B_ROWWISE)
+                    mbarrier.wait(out_loaded, out_loads & 1)
+                    out_loads += 1
+                    previous = out_buf.load(mma_layout)
+                    _cta_barrier()  # every thread of this warpgroup has read out_buf before any writes it
+                    out_buf.store(previous + acc)
+                    fence_async_shared()
+                    _tma_store(out_desc, [out_row, row_b], out_buf)
+            else:
+                consumed += boxes  # the other consumer's tile
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def k_grouped_gemm_pingpong_kernel(
+        a_desc, b_desc, out_desc, a_scale_ptr, b_scale_ptr, group_offs_ptr, N, K, G,
+        A_ROWWISE: gl.constexpr, B_ROWWISE: gl.constexpr, GROUP_M: gl.constexpr, BAND_CYCLIC: gl.constexpr,
+        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """``k_grouped_gemm_gluon_kernel`` with ACCUMULATE (out float32, out[g] += the result; an
+        empty group's tiles neither read nor written), as a warp-specialized ping-pong: num_warps (4)
+        for each of two consumer warpgroups, a producer warp besides; registers by setmaxnreg,
+        CONSUMER_REGS and PRODUCER_REGS a thread."""
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        out_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        loaded = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        for c in gl.static_range(2):
+            mbarrier.init(turn.index(c), count=1)
+            mbarrier.init(loaded.index(c), count=1)
+        # A worker partition's arguments arrive as run-time values (m_grouped_gemm_gluon's kernel):
+        # consumer 1 and the producer branch on the flags at run time, with the same results.
+        p = (a_desc, b_desc, out_desc, a_bufs, b_bufs, out_bufs, ready, empty, turn, loaded, a_scale_ptr, b_scale_ptr,
+             group_offs_ptr, N, K, G)
+        flags = (A_ROWWISE, B_ROWWISE, GROUP_M, BAND_CYCLIC)
+        gl.warp_specialize([(_pingpong_consumer, (p, 0) + flags), (_pingpong_consumer, (p, 1) + flags),
+                            (_pingpong_producer, (p, 0) + flags)], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 def shared_layout(block_shape, dtype):
     """The NVMMA shared-memory layout the kernel's descriptors take for a block of torch ``dtype``
     (what ``TensorDescriptor.from_tensor`` callers pass: the widest swizzle the block allows)."""

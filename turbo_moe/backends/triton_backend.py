@@ -64,6 +64,11 @@ class KernelConfig:
     # as the Triton TMA kernels. A problem it cannot take (_gluon_reason) runs the Triton TMA kernel
     # with the same tiles.
     gluon: bool = False
+    # K-grouped into an fp32 main_grad (accumulate), with gluon: the warp-specialized ping-pong
+    # (grouped_gemm_gluon.k_grouped_gemm_pingpong_kernel), whose consumers take alternate tiles so
+    # one's read-modify-write of the fp32 tile runs beside the other's MMAs. num_warps: each
+    # consumer warpgroup's (4); a producer warp besides. Same bits as the other wgrad kernels.
+    pingpong: bool = False
 
     def __str__(self) -> str:
         return (
@@ -73,6 +78,7 @@ class KernelConfig:
             + ("" if (self.tma_store or not self.tma) else " ptr-store")
             + ("" if self.programs_per_sm == 1 else f" x{self.programs_per_sm}/SM")
             + (" gluon" if self.gluon else "")
+            + (" pingpong" if self.pingpong else "")
         )
 
 
@@ -133,6 +139,10 @@ GPU_CANDIDATES: Dict[GemmKind, Tuple[KernelConfig, ...]] = {
 ACCUMULATE_CANDIDATES: Tuple[KernelConfig, ...] = (
     # The Gluon kernel: its read-modify-write through TMA overlaps the next tile's loads.
     KernelConfig(128, 128, 128, 8, 8, 4, band_cyclic=False, gluon=True),
+    # The ping-pong: three stages beside two 64 KB float32 staging tiles. H100: 0.95x the first
+    # candidate's time at DeepSeek-V3's fc1 32 x 512, 1.04-1.15x at the train preset's DRAM-bound
+    # fc1 / fc2 (scripts/probe_wgrad_pingpong.py); the tuner picks per shape class.
+    KernelConfig(128, 128, 128, 8, 4, 3, band_cyclic=False, gluon=True, pingpong=True),
     KernelConfig(128, 128, 128, 8, 4, 4, band_cyclic=False, gluon=True),
     KernelConfig(128, 64, 128, 8, 4, 3, band_cyclic=False, programs_per_sm=2, gluon=True),
     KernelConfig(128, 128, 128, 8, 8, 4, band_cyclic=False),
@@ -289,9 +299,13 @@ def _gluon_reason(problem: GroupedGemmProblem, config: KernelConfig, out: Option
         from turbo_moe.kernels.triton import m_grouped_gemm_gluon
 
         return m_grouped_gemm_gluon.GLUON_ERROR
-    why = gluon_output_reason(problem, config, out)
+    why = wgrad_pingpong_reason(problem, config) if config.pingpong else gluon_output_reason(problem, config, out)
     if why:
         return why
+    if config.pingpong:
+        why = _store_descriptor_reason(problem.out_dtype, problem.mnk[2], out)
+        if why:
+            return why
     from turbo_moe.kernels.triton import grouped_gemm_gluon
 
     return grouped_gemm_gluon.GLUON_ERROR
@@ -301,6 +315,27 @@ def _gluon_reason(problem: GroupedGemmProblem, config: KernelConfig, out: Option
 # 128 fp32 accumulator is 128 of them), 64 for the producer's warpgroup, 65536 in all; the kernel's
 # own limit is the SM's file over its 12 warps. sm_90 compile: no spills, tensorwise or rowwise.
 PINGPONG_REGS = dict(CONSUMER_REGS=224, PRODUCER_REGS=64, maxnreg=168)
+
+
+def wgrad_pingpong_reason(problem: GroupedGemmProblem, config: KernelConfig) -> str:
+    """Empty if the accumulating wgrad ping-pong can run ``problem`` with ``config``'s tiles (its
+    output descriptor is checked apart), else why not."""
+    if problem.kind is not GemmKind.K_GROUPED or not problem.accumulate:
+        return "the wgrad ping-pong adds into an fp32 main_grad only (a K-grouped problem with accumulate)"
+    if config.num_warps != 4:
+        return "the ping-pong's consumers are one warpgroup each (num_warps=4)"
+    if config.programs_per_sm != 1:
+        return "the ping-pong runs one program per SM"
+    _, N, _ = problem.mnk
+    if N % config.block_m:
+        return f"N={N} is not a multiple of the ping-pong's BLOCK_M={config.block_m} (one [G*N, K] store descriptor)"
+    if problem.num_groups * N >= 2**31:
+        return "TMA coordinates are 32-bit"
+    # The operand ring, then a float32 staging tile for each consumer.
+    operands = config.num_stages * (config.block_m + config.block_n) * config.block_k
+    if operands + 2 * config.block_m * config.block_n * 4 > _SHARED_MEMORY_BUDGET:
+        return "its ring and two float32 staging tiles do not fit in shared memory"
+    return ""
 
 
 def swiglu_reason(problem: GroupedGemmProblem) -> str:
@@ -358,6 +393,12 @@ class _Kernels:
         from turbo_moe.kernels.triton import grouped_gemm_gluon, launch
 
         return launch.lean(grouped_gemm_gluon.k_grouped_gemm_gluon_kernel)
+
+    @functools.cached_property
+    def k_grouped_gemm_pingpong_kernel(self):  # imported on first use: only sm_90 plans launch it
+        from turbo_moe.kernels.triton import grouped_gemm_gluon, launch
+
+        return launch.lean(grouped_gemm_gluon.k_grouped_gemm_pingpong_kernel)
 
     @functools.cached_property
     def m_grouped_gemm_pingpong_kernel(self):  # imported on first use: only sm_90 plans launch it
@@ -498,7 +539,7 @@ class TritonBackend(GroupedGemmBackend):
         if problem.num_cu is None:
             limit *= config.programs_per_sm
         if config.gluon and _gluon_reason(problem, config, out):  # e.g. a config given by a caller
-            config = dataclasses.replace(config, gluon=False)
+            config = dataclasses.replace(config, gluon=False, pingpong=False)
         if problem.swiglu_probs is not None and not config.gluon:
             raise ValueError(f"only the Gluon ping-pong reduces the SwiGLU amax, not {config}")
         if config.gluon and problem.kind is GemmKind.M_GROUPED:
@@ -550,15 +591,19 @@ class TritonBackend(GroupedGemmBackend):
         bm, bn, bk = config.block_m, config.block_n, config.block_k
         tiles = ts.k_grouped_total_tiles(G, ts.cdiv(N, bm), ts.cdiv(K, bn))
         flags = dict(A_ROWWISE=problem.a_scale.dim() > 0, B_ROWWISE=problem.b_scale.dim() > 0, GROUP_M=config.group_m,
-                     BAND_CYCLIC=config.band_cyclic, ACCUMULATE=problem.accumulate, STAGES=config.num_stages,
-                     num_warps=config.num_warps)
+                     BAND_CYCLIC=config.band_cyclic)
+        if config.pingpong:  # always accumulates (wgrad_pingpong_reason)
+            flags.update(STAGES=config.num_stages, **PINGPONG_REGS, num_warps=config.num_warps)
+        else:
+            flags.update(ACCUMULATE=problem.accumulate, STAGES=config.num_stages, num_warps=config.num_warps)
         geometry = (([N, M], [a.stride(0), 1], [bm, bk], shared_layout([bm, bk], a.dtype)),
                     ([K, M], [b.stride(0), 1], [bn, bk], shared_layout([bn, bk], b.dtype)),
                     ([G * N, K], [K, 1], [bm, bn], shared_layout([bm, bn], out.dtype)))
         return _LaunchPlan(
             key=next(_PLAN_IDS), kind=problem.kind, config=config, grid=(ts.persistent_grid_size(tiles, limit),),
             use_tma=True, tma_store=True, constexprs=flags, descriptor_geometry=geometry,
-            kernel_name="k_grouped_gemm_gluon_kernel", int_args=(N, K, G), gluon=True,
+            kernel_name="k_grouped_gemm_pingpong_kernel" if config.pingpong else "k_grouped_gemm_gluon_kernel",
+            int_args=(N, K, G), gluon=True,
         )
 
     def _make_pingpong_plan(self, problem: GroupedGemmProblem, out: torch.Tensor, config: KernelConfig,
