@@ -122,6 +122,34 @@ if gluon is not None:
         buf.store(gl.where(inside[None, :], tile, gl.zeros_like(tile)))
 
     @gluon.jit
+    def _box_mma(acc, a_buf, b_buf, box_token, lo, hi, BLOCK_K: gl.constexpr, mask_layout: gl.constexpr):
+        """Issue one box's wgmmas into ``acc`` (async): the whole box as one K=BLOCK_K wgmma, or for
+        a box with a neighbouring group's tokens (at most two a tile) only the 32-token slices before
+        hi, a slice that holds other tokens (the first one when start < lo, the one across hi) set
+        to zero in both operands first. The barrier after the masking stores is a CTA-wide one in the
+        single-stream kernel and the warpgroup's own (a named barrier) inside a ping-pong partition."""
+        SLICE_K: gl.constexpr = 32  # the FP8 wgmma's K: the Triton kernel's narrow-chunk width
+        SLICES: gl.constexpr = BLOCK_K // SLICE_K
+        acc = warpgroup_mma_init(acc)
+        if (box_token < lo) | (box_token + BLOCK_K > hi):
+            straddles = (hi - box_token) % SLICE_K != 0
+            if (box_token < lo) | (straddles & (box_token + BLOCK_K > hi)):
+                for j in gl.static_range(SLICES):
+                    first = box_token + j * SLICE_K
+                    if (first < lo) | ((first < hi) & (first + SLICE_K > hi)):
+                        _zero_other_groups(a_buf.slice(j * SLICE_K, SLICE_K, 1), first, lo, hi, SLICE_K, mask_layout)
+                        _zero_other_groups(b_buf.slice(j * SLICE_K, SLICE_K, 1), first, lo, hi, SLICE_K, mask_layout)
+                fence_async_shared()  # the stores, before the tensor cores read them
+                _cta_barrier()
+            for j in gl.static_range(SLICES):
+                if box_token + j * SLICE_K < hi:
+                    acc = warpgroup_mma(a_buf.slice(j * SLICE_K, SLICE_K, 1),
+                                        b_buf.slice(j * SLICE_K, SLICE_K, 1).permute((1, 0)), acc, is_async=True)
+        else:
+            acc = warpgroup_mma(a_buf, b_buf.permute((1, 0)), acc, is_async=True)
+        return acc
+
+    @gluon.jit
     def _dequantize(acc, a_scale_ptr, b_scale_ptr, group, row_a, row_b, N, K, mma_layout: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, A_ROWWISE: gl.constexpr, B_ROWWISE: gl.constexpr):
         """acc * a_scale * b_scale in fp32, in that order (grouped_gemm._dequantize's, bit for bit)."""
@@ -199,7 +227,6 @@ if gluon is not None:
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-        SLICE_K: gl.constexpr = 32  # the FP8 wgmma's K: the Triton kernel's narrow-chunk width
         pid = gl.program_id(0)
         num_programs = gl.num_programs(0)
         num_m_blocks = gl.cdiv(N, BLOCK_M)
@@ -208,7 +235,6 @@ if gluon is not None:
 
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, BLOCK_N, 32])
-        SLICES: gl.constexpr = BLOCK_K // SLICE_K
         # A [rows, 32] FP8 slice in registers: 16 contiguous tokens a thread.
         mask_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[16, 2],
                                                      warps_per_cta=[num_warps, 1], order=[1, 0])
@@ -241,29 +267,7 @@ if gluon is not None:
                 a_buf = a_bufs.index(slot)
                 b_buf = b_bufs.index(slot)
                 box_token = start + box * BLOCK_K
-                acc = warpgroup_mma_init(acc)
-                if (box_token < lo) | (box_token + BLOCK_K > hi):
-                    # A box with a neighbouring group's tokens (at most two a tile): only the slices
-                    # before hi run, and a slice that holds other tokens (the first one when
-                    # start < lo, the one across hi) has them set to zero in both operands first.
-                    straddles = (hi - box_token) % SLICE_K != 0
-                    if (box_token < lo) | (straddles & (box_token + BLOCK_K > hi)):
-                        for j in gl.static_range(SLICES):
-                            first = box_token + j * SLICE_K
-                            if (first < lo) | ((first < hi) & (first + SLICE_K > hi)):
-                                _zero_other_groups(a_buf.slice(j * SLICE_K, SLICE_K, 1), first, lo, hi, SLICE_K,
-                                                   mask_layout)
-                                _zero_other_groups(b_buf.slice(j * SLICE_K, SLICE_K, 1), first, lo, hi, SLICE_K,
-                                                   mask_layout)
-                        fence_async_shared()  # the stores, before the tensor cores read them
-                        _cta_barrier()
-                    for j in gl.static_range(SLICES):
-                        if box_token + j * SLICE_K < hi:
-                            acc = warpgroup_mma(a_buf.slice(j * SLICE_K, SLICE_K, 1),
-                                                b_buf.slice(j * SLICE_K, SLICE_K, 1).permute((1, 0)), acc,
-                                                is_async=True)
-                else:
-                    acc = warpgroup_mma(a_buf, b_buf.permute((1, 0)), acc, is_async=True)
+                acc = _box_mma(acc, a_buf, b_buf, box_token, lo, hi, BLOCK_K, mask_layout)
                 # One wgmma group in flight: the previous box's are done, so its slot may be reloaded.
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 consumed += 1
@@ -354,8 +358,6 @@ if gluon is not None:
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
         STAGES: gl.constexpr = a_bufs.type.shape[0]
         WARPS: gl.constexpr = gl.num_warps()
-        SLICE_K: gl.constexpr = 32  # the FP8 wgmma's K: the Triton kernel's narrow-chunk width
-        SLICES: gl.constexpr = BLOCK_K // SLICE_K
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                              instr_shape=[16, BLOCK_N, 32])
         mask_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[16, 2],
@@ -391,28 +393,7 @@ if gluon is not None:
                     a_buf = a_bufs.index(slot)
                     b_buf = b_bufs.index(slot)
                     box_token = start + box * BLOCK_K
-                    acc = warpgroup_mma_init(acc)
-                    if (box_token < lo) | (box_token + BLOCK_K > hi):
-                        # A box with a neighbouring group's tokens (k_grouped_gemm_gluon_kernel's
-                        # masking): only the slices before hi run, those holding other tokens zeroed.
-                        straddles = (hi - box_token) % SLICE_K != 0
-                        if (box_token < lo) | (straddles & (box_token + BLOCK_K > hi)):
-                            for j in gl.static_range(SLICES):
-                                first = box_token + j * SLICE_K
-                                if (first < lo) | ((first < hi) & (first + SLICE_K > hi)):
-                                    _zero_other_groups(a_buf.slice(j * SLICE_K, SLICE_K, 1), first, lo, hi, SLICE_K,
-                                                       mask_layout)
-                                    _zero_other_groups(b_buf.slice(j * SLICE_K, SLICE_K, 1), first, lo, hi, SLICE_K,
-                                                       mask_layout)
-                            fence_async_shared()  # the stores, before the tensor cores read them
-                            _cta_barrier()  # this warpgroup's (a named barrier inside a partition)
-                        for j in gl.static_range(SLICES):
-                            if box_token + j * SLICE_K < hi:
-                                acc = warpgroup_mma(a_buf.slice(j * SLICE_K, SLICE_K, 1),
-                                                    b_buf.slice(j * SLICE_K, SLICE_K, 1).permute((1, 0)), acc,
-                                                    is_async=True)
-                    else:
-                        acc = warpgroup_mma(a_buf, b_buf.permute((1, 0)), acc, is_async=True)
+                    acc = _box_mma(acc, a_buf, b_buf, box_token, lo, hi, BLOCK_K, mask_layout)
                     # One wgmma group in flight: the previous box's are done, so its slot is free.
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                     mbarrier.arrive(empty.index((consumed + STAGES - 1) % STAGES), count=1, pred=box > 0)
