@@ -607,3 +607,31 @@ def test_a_gluon_blockwise_wgrad_that_does_not_compile_falls_back_to_the_tma_ker
         triton_gemm.run(problem, config)
     assert launched == ["k_grouped_tma"]
     assert "PTXASError" in triton_gemm.gluon_declined(problem, config)
+
+
+def test_wgrad_pingpong_declines_what_it_cannot_take():
+    """The accumulating wgrad ping-pong takes an fp32 main_grad accumulation only, one warpgroup a
+    consumer, one program a SM, N a multiple of BLOCK_M, and its ring beside two float32 staging
+    tiles within shared memory; each refusal names its reason (the other kernels run it then)."""
+    import dataclasses
+
+    from turbo_moe.backends.base import GemmKind, GroupedGemmProblem
+    from turbo_moe.backends.triton_backend import ACCUMULATE_CANDIDATES, wgrad_pingpong_reason
+
+    config = next(c for c in ACCUMULATE_CANDIDATES if c.pingpong)
+    N, K, M, G = 256, 384, 64, 2
+    a = torch.randn(N, M).to(torch.float8_e4m3fn)
+    b = torch.randn(K, M).to(torch.float8_e4m3fn)
+    one, offs = torch.tensor(1.0), torch.tensor([0, 32, 64])
+    plain = GroupedGemmProblem(GemmKind.K_GROUPED, a, b, one, one, offs, torch.float32)
+    main_grad = torch.zeros(G, N, K)
+    accumulating = dataclasses.replace(plain, out=main_grad, accumulate=True)
+    assert wgrad_pingpong_reason(accumulating, config, main_grad) == ""
+    assert "main_grad only" in wgrad_pingpong_reason(plain, config, None)
+    assert "num_warps=4" in wgrad_pingpong_reason(accumulating, dataclasses.replace(config, num_warps=8), main_grad)
+    assert "one program per SM" in wgrad_pingpong_reason(accumulating, dataclasses.replace(config, programs_per_sm=2),
+                                                         main_grad)
+    assert "2 store tiles" in wgrad_pingpong_reason(accumulating, dataclasses.replace(config, num_stages=4), main_grad)
+    odd = GroupedGemmProblem(GemmKind.K_GROUPED, a[:200], b, one, one, offs, torch.float32,
+                             out=torch.zeros(G, 200, K), accumulate=True)
+    assert "multiple of" in wgrad_pingpong_reason(odd, config, odd.out)

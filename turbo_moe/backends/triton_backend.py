@@ -205,10 +205,11 @@ def candidates_for(problem: GroupedGemmProblem) -> Tuple[KernelConfig, ...]:
     return tuple(c for c in candidates if not c.gluon or not _gluon_reason(problem, c, problem.out))
 
 
-def gluon_output_reason(problem, config, out: Optional[torch.Tensor]) -> str:
+def gluon_output_reason(problem, config, out: Optional[torch.Tensor], store_tiles: int = 1) -> str:
     """Empty if a Gluon K-grouped kernel (tensorwise or blockwise) can store ``problem``'s output
     (``out``, or a fresh contiguous one when None) under ``config``: one [G*N, K] store descriptor,
-    and its operand ring plus the store tile within shared memory."""
+    and its operand ring plus ``store_tiles`` store tiles (the wgrad ping-pong: one a consumer)
+    within shared memory."""
     _, N, K = problem.mnk
     if N % config.block_m:
         return f"N={N} is not a multiple of the Gluon kernel's BLOCK_M={config.block_m} (one [G*N, K] store descriptor)"
@@ -219,8 +220,9 @@ def gluon_output_reason(problem, config, out: Optional[torch.Tensor]) -> str:
         return why
     item = torch.empty((), dtype=problem.out_dtype).element_size()
     operands = config.num_stages * (config.block_m + config.block_n) * config.block_k
-    if operands + config.block_m * config.block_n * item > _SHARED_MEMORY_BUDGET:
-        return "its ring and store tile do not fit in shared memory"
+    if operands + store_tiles * config.block_m * config.block_n * item > _SHARED_MEMORY_BUDGET:
+        return f"its ring and {'store tile' if store_tiles == 1 else f'{store_tiles} store tiles'} do not fit in " \
+               "shared memory"
     return ""
 
 
@@ -299,13 +301,9 @@ def _gluon_reason(problem: GroupedGemmProblem, config: KernelConfig, out: Option
         from turbo_moe.kernels.triton import m_grouped_gemm_gluon
 
         return m_grouped_gemm_gluon.GLUON_ERROR
-    why = wgrad_pingpong_reason(problem, config) if config.pingpong else gluon_output_reason(problem, config, out)
+    why = wgrad_pingpong_reason(problem, config, out) if config.pingpong else gluon_output_reason(problem, config, out)
     if why:
         return why
-    if config.pingpong:
-        why = _store_descriptor_reason(problem.out_dtype, problem.mnk[2], out)
-        if why:
-            return why
     from turbo_moe.kernels.triton import grouped_gemm_gluon
 
     return grouped_gemm_gluon.GLUON_ERROR
@@ -317,25 +315,16 @@ def _gluon_reason(problem: GroupedGemmProblem, config: KernelConfig, out: Option
 PINGPONG_REGS = dict(CONSUMER_REGS=224, PRODUCER_REGS=64, maxnreg=168)
 
 
-def wgrad_pingpong_reason(problem: GroupedGemmProblem, config: KernelConfig) -> str:
-    """Empty if the accumulating wgrad ping-pong can run ``problem`` with ``config``'s tiles (its
-    output descriptor is checked apart), else why not."""
+def wgrad_pingpong_reason(problem: GroupedGemmProblem, config: KernelConfig, out: Optional[torch.Tensor]) -> str:
+    """Empty if the accumulating wgrad ping-pong can run ``problem`` with ``config``'s tiles into
+    ``out`` (None: a fresh contiguous output), else why not."""
     if problem.kind is not GemmKind.K_GROUPED or not problem.accumulate:
         return "the wgrad ping-pong adds into an fp32 main_grad only (a K-grouped problem with accumulate)"
     if config.num_warps != 4:
         return "the ping-pong's consumers are one warpgroup each (num_warps=4)"
     if config.programs_per_sm != 1:
         return "the ping-pong runs one program per SM"
-    _, N, _ = problem.mnk
-    if N % config.block_m:
-        return f"N={N} is not a multiple of the ping-pong's BLOCK_M={config.block_m} (one [G*N, K] store descriptor)"
-    if problem.num_groups * N >= 2**31:
-        return "TMA coordinates are 32-bit"
-    # The operand ring, then a float32 staging tile for each consumer.
-    operands = config.num_stages * (config.block_m + config.block_n) * config.block_k
-    if operands + 2 * config.block_m * config.block_n * 4 > _SHARED_MEMORY_BUDGET:
-        return "its ring and two float32 staging tiles do not fit in shared memory"
-    return ""
+    return gluon_output_reason(problem, config, out, store_tiles=2)  # a float32 staging tile a consumer
 
 
 def swiglu_reason(problem: GroupedGemmProblem) -> str:
