@@ -403,7 +403,10 @@ def test_train_table_ratios_and_targets():
     text = "\n".join(report.train_table(records))
     assert "0.80x" in text and "0.50x" in text and "+0.50%" in text and "+2.50%" in text
     assert "900 (120)" in text and "| 0.750 " in text  # GPU idle = step - GPU busy, on a GPU only
+    assert "GPU / bf16" in text and "| 0.72x " in text  # the GPU busy time against bf16's: 7.25 / 10
     targets = report.train_targets(records)
+    assert "- n/a expert-dominated fp8-tensorwise: the step's GPU busy time 0.72x bf16 (the step ratio adds the " \
+           "host's idle gaps)" in targets
     assert "- PASS expert-dominated: bf16 experts are 60% of the step's GPU time (config wants >= 50%)" in targets
     assert "- PASS expert-dominated fp8-tensorwise: expert GPU time 0.50x bf16 (<= 0.65x)" in targets
     assert "- MISS expert-dominated fp8-rowwise: expert GPU time 0.70x bf16 (<= 0.65x)" in targets

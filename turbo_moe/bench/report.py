@@ -216,18 +216,22 @@ def _loss_delta(r: dict, b: dict, key: str) -> str:
 
 
 def train_table(records: Sequence[dict]) -> List[str]:
-    """The training-step preset: one row per (config, variant); ratios are time / turbo-bf16's time."""
+    """The training-step preset: one row per (config, variant); ratios are time / turbo-bf16's time.
+    "GPU / bf16" is the step's GPU busy time against bf16's: the step's own ratio also carries the
+    host's idle gaps, which move between runs by more than a kernel change (Megatron's dispatcher
+    waits for the token counts every micro-batch)."""
     records = [r for r in records if r["level"] == "train"]
     if not records:
         return []
     base = _train_baseline(records)
-    rows = [["config", "variant", "experts", "steps", "step ms", "step / bf16", "host ms", "GPU ms", "GPU idle ms",
+    rows = [["config", "variant", "experts", "steps", "step ms", "step / bf16", "host ms", "GPU ms", "GPU / bf16",
+             "GPU idle ms",
              "expert GPU ms", "expert share", "expert / bf16", "launches (experts)", "peak MB", "train loss",
              "held-out loss", "held-out vs bf16", "train vs bf16, last 10%", "held-out vs bf16, last 3"]]
     for r in records:
         if r["status"] != "ok":
             rows.append([r["config"], r["impl"], r.get("experts") or "", "", {"skipped": "skip"}.get(r["status"], r["status"])]
-                        + [""] * 14)
+                        + [""] * 15)
             continue
         b = base.get(r["config"], {})
         val_delta, train_tail_delta, val_tail_delta = (_loss_delta(r, b, key)
@@ -236,6 +240,7 @@ def train_table(records: Sequence[dict]) -> List[str]:
         rows.append([
             r["config"], r["impl"], r.get("experts") or "", str(r["steps"]), _ms(r.get("step_ms")),
             _fmt_ratio(_time_ratio(r.get("step_ms"), b.get("step_ms"))), _ms(r.get("host_ms")), _ms(r.get("gpu_ms")),
+            _fmt_ratio(_time_ratio(r.get("gpu_ms"), b.get("gpu_ms"))),
             _ms(max(r["step_ms"] - r["gpu_ms"], 0.0)) if r.get("step_ms") and r.get("gpu_ms") and r.get("launches") is not None else "",
             _ms(r.get("expert_gpu_ms")), "" if share is None else f"{100 * share:.0f}%",
             _fmt_ratio(_time_ratio(r.get("expert_gpu_ms"), b.get("expert_gpu_ms"))),
@@ -277,6 +282,10 @@ def train_targets(records: Sequence[dict]) -> List[str]:
         step = _time_ratio(r.get("step_ms"), b.get("step_ms"))
         if step is not None and r["config"] in _STEP_BOUND:
             checks.append((step <= _STEP_BOUND[r["config"]], f"step {step:.2f}x bf16 (<= {_STEP_BOUND[r['config']]:.2f}x)"))
+            busy = _time_ratio(r.get("gpu_ms"), b.get("gpu_ms"))
+            if busy is not None:  # context for the step line, not a target of its own
+                checks.append((None, f"the step's GPU busy time {busy:.2f}x bf16 (the step ratio adds the host's "
+                                     "idle gaps)"))
         # The loss targets read averages (train_step.loss_summary): one held-out point is too noisy
         # for a 1% line. Records from before the averages fall back to the last held-out point.
         loss_checks = (("train_loss_tail", "training loss over the last 10% of steps"),
