@@ -17,6 +17,9 @@ One dense 32768 x 4096 x 7168 GEMM (plain tile grid, TMA loads, 128 x 128 x 128 
 * Gluon, warp-specialized (``gl_ws_blockwise_kernel``, ``gl.warp_specialize``): persistent, a
   one-warp TMA partition filling the ring and the 8-warp math partition releasing each slot on an
   mbarrier, with one block accumulator or two in turn.
+* Gluon, two independent pipelines in one program (``gl_two_pipe_blockwise_kernel``): each a
+  producer warp with its own ring and a one-warpgroup math partition on 64 x 128 tiles (two block
+  accumulators), taking the program's tiles in turn; one's promotions beside the other's wgmmas.
 
 Then the library's own M-grouped blockwise problem at the bench's DeepSeek-V3 expert shapes:
 ``triton_gemm.run`` (the TMA promotion loop) against ``gl_grouped_blockwise_kernel`` (the
@@ -258,9 +261,9 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M: gl.constexpr,
-                     STAGES: gl.constexpr):
-        """The one-warp load partition: every (tile, block) of this program into the ring, a slot
-        reloaded once the math partition has released it on ``empty``."""
+                     STAGES: gl.constexpr, tile0, tile_step):
+        """The one-warp load partition: every (tile, block) of its tiles (tile0, tile0 + tile_step,
+        ...) into the ring, a slot reloaded once the math partition has released it on ``empty``."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -268,7 +271,7 @@ if gluon is not None:
         num_pid_n = gl.cdiv(N, BLOCK_N)
         kb = gl.cdiv(K, BLOCK_K)
         n = 0
-        for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        for tile in range(tile0, num_pid_m * num_pid_n, tile_step):
             pid_m, pid_n = S.swizzle_group_m(tile, num_pid_m, num_pid_n, GROUP_M)
             for k in range(kb):
                 s = n % STAGES
@@ -297,10 +300,11 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_math(a_bufs, b_bufs, ready, empty, c_desc, c_smem, sa_ptr, sb_ptr, M, N, K, GROUP_M: gl.constexpr,
-                 STAGES: gl.constexpr, TWO_ACC: gl.constexpr, num_warps: gl.constexpr):
-        """The math partition (two warpgroups, 64 rows each): per tile, every block's wgmma and
-        promotion -- with TWO_ACC, two block accumulators in turn as in ``_overlapped_blocks``
-        -- then the epilogue's TMA store, waited for one tile later."""
+                 STAGES: gl.constexpr, TWO_ACC: gl.constexpr, num_warps: gl.constexpr, tile0, tile_step):
+        """The math partition (num_warps warps, 16 rows of the tile each): per tile (tile0, tile0 +
+        tile_step, ...), every block's wgmma and promotion -- with TWO_ACC, two block accumulators
+        in turn as in ``_overlapped_blocks`` -- then the epilogue's TMA store, waited for one tile
+        later."""
         BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = 128
@@ -311,7 +315,7 @@ if gluon is not None:
         kb = gl.cdiv(K, BLOCK_K)
         zero = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma_layout)
         n = 0
-        for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        for tile in range(tile0, num_pid_m * num_pid_n, tile_step):
             pid_m, pid_n = S.swizzle_group_m(tile, num_pid_m, num_pid_n, GROUP_M)
             sa_rows = sa_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
             sb_row = sb_ptr + (pid_n * BLOCK_N // 128) * kb
@@ -362,11 +366,47 @@ if gluon is not None:
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=1)
         c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+        pid, programs = gl.program_id(0), gl.num_programs(0)
         gl.warp_specialize([
             (_ws_math, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, sa_ptr, sb_ptr, M, N, K, GROUP_M, STAGES,
-                        TWO_ACC, num_warps)),
-            (_ws_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M, STAGES)),
+                        TWO_ACC, num_warps, pid, programs)),
+            (_ws_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M, STAGES, pid, programs)),
         ], [1], [40])
+
+
+    @gluon.jit
+    def gl_two_pipe_blockwise_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, M, N, K, GROUP_M: gl.constexpr,
+                                     STAGES: gl.constexpr, num_warps: gl.constexpr):
+        """Two independent pipelines in one persistent program: each a one-warp TMA partition with
+        its own ring and a one-warpgroup math partition (64-row tiles, so that two block
+        accumulators fit beside the main one), the pipelines taking this program's tiles in turn.
+        Neither waits for the other: one's promotions and epilogue run beside the other's wgmmas,
+        where the warp-specialized kernel's two warpgroups, sharing one tile, move in step."""
+        a0 = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b0 = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        a1 = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b1 = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        ready0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready0.index(s), count=1)
+            mbarrier.init(empty0.index(s), count=1)
+            mbarrier.init(ready1.index(s), count=1)
+            mbarrier.init(empty1.index(s), count=1)
+        c0 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+        c1 = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+        pid, programs = gl.program_id(0), gl.num_programs(0)
+        gl.warp_specialize([
+            (_ws_math, (a0, b0, ready0, empty0, c_desc, c0, sa_ptr, sb_ptr, M, N, K, GROUP_M, STAGES, True,
+                        num_warps, pid, 2 * programs)),
+            (_ws_math, (a1, b1, ready1, empty1, c_desc, c1, sa_ptr, sb_ptr, M, N, K, GROUP_M, STAGES, True,
+                        num_warps, pid + programs, 2 * programs)),
+            (_ws_producer, (a_desc, b_desc, a0, b0, ready0, empty0, M, N, K, GROUP_M, STAGES, pid, 2 * programs)),
+            (_ws_producer, (a_desc, b_desc, a1, b1, ready1, empty1, M, N, K, GROUP_M, STAGES, pid + programs,
+                            2 * programs)),
+        ], [num_warps, 1, 1], [224, 40, 40])
 
 
 def _operands(M, N, K, bk):
@@ -436,6 +476,23 @@ def run_gluon_ws(M, N, K, stages, two_acc, warps=8, bm=128, bn=128, bk=128):
         print("   NaN left in the output: a tile was not written")
 
 
+def run_gluon_two_pipe(M, N, K, stages, bm=64, bn=128, bk=128):
+    """``gl_two_pipe_blockwise_kernel``: one persistent program per SM, two pipelines of 64 x 128
+    tiles, output NaN-poisoned first."""
+    operands = a, b, sa, sb, out = _operands(M, N, K, bk)
+    out.fill_(float("nan"))
+    layout = gl.NVMMASharedLayout.get_default_for
+    ad = TensorDescriptor(a, list(a.shape), list(a.stride()), [bm, bk], layout([bm, bk], gl.float8e4nv))
+    bd = TensorDescriptor(b, list(b.shape), list(b.stride()), [bn, bk], layout([bn, bk], gl.float8e4nv))
+    cd = TensorDescriptor(out, list(out.shape), list(out.stride()), [bm, bn], layout([bm, bn], gl.bfloat16))
+    grid = (min(triton.cdiv(M, bm) * triton.cdiv(N, bn), torch.cuda.get_device_properties(0).multi_processor_count),)
+    launch = lambda: gl_two_pipe_blockwise_kernel[grid](  # noqa: E731
+        ad, bd, cd, sa, sb, M, N, K, GROUP_M=8, STAGES=stages, num_warps=4, maxnreg=168)
+    _measure(f"gluon two pipelines stages={stages} 64x128 tiles", launch, operands, bk, True)
+    if torch.isnan(out).any():
+        print("   NaN left in the output: a tile was not written")
+
+
 def run_grouped(G, T, K, N, stages=4, warps=8):
     """The library's blockwise forward problem (its own quantization of random x and W, G experts of
     T tokens) through ``triton_gemm.run`` (the TMA promotion loop) and through
@@ -496,6 +553,11 @@ def main() -> int:
         except Exception as exc:  # gl.warp_specialize's spelling moves between Triton releases
             print(f"gluon warp-specialized stages={stages} two_acc={two_acc}: fails {type(exc).__name__}: "
                   f"{str(exc)[:300]}")
+    for stages in (4, 3):
+        try:
+            run_gluon_two_pipe(M, N, K, stages)
+        except Exception as exc:
+            print(f"gluon two pipelines stages={stages}: fails {type(exc).__name__}: {str(exc)[:300]}")
     for shape in ((8, 4096, 7168, 4096), (32, 512, 7168, 4096)):  # the bench's DeepSeek-V3 expert shapes
         try:
             run_grouped(*shape)
