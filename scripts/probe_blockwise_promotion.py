@@ -448,12 +448,18 @@ def run_triton(M, N, K, mode, ws, stages, bm=128, bn=128, bk=128, warps=8):
     _measure(f"triton mode={mode} ws={ws} stages={stages} w={warps}", launch, operands, bk, mode >= 2)
 
 
+def _gluon_descriptors(a, b, out, bm, bn, bk):
+    """Gluon host descriptors of the dense problem's operands and output, [bm, bk] / [bn, bk] /
+    [bm, bn] boxes with the widest swizzle each allows."""
+    layout = gl.NVMMASharedLayout.get_default_for
+    return (TensorDescriptor(a, list(a.shape), list(a.stride()), [bm, bk], layout([bm, bk], gl.float8e4nv)),
+            TensorDescriptor(b, list(b.shape), list(b.stride()), [bn, bk], layout([bn, bk], gl.float8e4nv)),
+            TensorDescriptor(out, list(out.shape), list(out.stride()), [bm, bn], layout([bm, bn], gl.bfloat16)))
+
+
 def run_gluon(M, N, K, stages, overlap, warps=8, bm=128, bn=128, bk=128):
     operands = a, b, sa, sb, out = _operands(M, N, K, bk)
-    layout = gl.NVMMASharedLayout.get_default_for
-    ad = TensorDescriptor(a, list(a.shape), list(a.stride()), [bm, bk], layout([bm, bk], gl.float8e4nv))
-    bd = TensorDescriptor(b, list(b.shape), list(b.stride()), [bn, bk], layout([bn, bk], gl.float8e4nv))
-    cd = TensorDescriptor(out, list(out.shape), list(out.stride()), [bm, bn], layout([bm, bn], gl.bfloat16))
+    ad, bd, cd = _gluon_descriptors(a, b, out, bm, bn, bk)
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
     launch = lambda: gl_blockwise_kernel[grid](  # noqa: E731
         ad, bd, cd, sa, sb, M, N, K, STAGES=stages, OVERLAP=overlap, GROUP_M=8, num_warps=warps)
@@ -464,10 +470,7 @@ def run_gluon_ws(M, N, K, stages, two_acc, warps=8, bm=128, bn=128, bk=128):
     """The warp-specialized kernel, one program per SM (persistent), output NaN-poisoned first."""
     operands = a, b, sa, sb, out = _operands(M, N, K, bk)
     out.fill_(float("nan"))
-    layout = gl.NVMMASharedLayout.get_default_for
-    ad = TensorDescriptor(a, list(a.shape), list(a.stride()), [bm, bk], layout([bm, bk], gl.float8e4nv))
-    bd = TensorDescriptor(b, list(b.shape), list(b.stride()), [bn, bk], layout([bn, bk], gl.float8e4nv))
-    cd = TensorDescriptor(out, list(out.shape), list(out.stride()), [bm, bn], layout([bm, bn], gl.bfloat16))
+    ad, bd, cd = _gluon_descriptors(a, b, out, bm, bn, bk)
     grid = (min(triton.cdiv(M, bm) * triton.cdiv(N, bn), torch.cuda.get_device_properties(0).multi_processor_count),)
     launch = lambda: gl_ws_blockwise_kernel[grid](  # noqa: E731
         ad, bd, cd, sa, sb, M, N, K, GROUP_M=8, STAGES=stages, TWO_ACC=two_acc, num_warps=warps)
@@ -481,10 +484,7 @@ def run_gluon_two_pipe(M, N, K, stages, bm=64, bn=128, bk=128):
     tiles, output NaN-poisoned first."""
     operands = a, b, sa, sb, out = _operands(M, N, K, bk)
     out.fill_(float("nan"))
-    layout = gl.NVMMASharedLayout.get_default_for
-    ad = TensorDescriptor(a, list(a.shape), list(a.stride()), [bm, bk], layout([bm, bk], gl.float8e4nv))
-    bd = TensorDescriptor(b, list(b.shape), list(b.stride()), [bn, bk], layout([bn, bk], gl.float8e4nv))
-    cd = TensorDescriptor(out, list(out.shape), list(out.stride()), [bm, bn], layout([bm, bn], gl.bfloat16))
+    ad, bd, cd = _gluon_descriptors(a, b, out, bm, bn, bk)
     grid = (min(triton.cdiv(M, bm) * triton.cdiv(N, bn), torch.cuda.get_device_properties(0).multi_processor_count),)
     launch = lambda: gl_two_pipe_blockwise_kernel[grid](  # noqa: E731
         ad, bd, cd, sa, sb, M, N, K, GROUP_M=8, STAGES=stages, num_warps=4, maxnreg=168)
