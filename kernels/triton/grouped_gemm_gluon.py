@@ -284,6 +284,18 @@ if gluon is not None:
 
 
     # ---------------------------------------------------------------- the accumulating ping-pong
+
+    @gluon.jit
+    def _take_turn(turn, CONSUMER, turns):
+        """A ping-pong consumer's wait for its turn at the ring (its ``turns``-th), in both ping-pongs
+        (this module's and m_grouped_gemm_gluon's); returns ``turns + 1``. The other consumer passes
+        the turn once it has waited for all the boxes of its tile: a slot's ready barrier tells
+        phases apart by parity only, so a consumer waiting for a box a whole ring cycle (or more)
+        ahead of the other one's would take that one's box. Consumer 0's first wait is on the fresh
+        barrier's completed phase, so it starts at once."""
+        mbarrier.wait(turn.index(CONSUMER), (turns & 1) ^ (1 - CONSUMER))
+        return turns + 1
+
     # The wgrad into an fp32 main_grad (out[g] += the result) as a warp-specialized ping-pong, like
     # m_grouped_gemm_gluon's: a producer warp walks the program's (tile, box) sequence into a ring of
     # STAGES slots; two consumer warpgroups take the program's tiles in turn (consumer c its tiles c,
@@ -383,10 +395,7 @@ if gluon is not None:
                     mbarrier.expect(out_loaded, out_desc.block_type.nbytes)
                     _tma_load(out_desc, [out_row, row_b], out_loaded, out_buf)
                 acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma_layout)
-                # Our turn at the ring (m_grouped_gemm_gluon's consumers: the ready barriers tell
-                # phases apart by parity only, so the consumers take their boxes in tile order).
-                mbarrier.wait(turn.index(CONSUMER), (turns & 1) ^ (1 - CONSUMER))
-                turns += 1
+                turns = _take_turn(turn, CONSUMER, turns)
                 for box in range(boxes):
                     slot = consumed % STAGES
                     mbarrier.wait(ready.index(slot), (consumed // STAGES) & 1)

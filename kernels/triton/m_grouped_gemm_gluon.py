@@ -41,7 +41,7 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_init, warpgroup_mma_wait)
 
-    from .grouped_gemm_gluon import _tma_load, _tma_store
+    from .grouped_gemm_gluon import _take_turn, _tma_load, _tma_store
 
     # Rows a masked store of a group's last tile writes at once (from the shared staging tile).
     _STORE_ROWS = gl.constexpr(16)
@@ -231,13 +231,7 @@ if gluon is not None:
                     p1 = _swiglu_probs_chunk(probs_ptr, probs_first, probs_left, 1, WARPS)
                     p2 = _swiglu_probs_chunk(probs_ptr, probs_first, probs_left, 2, WARPS)
                     p3 = _swiglu_probs_chunk(probs_ptr, probs_first, probs_left, 3, WARPS)
-                # Our turn at the ring: the other consumer has waited for all the boxes of its tile
-                # before ours. A slot's ready barrier tells phases apart by parity only, so a
-                # consumer waiting for a box a whole ring cycle (or more) ahead of the other one's
-                # would take that one's box. Consumer 0's first tile waits on the fresh barrier's
-                # completed phase, so it starts at once.
-                mbarrier.wait(turn.index(CONSUMER), (turns & 1) ^ (1 - CONSUMER))
-                turns += 1
+                turns = _take_turn(turn, CONSUMER, turns)  # our turn at the ring (_take_turn says why)
                 for k_block in range(num_k_blocks):
                     slot = consumed % STAGES
                     mbarrier.wait(ready.index(slot), (consumed // STAGES) & 1)
