@@ -356,6 +356,8 @@ _GLUON_SCALARS = {"a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "group_offs_pt
 def test_gluon_wgrad_compiles_for_hopper(case):
     """The Gluon K-grouped kernel, each GPU candidate's shape, compiles for sm_90 on any machine.
     8 warps: per warpgroup four K=32 wgmmas for a full box and four for the sliced box."""
+    from turbo_moe.backends.triton_backend import WGRAD_OLD_TILE_BOX
+
     accumulate = case.startswith("fp32")
     bm, bn, bk, stages = (128, 128, 128, 4) if accumulate else (128, 256, 128, 3)
     out_dtype = torch.float32 if accumulate else torch.bfloat16
@@ -364,7 +366,7 @@ def test_gluon_wgrad_compiles_for_hopper(case):
         {"a_desc": ([bm, bk], torch.float8_e5m2), "b_desc": ([bn, bk], torch.float8_e4m3fn),
          "out_desc": ([bm, bn], out_dtype)}, _GLUON_SCALARS,
         dict(A_ROWWISE=accumulate, B_ROWWISE=accumulate, GROUP_M=8, BAND_CYCLIC=False, ACCUMULATE=accumulate,
-             STAGES=stages, num_warps=8))
+             OLD_TILE_BOX=WGRAD_OLD_TILE_BOX if accumulate else -1, STAGES=stages, num_warps=8))
     _assert_gluon_wgrad_ptx(compiled, wgmmas=8)
 
 

@@ -183,5 +183,5 @@ if gluon is not None:
                         BLOCK_N, SCALE_BLOCK, GROUP_M, BAND_CYCLIC, STAGES)
                 acc += block * (sa[:, None] * sb[None, :])
             out_loads = _store_tile(acc, out_desc, out_buf, out_ready, out_loads, group * N + row_a, row_b, hi > lo,
-                                    mma_layout, ACCUMULATE)
+                                    mma_layout, ACCUMULATE, False)
         _release(ready, out_ready, STAGES)

@@ -15,7 +15,11 @@ instruction stream, with a producer cursor that walks this program's (tile, box)
 
 * the first loads of a tile are issued while the previous tile's last MMAs and epilogue run;
 * the epilogue's TMA store is waited for only when its shared buffer is written again, one tile
-  later.
+  later;
+* accumulating into an fp32 main_grad, the old tile is read halfway through the tile's MMAs (at
+  most ``OLD_TILE_BOX`` boxes in), when the previous tile's store has drained: read in the
+  epilogue, its latency stood between two tiles' MMAs (H100, train preset fc1: 0.93-0.96x the
+  time, docs/results/h100_wgrad_old_tile.md).
 
 Token walk, identical to the Triton TMA kernel's so that the two give the same bits. A group's
 tokens [lo, hi) are read in 128-token boxes from ``start = lo // 16 * 16`` (TMA coordinates along
@@ -181,17 +185,26 @@ if gluon is not None:
         return a_bufs, b_bufs, ready, out_buf, out_ready
 
     @gluon.jit
+    def _load_old_tile(out_desc, out_buf, out_ready, out_row, row_b):
+        """ACCUMULATE: the output tile's old values into out_buf, completing on out_ready, once the
+        previous tile's store has read out_buf."""
+        tma.store_wait(pendings=0)  # the previous tile's store has read out_buf
+        mbarrier.expect(out_ready, out_desc.block_type.nbytes)
+        _tma_load(out_desc, [out_row, row_b], out_ready, out_buf)
+
+    @gluon.jit
     def _store_tile(tile, out_desc, out_buf, out_ready, out_loads, out_row, row_b, has_tokens,
-                    mma_layout: gl.constexpr, ACCUMULATE: gl.constexpr):
+                    mma_layout: gl.constexpr, ACCUMULATE: gl.constexpr, OLD_LOADED: gl.constexpr):
         """The finished float32 tile to out[out_row:, row_b:] through the copy engine (which clips
-        columns past K); ACCUMULATE: added to what is there, and a tile without tokens neither read
-        nor written (adding +0.0 would turn -0.0 into +0.0). The store is waited for only when
-        out_buf is written again, one tile later. Returns the count of out_ready's loads."""
+        columns past K); ACCUMULATE: added to what is there (read here, or already on its way when
+        OLD_LOADED: :func:`_load_old_tile` issued during the tile's MMAs), and a tile without
+        tokens neither read nor written (adding +0.0 would turn -0.0 into +0.0). The store is
+        waited for only when out_buf is written again, one tile later. Returns the count of
+        out_ready's loads."""
         if ACCUMULATE:
             if has_tokens:
-                tma.store_wait(pendings=0)  # the previous tile's store has read out_buf
-                mbarrier.expect(out_ready, out_desc.block_type.nbytes)
-                _tma_load(out_desc, [out_row, row_b], out_ready, out_buf)
+                if not OLD_LOADED:
+                    _load_old_tile(out_desc, out_buf, out_ready, out_row, row_b)
                 mbarrier.wait(out_ready, out_loads & 1)
                 out_loads += 1
                 previous = out_buf.load(mma_layout)
@@ -218,12 +231,15 @@ if gluon is not None:
     def k_grouped_gemm_gluon_kernel(
         a_desc, b_desc, out_desc, a_scale_ptr, b_scale_ptr, group_offs_ptr, N, K, G,
         A_ROWWISE: gl.constexpr, B_ROWWISE: gl.constexpr, GROUP_M: gl.constexpr, BAND_CYCLIC: gl.constexpr,
-        ACCUMULATE: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+        ACCUMULATE: gl.constexpr, OLD_TILE_BOX: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
     ):
         """a_desc: a [N, M] with [BLOCK_M, BLOCK_K] boxes; b_desc: b [K, M] with [BLOCK_N, BLOCK_K]
         boxes; out_desc: out as one [G*N, K] matrix with [BLOCK_M, BLOCK_N] boxes (N a multiple of
         BLOCK_M). ACCUMULATE (float32 out): out[g] += the result; an empty group's tiles are
-        neither read nor written (adding +0.0 would turn -0.0 into +0.0)."""
+        neither read nor written (adding +0.0 would turn -0.0 into +0.0). The old tile is read
+        while the tile's later MMAs run, after box min(boxes // 2, OLD_TILE_BOX) is issued (the
+        previous tile's store must have read out_buf by then), or in the epilogue when
+        OLD_TILE_BOX < 0."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -260,6 +276,8 @@ if gluon is not None:
             group, row_a, row_b, lo, hi, start, boxes = _tile_of(
                 i, pid, num_programs, G, num_m_blocks, num_n_blocks, group_offs_ptr, BLOCK_M, BLOCK_N, BLOCK_K,
                 GROUP_M, BAND_CYCLIC)
+            out_row = group * N + row_a
+            old_at = gl.where(boxes // 2 < OLD_TILE_BOX, boxes // 2, OLD_TILE_BOX)
             acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma_layout)
             for box in range(boxes):
                 slot = consumed % STAGES
@@ -268,6 +286,10 @@ if gluon is not None:
                 b_buf = b_bufs.index(slot)
                 box_token = start + box * BLOCK_K
                 acc = _box_mma(acc, a_buf, b_buf, box_token, lo, hi, BLOCK_K, mask_layout)
+                if ACCUMULATE:
+                    if OLD_TILE_BOX >= 0:
+                        if box == old_at:  # issued beside the tile's remaining MMAs
+                            _load_old_tile(out_desc, out_buf, out_ready, out_row, row_b)
                 # One wgmma group in flight: the previous box's are done, so its slot may be reloaded.
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 consumed += 1
@@ -278,8 +300,8 @@ if gluon is not None:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             acc = _dequantize(acc, a_scale_ptr, b_scale_ptr, group, row_a, row_b, N, K, mma_layout, BLOCK_M, BLOCK_N,
                               A_ROWWISE, B_ROWWISE)
-            out_loads = _store_tile(acc, out_desc, out_buf, out_ready, out_loads, group * N + row_a, row_b, hi > lo,
-                                    mma_layout, ACCUMULATE)
+            out_loads = _store_tile(acc, out_desc, out_buf, out_ready, out_loads, out_row, row_b, hi > lo,
+                                    mma_layout, ACCUMULATE, OLD_TILE_BOX >= 0)
         _release(ready, out_ready, STAGES)
 
 

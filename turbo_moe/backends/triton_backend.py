@@ -130,6 +130,13 @@ GPU_CANDIDATES: Dict[GemmKind, Tuple[KernelConfig, ...]] = {
         KernelConfig(128, 128, 128, 8, 4, 2, band_cyclic=False, programs_per_sm=2),
     ),
 }
+# The single-stream Gluon wgrad into an fp32 main_grad reads a tile's old values after box
+# min(boxes // 2, this) of its MMAs: early enough to arrive before the epilogue, late enough that
+# the previous tile's store (64 KB, about six boxes of MMA time at the train preset's shapes) has
+# drained, since both share one staging tile. H100 (scripts/probe_wgrad_old_tile.py): 0.93-0.96x
+# the time of reading it in the epilogue at the train preset's fc1, 0.93x at DeepSeek-V3's fc1.
+WGRAD_OLD_TILE_BOX = 6
+
 # K-grouped into an fp32 main_grad (accumulate): the epilogue's fp32 read-modify-write is about as
 # many bytes as the operands at training-step group sizes. 128 x 128 tiles (64 fp32 registers a
 # thread for the tile with 8 warps) with the read-modify-write through TMA both ways: 6-10% faster
@@ -584,7 +591,8 @@ class TritonBackend(GroupedGemmBackend):
         if config.pingpong:  # always accumulates (wgrad_pingpong_reason)
             flags.update(STAGES=config.num_stages, **PINGPONG_REGS, num_warps=config.num_warps)
         else:
-            flags.update(ACCUMULATE=problem.accumulate, STAGES=config.num_stages, num_warps=config.num_warps)
+            flags.update(ACCUMULATE=problem.accumulate, OLD_TILE_BOX=WGRAD_OLD_TILE_BOX if problem.accumulate else -1,
+                         STAGES=config.num_stages, num_warps=config.num_warps)
         geometry = (([N, M], [a.stride(0), 1], [bm, bk], shared_layout([bm, bk], a.dtype)),
                     ([K, M], [b.stride(0), 1], [bn, bk], shared_layout([bn, bk], b.dtype)),
                     ([G * N, K], [K, 1], [bm, bn], shared_layout([bm, bn], out.dtype)))
