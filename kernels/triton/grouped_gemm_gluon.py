@@ -323,9 +323,11 @@ if gluon is not None:
     # STAGES slots; two consumer warpgroups take the program's tiles in turn (consumer c its tiles c,
     # c + 2, ...), so that one's read-modify-write of its fp32 tile runs beside the other's MMAs.
     # In the single-stream kernel above that read-modify-write (about as many bytes as the operands
-    # at training-step group sizes) runs while no MMA does. Same token walk, MMAs and epilogue
-    # arithmetic as the kernel above: the same bits. Measured (H100, scripts/probe_wgrad_pingpong.py,
-    # docs/results/h100_wgrad_pingpong.md): 0.95x the single-stream kernel's time at DeepSeek-V3's
+    # at training-step group sizes) ran while no MMA did (its read now starts mid-tile, under the
+    # MMAs; its add and store still run between tiles). Same token walk, MMAs and epilogue
+    # arithmetic as the kernel above: the same bits. Measured against the single-stream kernel with
+    # its read in the epilogue (H100, scripts/probe_wgrad_pingpong.py,
+    # docs/results/h100_wgrad_pingpong.md): 0.95x its time at DeepSeek-V3's
     # fc1 (32 x 512 tokens, K 7168), but 1.04x / 1.15x at the train preset's fc1 / fc2, whose
     # main_grad traffic makes them DRAM-bound: overlapping it with MMAs does not shorten them, and
     # its two 64 KB float32 staging tiles leave room for three ring stages, not four. A tuning

@@ -148,7 +148,8 @@ ACCUMULATE_CANDIDATES: Tuple[KernelConfig, ...] = (
     KernelConfig(128, 128, 128, 8, 8, 4, band_cyclic=False, gluon=True),
     # The ping-pong: three stages beside two 64 KB float32 staging tiles. H100: 0.95x the first
     # candidate's time at DeepSeek-V3's fc1 32 x 512, 1.04-1.15x at the train preset's DRAM-bound
-    # fc1 / fc2 (scripts/probe_wgrad_pingpong.py); the tuner picks per shape class.
+    # fc1 / fc2 (scripts/probe_wgrad_pingpong.py), measured before the first candidate's mid-tile
+    # read (WGRAD_OLD_TILE_BOX), which took it to 0.92-0.94x there; the tuner picks per shape class.
     KernelConfig(128, 128, 128, 8, 4, 3, band_cyclic=False, gluon=True, pingpong=True),
     KernelConfig(128, 128, 128, 8, 4, 4, band_cyclic=False, gluon=True),
     KernelConfig(128, 64, 128, 8, 4, 3, band_cyclic=False, programs_per_sm=2, gluon=True),
