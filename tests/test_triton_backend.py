@@ -370,22 +370,25 @@ def test_gluon_wgrad_compiles_for_hopper(case):
     _assert_gluon_wgrad_ptx(compiled, wgmmas=8)
 
 
-@pytest.mark.parametrize("scales", ["tensorwise", "rowwise"])
-def test_wgrad_pingpong_compiles_for_hopper(scales):
-    """The accumulating wgrad ping-pong compiles for sm_90 with the backend's candidate and register
-    split: two consumer warpgroups and a producer warp (12 warps), each consumer's 128 x 128 tile two
-    m64 wgmmas per 32 tokens for a full box and for a sliced one (16 a consumer), partition-local
-    named barriers for the masking and the read-modify-write (a CTA-wide one would hang), shared
-    memory within the budget (three stages beside two 64 KB float32 staging tiles)."""
-    from turbo_moe.backends.triton_backend import ACCUMULATE_CANDIDATES, PINGPONG_REGS
+@pytest.mark.parametrize("case", ["fp32 += tensorwise", "fp32 += rowwise", "bf16 tensorwise", "bf16 rowwise"])
+def test_wgrad_pingpong_compiles_for_hopper(case):
+    """The wgrad ping-pong compiles for sm_90 with the backend's candidates and register split: two
+    consumer warpgroups and a producer warp (12 warps), each consumer's 128 x 128 tile two m64
+    wgmmas per 32 tokens for a full box and for a sliced one (16 a consumer), partition-local named
+    barriers for the masking and the epilogue (a CTA-wide one would hang), shared memory within the
+    budget (three stages beside two 64 KB float32 staging tiles into main_grad, four beside two 32
+    KB bf16 ones); into main_grad a TMA read of the old tile, into bf16 none."""
+    from turbo_moe.backends.triton_backend import ACCUMULATE_CANDIDATES, GPU_CANDIDATES, PINGPONG_REGS
 
-    config = next(c for c in ACCUMULATE_CANDIDATES if c.pingpong)
-    rowwise = scales == "rowwise"
+    accumulate, rowwise = case.startswith("fp32"), "rowwise" in case
+    candidates = ACCUMULATE_CANDIDATES if accumulate else GPU_CANDIDATES[GemmKind.K_GROUPED]
+    config = next(c for c in candidates if c.pingpong)
     compiled = _compile_gluon_for_hopper(
         "k_grouped_gemm_pingpong_kernel",
         {"a_desc": ([config.block_m, config.block_k], torch.float8_e5m2),
          "b_desc": ([config.block_n, config.block_k], torch.float8_e4m3fn),
-         "out_desc": ([config.block_m, config.block_n], torch.float32)}, _GLUON_SCALARS,
+         "out_desc": ([config.block_m, config.block_n], torch.float32 if accumulate else torch.bfloat16)},
+        _GLUON_SCALARS,
         dict(A_ROWWISE=rowwise, B_ROWWISE=rowwise, GROUP_M=config.group_m, BAND_CYCLIC=config.band_cyclic,
              STAGES=config.num_stages, **PINGPONG_REGS, num_warps=config.num_warps))
     assert compiled.metadata.num_warps == 12, compiled.metadata.num_warps
@@ -395,6 +398,9 @@ def test_wgrad_pingpong_compiles_for_hopper(scales):
     named = re.findall(r"bar\.sync\s+(\d+),\s*(\d+);", ptx)
     assert named and all(count == "128" for _, count in named), named
     assert not re.search(r"bar\.sync\s+\d+;", ptx), "a CTA-wide barrier inside a partition"
+    # TMA loads: the two operands' (one producer), and the old tile's in each consumer
+    loads = len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx))
+    assert loads == (4 if accumulate else 2), loads
 
 
 @pytest.mark.parametrize("case", ["bf16 tensorwise s4", "fp32 rowwise s3", "bf16 tensorwise s4 swiglu"])
@@ -612,9 +618,10 @@ def test_a_gluon_blockwise_wgrad_that_does_not_compile_falls_back_to_the_tma_ker
 
 
 def test_wgrad_pingpong_declines_what_it_cannot_take():
-    """The accumulating wgrad ping-pong takes an fp32 main_grad accumulation only, one warpgroup a
-    consumer, one program a SM, N a multiple of BLOCK_M, and its ring beside two float32 staging
-    tiles within shared memory; each refusal names its reason (the other kernels run it then)."""
+    """The wgrad ping-pong takes a K-grouped problem adding into an fp32 main_grad or writing a
+    16-bit output, one warpgroup a consumer, one program a SM, N a multiple of BLOCK_M, and its
+    ring beside two staging tiles within shared memory; each refusal names its reason (the other
+    kernels run it then)."""
     import dataclasses
 
     from turbo_moe.backends.base import GemmKind, GroupedGemmProblem
@@ -629,7 +636,13 @@ def test_wgrad_pingpong_declines_what_it_cannot_take():
     main_grad = torch.zeros(G, N, K)
     accumulating = dataclasses.replace(plain, out=main_grad, accumulate=True)
     assert wgrad_pingpong_reason(accumulating, config, main_grad) == ""
-    assert "main_grad only" in wgrad_pingpong_reason(plain, config, None)
+    assert "16-bit outputs only" in wgrad_pingpong_reason(plain, config, None)
+    bf16 = dataclasses.replace(plain, out_dtype=torch.bfloat16)
+    assert wgrad_pingpong_reason(bf16, config, None) == ""
+    assert "float32 only, not torch.bfloat16" in wgrad_pingpong_reason(
+        dataclasses.replace(bf16, out=torch.zeros(G, N, K, dtype=torch.bfloat16), accumulate=True), config, None)
+    assert "K-grouped problems only" in wgrad_pingpong_reason(dataclasses.replace(bf16, kind=GemmKind.M_GROUPED),
+                                                              config, None)
     assert "num_warps=4" in wgrad_pingpong_reason(accumulating, dataclasses.replace(config, num_warps=8), main_grad)
     assert "one program per SM" in wgrad_pingpong_reason(accumulating, dataclasses.replace(config, programs_per_sm=2),
                                                          main_grad)

@@ -318,12 +318,15 @@ if gluon is not None:
         mbarrier.wait(turn.index(CONSUMER), (turns & 1) ^ (1 - CONSUMER))
         return turns + 1
 
-    # The wgrad into an fp32 main_grad (out[g] += the result) as a warp-specialized ping-pong, like
-    # m_grouped_gemm_gluon's: a producer warp walks the program's (tile, box) sequence into a ring of
-    # STAGES slots; two consumer warpgroups take the program's tiles in turn (consumer c its tiles c,
-    # c + 2, ...), so that one's read-modify-write of its fp32 tile runs beside the other's MMAs.
-    # In the single-stream kernel above that read-modify-write (about as many bytes as the operands
-    # at training-step group sizes) ran while no MMA did (its read now starts mid-tile, under the
+    # The wgrad as a warp-specialized ping-pong, like m_grouped_gemm_gluon's: a producer warp walks
+    # the program's (tile, box) sequence into a ring of STAGES slots; two consumer warpgroups take
+    # the program's tiles in turn (consumer c its tiles c, c + 2, ...), so that one's epilogue runs
+    # beside the other's MMAs. The epilogue follows the output's dtype (a constexpr inside the worker
+    # partitions, whose flag arguments arrive as run-time values): a float32 output is a main_grad
+    # added into (out[g] += the result), a 16-bit one is stored (out[g] = the result).
+    #
+    # Into an fp32 main_grad: in the single-stream kernel above the read-modify-write (about as many
+    # bytes as the operands at training-step group sizes) ran while no MMA did (its read now starts mid-tile, under the
     # MMAs; its add and store still run between tiles). Same token walk, MMAs and epilogue
     # arithmetic as the kernel above: the same bits. Measured against the single-stream kernel with
     # its read in the epilogue (H100, scripts/probe_wgrad_pingpong.py,
@@ -332,6 +335,11 @@ if gluon is not None:
     # main_grad traffic makes them DRAM-bound: overlapping it with MMAs does not shorten them, and
     # its two 64 KB float32 staging tiles leave room for three ring stages, not four. A tuning
     # candidate, not the default.
+    #
+    # Into a bf16 output (a wgrad without main_grad): two 32 KB staging tiles beside four ring
+    # stages. Where groups are short (512 tokens: four boxes a tile), the single-stream kernel's
+    # epilogue (convert, stage, store) is a large share of each tile; here it runs beside the
+    # other consumer's MMAs.
 
     @gluon.jit
     def _pingpong_producer(p, CONSUMER: gl.constexpr, A_ROWWISE: gl.constexpr, B_ROWWISE: gl.constexpr,
@@ -385,10 +393,12 @@ if gluon is not None:
     @gluon.jit
     def _pingpong_consumer(p, CONSUMER: gl.constexpr, A_ROWWISE: gl.constexpr, B_ROWWISE: gl.constexpr,
                            GROUP_M: gl.constexpr, BAND_CYCLIC: gl.constexpr):
-        """An MMA partition: the program's tiles CONSUMER, CONSUMER + 2, ...; the old fp32 tile read
-        into this consumer's staging tile while its MMAs run, then added to and written back."""
+        """An MMA partition: the program's tiles CONSUMER, CONSUMER + 2, ...; into a float32 output the
+        old tile read into this consumer's staging tile while its MMAs run, then added to and written
+        back; into a 16-bit one the tile stored through the staging tile (an empty group's zeros too)."""
         (a_desc, b_desc, out_desc, a_bufs, b_bufs, out_bufs, ready, empty, turn, loaded, a_scale_ptr, b_scale_ptr,
          group_offs_ptr, N, K, G) = p
+        ACCUMULATE: gl.constexpr = out_desc.dtype == gl.float32
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -414,10 +424,11 @@ if gluon is not None:
                 GROUP_M, BAND_CYCLIC)
             if i % 2 == CONSUMER:
                 out_row = group * N + row_a
-                if boxes > 0:  # a tile without tokens is neither read nor written (+0.0 would turn -0.0)
-                    tma.store_wait(pendings=0)  # this consumer's previous store has read out_buf
-                    mbarrier.expect(out_loaded, out_desc.block_type.nbytes)
-                    _tma_load(out_desc, [out_row, row_b], out_loaded, out_buf)
+                if ACCUMULATE:
+                    if boxes > 0:  # a tile without tokens is neither read nor written (+0.0 would turn -0.0)
+                        tma.store_wait(pendings=0)  # this consumer's previous store has read out_buf
+                        mbarrier.expect(out_loaded, out_desc.block_type.nbytes)
+                        _tma_load(out_desc, [out_row, row_b], out_loaded, out_buf)
                 acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma_layout)
                 turns = _take_turn(turn, CONSUMER, turns)
                 for box in range(boxes):
@@ -435,13 +446,22 @@ if gluon is not None:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 if boxes > 0:
                     mbarrier.arrive(empty.index((consumed + STAGES - 1) % STAGES), count=1)
+                    if ACCUMULATE:
+                        acc = _pingpong_dequantize(acc, a_scale_ptr, b_scale_ptr, group, row_a, row_b, N, K,
+                                                   mma_layout, BLOCK_M, BLOCK_N, A_ROWWISE, B_ROWWISE)
+                        mbarrier.wait(out_loaded, out_loads & 1)
+                        out_loads += 1
+                        previous = out_buf.load(mma_layout)
+                        _cta_barrier()  # every thread of this warpgroup has read out_buf before any writes it
+                        out_buf.store(previous + acc)
+                        fence_async_shared()
+                        _tma_store(out_desc, [out_row, row_b], out_buf)
+                if not ACCUMULATE:  # every tile stored, an empty group's too (its zeros dequantized)
                     acc = _pingpong_dequantize(acc, a_scale_ptr, b_scale_ptr, group, row_a, row_b, N, K, mma_layout,
                                                BLOCK_M, BLOCK_N, A_ROWWISE, B_ROWWISE)
-                    mbarrier.wait(out_loaded, out_loads & 1)
-                    out_loads += 1
-                    previous = out_buf.load(mma_layout)
-                    _cta_barrier()  # every thread of this warpgroup has read out_buf before any writes it
-                    out_buf.store(previous + acc)
+                    tma.store_wait(pendings=0)  # this consumer's previous store has read out_buf
+                    _cta_barrier()  # ... for every thread of this warpgroup, before any writes it
+                    out_buf.store(acc.to(out_desc.dtype))
                     fence_async_shared()
                     _tma_store(out_desc, [out_row, row_b], out_buf)
             else:
@@ -454,10 +474,10 @@ if gluon is not None:
         A_ROWWISE: gl.constexpr, B_ROWWISE: gl.constexpr, GROUP_M: gl.constexpr, BAND_CYCLIC: gl.constexpr,
         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
-        """``k_grouped_gemm_gluon_kernel`` with ACCUMULATE (out float32, out[g] += the result; an
-        empty group's tiles neither read nor written), as a warp-specialized ping-pong: num_warps (4)
-        for each of two consumer warpgroups, a producer warp besides; registers by setmaxnreg,
-        CONSUMER_REGS and PRODUCER_REGS a thread."""
+        """``k_grouped_gemm_gluon_kernel`` as a warp-specialized ping-pong: num_warps (4) for each of
+        two consumer warpgroups, a producer warp besides; registers by setmaxnreg, CONSUMER_REGS and
+        PRODUCER_REGS a thread. A float32 out is accumulated into (its ACCUMULATE: out[g] += the
+        result, an empty group's tiles neither read nor written); a bf16 / fp16 one is written."""
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         out_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)

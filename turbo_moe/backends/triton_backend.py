@@ -64,10 +64,11 @@ class KernelConfig:
     # as the Triton TMA kernels. A problem it cannot take (_gluon_reason) runs the Triton TMA kernel
     # with the same tiles.
     gluon: bool = False
-    # K-grouped into an fp32 main_grad (accumulate), with gluon: the warp-specialized ping-pong
+    # K-grouped, with gluon: the warp-specialized ping-pong
     # (grouped_gemm_gluon.k_grouped_gemm_pingpong_kernel), whose consumers take alternate tiles so
-    # one's read-modify-write of the fp32 tile runs beside the other's MMAs. num_warps: each
-    # consumer warpgroup's (4); a producer warp besides. Same bits as the other wgrad kernels.
+    # one's epilogue (into an fp32 main_grad: the read-modify-write; into bf16: the store) runs
+    # beside the other's MMAs. num_warps: each consumer warpgroup's (4); a producer warp besides.
+    # Same bits as the other wgrad kernels.
     pingpong: bool = False
 
     def __str__(self) -> str:
@@ -111,6 +112,12 @@ GPU_CANDIDATES: Dict[GemmKind, Tuple[KernelConfig, ...]] = {
         KernelConfig(128, 256, 128, 8, 8, 3, band_cyclic=False, gluon=True),
         KernelConfig(128, 128, 128, 8, 8, 4, band_cyclic=False, gluon=True),
         KernelConfig(128, 128, 128, 8, 4, 4, band_cyclic=False, gluon=True),
+        # The ping-pong: four stages beside two 32 KB bf16 staging tiles, each consumer's epilogue
+        # beside the other's MMAs. H100, warm (scripts/probe_wgrad_bf16_pingpong.py,
+        # docs/results/h100_wgrad_bf16_pingpong.md): 0.88-0.93x the best single-stream config's
+        # time at 32 x 512 tokens (DeepSeek-V3 fc1, Qwen3 fc1 / fc2), 1.03-1.27x at 128 and 4096
+        # tokens per expert, where the tuner keeps the others.
+        KernelConfig(128, 128, 128, 8, 4, 4, band_cyclic=False, gluon=True, pingpong=True),
         # Two programs per SM (96 KB of shared memory each): one's epilogue beside the other's
         # MMAs, for groups of one or two boxes (128 x 128 tokens per expert).
         KernelConfig(128, 128, 128, 8, 4, 2, band_cyclic=False, programs_per_sm=2, gluon=True),
@@ -324,15 +331,20 @@ PINGPONG_REGS = dict(CONSUMER_REGS=224, PRODUCER_REGS=64, maxnreg=168)
 
 
 def wgrad_pingpong_reason(problem: GroupedGemmProblem, config: KernelConfig, out: Optional[torch.Tensor]) -> str:
-    """Empty if the accumulating wgrad ping-pong can run ``problem`` with ``config``'s tiles into
-    ``out`` (None: a fresh contiguous output), else why not."""
-    if problem.kind is not GemmKind.K_GROUPED or not problem.accumulate:
-        return "the wgrad ping-pong adds into an fp32 main_grad only (a K-grouped problem with accumulate)"
+    """Empty if the wgrad ping-pong can run ``problem`` with ``config``'s tiles into ``out`` (None: a
+    fresh contiguous output), else why not. Its epilogue follows the output's dtype: it adds into a
+    float32 main_grad (accumulate) and writes a bf16 / fp16 output."""
+    if problem.kind is not GemmKind.K_GROUPED:
+        return "the wgrad ping-pong runs K-grouped problems only"
+    if problem.accumulate and problem.out_dtype != torch.float32:
+        return f"the wgrad ping-pong accumulates into float32 only, not {problem.out_dtype}"
+    if not problem.accumulate and problem.out_dtype == torch.float32:
+        return "the wgrad ping-pong writes 16-bit outputs only (a float32 one is a main_grad it adds into)"
     if config.num_warps != 4:
         return "the ping-pong's consumers are one warpgroup each (num_warps=4)"
     if config.programs_per_sm != 1:
         return "the ping-pong runs one program per SM"
-    return gluon_output_reason(problem, config, out, store_tiles=2)  # a float32 staging tile a consumer
+    return gluon_output_reason(problem, config, out, store_tiles=2)  # a staging tile a consumer
 
 
 def swiglu_reason(problem: GroupedGemmProblem) -> str:
@@ -589,7 +601,7 @@ class TritonBackend(GroupedGemmBackend):
         tiles = ts.k_grouped_total_tiles(G, ts.cdiv(N, bm), ts.cdiv(K, bn))
         flags = dict(A_ROWWISE=problem.a_scale.dim() > 0, B_ROWWISE=problem.b_scale.dim() > 0, GROUP_M=config.group_m,
                      BAND_CYCLIC=config.band_cyclic)
-        if config.pingpong:  # always accumulates (wgrad_pingpong_reason)
+        if config.pingpong:  # accumulates exactly when out is float32 (wgrad_pingpong_reason)
             flags.update(STAGES=config.num_stages, **PINGPONG_REGS, num_warps=config.num_warps)
         else:
             flags.update(ACCUMULATE=problem.accumulate, OLD_TILE_BOX=WGRAD_OLD_TILE_BOX if problem.accumulate else -1,
