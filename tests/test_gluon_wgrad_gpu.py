@@ -87,8 +87,10 @@ def test_gluon_wgrad_equals_triton_tma_kernel_bitwise(config, scales, out_dtype,
     a, b, sa, sb = _operands(lens, N, K, E5M2, scales == "rowwise", seed=11, integer=False)
     problem = GroupedGemmProblem(GemmKind.K_GROUPED, a, b, sa, sb, _offs(lens), out_dtype)
     why = _gluon_reason(problem, config, None)
-    if why:  # e.g. 128 x 256 tiles with an fp32 store tile do not fit beside three stages
-        assert out_dtype == torch.float32 and "shared memory" in why, why
+    if why:  # 128 x 256 tiles with an fp32 store tile do not fit beside three stages; the ping-pong
+        # adds into a float32 output (main_grad) and writes only 16-bit ones
+        assert out_dtype == torch.float32 and ("shared memory" in why or (
+            config.pingpong and "16-bit outputs only" in why)), why
         pytest.skip(why)
     nan = torch.full(problem.out_shape, float("nan"), dtype=out_dtype, device="cuda")
     gluon = _run(backend, problem, config, nan.clone())
