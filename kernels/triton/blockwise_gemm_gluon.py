@@ -40,8 +40,8 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from .grouped_gemm_gluon import (_allocate, _cta_barrier, _group_tile, _load_slot, _release, _store_tile,
-                                     _zero_other_groups)
+    from .grouped_gemm_gluon import (_allocate, _cta_barrier, _group_tile, _load_slot, _program_tiles, _release,
+                                     _store_tile, _zero_other_groups)
 
     @gluon.jit
     def _block_tile_of(i, pid, num_programs, G, num_m_blocks, num_n_blocks, group_offs_ptr, BLOCK_M: gl.constexpr,
@@ -94,11 +94,7 @@ if gluon is not None:
         SCALE_BLOCK: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
         SLICE_K: gl.constexpr = 32  # the FP8 wgmma's K: the Triton kernel's narrow boxes
-        pid = gl.program_id(0)
-        num_programs = gl.num_programs(0)
-        num_m_blocks = gl.cdiv(N, BLOCK_M)
-        num_n_blocks = gl.cdiv(K, BLOCK_N)
-        my_tiles = gl.cdiv(G * num_m_blocks * num_n_blocks - pid, num_programs)
+        pid, num_programs, num_m_blocks, num_n_blocks, my_tiles = _program_tiles(N, K, G, BLOCK_M, BLOCK_N)
 
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, BLOCK_N, 32])

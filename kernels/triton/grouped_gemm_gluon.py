@@ -63,6 +63,18 @@ if gluon is not None:
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
     @gluon.jit
+    def _program_tiles(N, K, G, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """This program's share of the persistent K-grouped grid, which deals the G x (N / BLOCK_M) x
+        (K / BLOCK_N) output tiles round-robin (tile = pid + i * num_programs): (pid, num_programs,
+        num_m_blocks, num_n_blocks, my_tiles)."""
+        pid = gl.program_id(0)
+        num_programs = gl.num_programs(0)
+        num_m_blocks = gl.cdiv(N, BLOCK_M)
+        num_n_blocks = gl.cdiv(K, BLOCK_N)
+        return pid, num_programs, num_m_blocks, num_n_blocks, gl.cdiv(G * num_m_blocks * num_n_blocks - pid,
+                                                                      num_programs)
+
+    @gluon.jit
     def _group_tile(i, pid, num_programs, G, num_m_blocks, num_n_blocks, group_offs_ptr, GROUP_M: gl.constexpr,
                     BAND_CYCLIC: gl.constexpr):
         """This program's i-th tile in the shared scheduler's K-grouped order: (group, m_block,
@@ -243,11 +255,7 @@ if gluon is not None:
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-        pid = gl.program_id(0)
-        num_programs = gl.num_programs(0)
-        num_m_blocks = gl.cdiv(N, BLOCK_M)
-        num_n_blocks = gl.cdiv(K, BLOCK_N)
-        my_tiles = gl.cdiv(G * num_m_blocks * num_n_blocks - pid, num_programs)
+        pid, num_programs, num_m_blocks, num_n_blocks, my_tiles = _program_tiles(N, K, G, BLOCK_M, BLOCK_N)
 
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, BLOCK_N, 32])
@@ -308,6 +316,21 @@ if gluon is not None:
     # ---------------------------------------------------------------- the accumulating ping-pong
 
     @gluon.jit
+    def _pingpong_barriers(STAGES: gl.constexpr):
+        """A ping-pong's barriers, initialized (in both ping-pongs: this module's and
+        m_grouped_gemm_gluon's): a ``ready`` and an ``empty`` one per ring slot, a ``turn`` one per
+        consumer (:func:`_take_turn`)."""
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        for c in gl.static_range(2):
+            mbarrier.init(turn.index(c), count=1)
+        return ready, empty, turn
+
+    @gluon.jit
     def _take_turn(turn, CONSUMER, turns):
         """A ping-pong consumer's wait for its turn at the ring (its ``turns``-th), in both ping-pongs
         (this module's and m_grouped_gemm_gluon's); returns ``turns + 1``. The other consumer passes
@@ -351,11 +374,7 @@ if gluon is not None:
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
         STAGES: gl.constexpr = a_bufs.type.shape[0]
-        pid = gl.program_id(0)
-        num_programs = gl.num_programs(0)
-        num_m_blocks = gl.cdiv(N, BLOCK_M)
-        num_n_blocks = gl.cdiv(K, BLOCK_N)
-        my_tiles = gl.cdiv(G * num_m_blocks * num_n_blocks - pid, num_programs)
+        pid, num_programs, num_m_blocks, num_n_blocks, my_tiles = _program_tiles(N, K, G, BLOCK_M, BLOCK_N)
         issued = 0
         for i in range(my_tiles):
             _, row_a, row_b, _, _, start, boxes = _tile_of(i, pid, num_programs, G, num_m_blocks, num_n_blocks,
@@ -410,11 +429,7 @@ if gluon is not None:
                                                      warps_per_cta=[WARPS, 1], order=[1, 0])
         out_buf = out_bufs.index(CONSUMER)
         out_loaded = loaded.index(CONSUMER)
-        pid = gl.program_id(0)
-        num_programs = gl.num_programs(0)
-        num_m_blocks = gl.cdiv(N, BLOCK_M)
-        num_n_blocks = gl.cdiv(K, BLOCK_N)
-        my_tiles = gl.cdiv(G * num_m_blocks * num_n_blocks - pid, num_programs)
+        pid, num_programs, num_m_blocks, num_n_blocks, my_tiles = _program_tiles(N, K, G, BLOCK_M, BLOCK_N)
         consumed = 0  # boxes of this program's earlier tiles, both consumers'
         turns = 0
         out_loads = 0
@@ -481,15 +496,9 @@ if gluon is not None:
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         out_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        loaded = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=1)
+        ready, empty, turn = _pingpong_barriers(STAGES)
+        loaded = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a consumer's old tile
         for c in gl.static_range(2):
-            mbarrier.init(turn.index(c), count=1)
             mbarrier.init(loaded.index(c), count=1)
         # A worker partition's arguments arrive as run-time values (m_grouped_gemm_gluon's kernel):
         # consumer 1 and the producer branch on the flags at run time, with the same results.

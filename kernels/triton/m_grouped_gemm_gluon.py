@@ -41,7 +41,7 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_init, warpgroup_mma_wait)
 
-    from .grouped_gemm_gluon import _take_turn, _tma_load, _tma_store
+    from .grouped_gemm_gluon import _pingpong_barriers, _take_turn, _tma_load, _tma_store
 
     # Rows a masked store of a group's last tile writes at once (from the shared staging tile).
     _STORE_ROWS = gl.constexpr(16)
@@ -309,14 +309,7 @@ if gluon is not None:
                                                           b_desc.block_type.shape[1]], b_desc.layout)
         out_bufs = gl.allocate_shared_memory(out_desc.dtype, [2, out_desc.block_type.shape[0],
                                                               WIDEN * out_desc.block_type.shape[1]], out_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=1)
-        for c in gl.static_range(2):
-            mbarrier.init(turn.index(c), count=1)
+        ready, empty, turn = _pingpong_barriers(STAGES)
         # p: what every partition reads; then the consumer's index and the flags. The default
         # partition (consumer 0) gets them as constexprs; a worker partition's arguments arrive as
         # run-time values, so consumer 1 branches on them at run time (the same results).
