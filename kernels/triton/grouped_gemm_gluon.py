@@ -441,9 +441,7 @@ if gluon is not None:
                 out_row = group * N + row_a
                 if ACCUMULATE:
                     if boxes > 0:  # a tile without tokens is neither read nor written (+0.0 would turn -0.0)
-                        tma.store_wait(pendings=0)  # this consumer's previous store has read out_buf
-                        mbarrier.expect(out_loaded, out_desc.block_type.nbytes)
-                        _tma_load(out_desc, [out_row, row_b], out_loaded, out_buf)
+                        _load_old_tile(out_desc, out_buf, out_loaded, out_row, row_b)
                 acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma_layout)
                 turns = _take_turn(turn, CONSUMER, turns)
                 for box in range(boxes):
@@ -461,24 +459,12 @@ if gluon is not None:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 if boxes > 0:
                     mbarrier.arrive(empty.index((consumed + STAGES - 1) % STAGES), count=1)
-                    if ACCUMULATE:
-                        acc = _pingpong_dequantize(acc, a_scale_ptr, b_scale_ptr, group, row_a, row_b, N, K,
-                                                   mma_layout, BLOCK_M, BLOCK_N, A_ROWWISE, B_ROWWISE)
-                        mbarrier.wait(out_loaded, out_loads & 1)
-                        out_loads += 1
-                        previous = out_buf.load(mma_layout)
-                        _cta_barrier()  # every thread of this warpgroup has read out_buf before any writes it
-                        out_buf.store(previous + acc)
-                        fence_async_shared()
-                        _tma_store(out_desc, [out_row, row_b], out_buf)
-                if not ACCUMULATE:  # every tile stored, an empty group's too (its zeros dequantized)
-                    acc = _pingpong_dequantize(acc, a_scale_ptr, b_scale_ptr, group, row_a, row_b, N, K, mma_layout,
-                                               BLOCK_M, BLOCK_N, A_ROWWISE, B_ROWWISE)
-                    tma.store_wait(pendings=0)  # this consumer's previous store has read out_buf
-                    _cta_barrier()  # ... for every thread of this warpgroup, before any writes it
-                    out_buf.store(acc.to(out_desc.dtype))
-                    fence_async_shared()
-                    _tma_store(out_desc, [out_row, row_b], out_buf)
+                acc = _pingpong_dequantize(acc, a_scale_ptr, b_scale_ptr, group, row_a, row_b, N, K, mma_layout,
+                                           BLOCK_M, BLOCK_N, A_ROWWISE, B_ROWWISE)
+                # The single-stream kernel's epilogue (its barriers the warpgroup's own here); a 16-bit
+                # output gets every tile, an empty group's zeros too.
+                out_loads = _store_tile(acc, out_desc, out_buf, out_loaded, out_loads, out_row, row_b, boxes > 0,
+                                        mma_layout, ACCUMULATE, True)
             else:
                 consumed += boxes  # the other consumer's tile
         tma.store_wait(pendings=0)
