@@ -166,6 +166,16 @@ if gluon is not None:
         return acc
 
     @gluon.jit
+    def _consume_box(acc, a_bufs, b_bufs, ready, consumed, box_token, lo, hi, mask_layout: gl.constexpr):
+        """The ring's ``consumed``-th box (its slot's load waited for), its wgmmas issued into ``acc``
+        (:func:`_box_mma`; async: the caller waits)."""
+        STAGES: gl.constexpr = a_bufs.type.shape[0]
+        BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+        slot = consumed % STAGES
+        mbarrier.wait(ready.index(slot), (consumed // STAGES) & 1)
+        return _box_mma(acc, a_bufs.index(slot), b_bufs.index(slot), box_token, lo, hi, BLOCK_K, mask_layout)
+
+    @gluon.jit
     def _dequantize(acc, a_scale_ptr, b_scale_ptr, group, row_a, row_b, N, K, mma_layout: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, A_ROWWISE: gl.constexpr, B_ROWWISE: gl.constexpr):
         """acc * a_scale * b_scale in fp32, in that order (grouped_gemm._dequantize's, bit for bit)."""
@@ -288,12 +298,7 @@ if gluon is not None:
             old_at = gl.where(boxes // 2 < OLD_TILE_BOX, boxes // 2, OLD_TILE_BOX)
             acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma_layout)
             for box in range(boxes):
-                slot = consumed % STAGES
-                mbarrier.wait(ready.index(slot), (consumed // STAGES) & 1)
-                a_buf = a_bufs.index(slot)
-                b_buf = b_bufs.index(slot)
-                box_token = start + box * BLOCK_K
-                acc = _box_mma(acc, a_buf, b_buf, box_token, lo, hi, BLOCK_K, mask_layout)
+                acc = _consume_box(acc, a_bufs, b_bufs, ready, consumed, start + box * BLOCK_K, lo, hi, mask_layout)
                 if ACCUMULATE:
                     if OLD_TILE_BOX >= 0:
                         if box == old_at:  # issued beside the tile's remaining MMAs
@@ -445,12 +450,8 @@ if gluon is not None:
                 acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma_layout)
                 turns = _take_turn(turn, CONSUMER, turns)
                 for box in range(boxes):
-                    slot = consumed % STAGES
-                    mbarrier.wait(ready.index(slot), (consumed // STAGES) & 1)
-                    a_buf = a_bufs.index(slot)
-                    b_buf = b_bufs.index(slot)
-                    box_token = start + box * BLOCK_K
-                    acc = _box_mma(acc, a_buf, b_buf, box_token, lo, hi, BLOCK_K, mask_layout)
+                    acc = _consume_box(acc, a_bufs, b_bufs, ready, consumed, start + box * BLOCK_K, lo, hi,
+                                       mask_layout)
                     # One wgmma group in flight: the previous box's are done, so its slot is free.
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                     mbarrier.arrive(empty.index((consumed + STAGES - 1) % STAGES), count=1, pred=box > 0)
