@@ -1,6 +1,6 @@
 """Probe: the wgrad ping-pong into bf16 against the single-stream Gluon wgrad (H100)
 
-    python scripts/probe_wgrad_bf16_pingpong.py [--cold]
+    python scripts/probe_wgrad_bf16_pingpong.py [--cold] [--shapes a,b] [--align N]
 
 The variable-K wgrad writing a bf16 dW (a layer's weight gradient without Megatron's main_grad:
 what ``torch.autograd.grad`` and the end-to-end bench's layers get) at the kernel bench's
@@ -10,7 +10,9 @@ warpgroups taking alternate tiles, one's epilogue beside the other's MMAs) again
 single-stream Gluon candidate (``k_grouped_gemm_gluon_kernel``, whose epilogue runs between two
 tiles' MMAs). Each variant's output is checked bit for bit against the first's, then timed:
 CUDA-event medians with L2 warm (``warm_median_ms``), or cold with ``--cold`` (``median_ms``,
-the kernel bench's timing). CUTLASS FP8 (``torch._scaled_grouped_mm``, rowwise scales of ones)
+the kernel bench's timing). ``--align`` rounds the group sizes to multiples of N tokens (16 by
+default, as the kernel bench's; 32 or 128 on the skewed shapes takes away the masked slices that
+groups ending off a 32-token slice need, which separates that cost from the rest). CUTLASS FP8 (``torch._scaled_grouped_mm``, rowwise scales of ones)
 (fast accumulation) is timed beside where it runs, as the kernel bench's peer.
 """
 
@@ -67,10 +69,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cold", action="store_true", help="cold-L2 medians (the kernel bench's timing)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of the shapes")
+    parser.add_argument("--align", type=int, default=16, help="group sizes are multiples of this many tokens")
     args = parser.parse_args()
     device = torch.device("cuda")
     timer = (lambda fn: median_ms(fn, device)) if args.cold else warm_median_ms
-    print(f"device: {torch.cuda.get_device_name(0)}; timing: {'cold' if args.cold else 'warm'}-L2 medians")
+    print(f"device: {torch.cuda.get_device_name(0)}; timing: {'cold' if args.cold else 'warm'}-L2 medians; "
+          f"group sizes multiples of {args.align}")
     candidates = tb.GPU_CANDIDATES[GemmKind.K_GROUPED]
     variants = {"single " + str(c): c for c in candidates if c.gluon and not c.pingpong}
     pingpong = next(c for c in candidates if c.pingpong)
@@ -78,7 +82,7 @@ def main() -> None:
     variants["ping-pong s3"] = dataclasses.replace(pingpong, num_stages=3)
     for name in args.shapes.split(","):
         G, per, N, K, routing = SHAPES[name]
-        lens = make_group_sizes(G, per, routing)
+        lens = make_group_sizes(G, per, routing, align=args.align)
         M = sum(lens)
         gen = torch.Generator(device="cuda").manual_seed(0)
         a = random_fp8((N, M), torch.float8_e4m3fn, device, gen)  # e4m3 both: CUTLASS's operands
