@@ -12,8 +12,9 @@ tiles' MMAs). Each variant's output is checked bit for bit against the first's, 
 CUDA-event medians with L2 warm (``warm_median_ms``), or cold with ``--cold`` (``median_ms``,
 the kernel bench's timing). ``--align`` rounds the group sizes to multiples of N tokens (16 by
 default, as the kernel bench's; 32 or 128 on the skewed shapes takes away the masked slices that
-groups ending off a 32-token slice need, which separates that cost from the rest). CUTLASS FP8 (``torch._scaled_grouped_mm``, rowwise scales of ones)
-(fast accumulation) is timed beside where it runs, as the kernel bench's peer.
+groups ending off a 32-token slice need, which separates that cost from the rest). CUTLASS FP8
+(``torch._scaled_grouped_mm``, rowwise scales of ones, fast accumulation) is timed beside where it
+runs, as the kernel bench's peer.
 """
 
 import argparse
@@ -116,7 +117,8 @@ def main() -> None:
         for label, t in times.items():
             print(f"  {label:52s} {t:7.3f} ms {flops / t / 1e9:6.0f} TFLOPS  {t / best_single:.3f}x the best single")
         if cutlass is not None:
-            print(f"  {'CUTLASS FP8 (torch._scaled_grouped_mm)':52s} {cutlass:7.3f} ms {flops / cutlass / 1e9:6.0f} TFLOPS")
+            label = "CUTLASS FP8 (torch._scaled_grouped_mm)"
+            print(f"  {label:52s} {cutlass:7.3f} ms {flops / cutlass / 1e9:6.0f} TFLOPS")
         print(flush=True)
 
 

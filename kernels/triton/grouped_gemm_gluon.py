@@ -354,8 +354,8 @@ if gluon is not None:
     # added into (out[g] += the result), a 16-bit one is stored (out[g] = the result).
     #
     # Into an fp32 main_grad: in the single-stream kernel above the read-modify-write (about as many
-    # bytes as the operands at training-step group sizes) ran while no MMA did (its read now starts mid-tile, under the
-    # MMAs; its add and store still run between tiles). Same token walk, MMAs and epilogue
+    # bytes as the operands at training-step group sizes) ran while no MMA did (its read now starts
+    # mid-tile, under the MMAs; its add and store still run between tiles). Same token walk, MMAs and epilogue
     # arithmetic as the kernel above: the same bits. Measured against the single-stream kernel with
     # its read in the epilogue (H100, scripts/probe_wgrad_pingpong.py,
     # docs/results/h100_wgrad_pingpong.md): 0.95x its time at DeepSeek-V3's
