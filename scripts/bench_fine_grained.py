@@ -13,9 +13,15 @@ configuration of ``_sweep_configs`` (TMA and pointer loads, store paths, tiles, 
 the shapes ``--sweep-shapes`` names (default the first), beside tensorwise: which configuration
 the defaults (``turbo_moe/fine_grained/triton_gemm.py``) should be.
 
-Peer: DeepGEMM's m-grouped contiguous blockwise GEMM, if ``deep_gemm`` imports; the adapter is
-not written yet (its per-group 128-row alignment and TMA-aligned scale layout differ from ours),
-so the script only reports whether it is installed. Also runs the quantization kernels' time.
+Peer (blockwise, the ``torchao blockwise`` row): torchao's blockwise FP8 training recipe
+(``torchao.prototype.blockwise_fp8_training``, the same 1x128 / 128x128 scales; its own Triton casts)
+on cuBLAS's blockwise-scaled dense GEMM (``F.scaled_mm`` with ``ScalingType.BlockWise1x128`` /
+``BlockWise128x128``), one call per expert. torchao has no grouped blockwise GEMM (its
+``emulated_blockwise_scaled_grouped_mm`` dequantizes to bf16, and its DeepGEMM path needs
+``deep_gemm``, which publishes no wheel to carry to the offline device). The per-expert loop is
+captured in a CUDA graph and the replay timed, so the peer's host loop costs it nothing: its
+kernels' time alone, as ours is. Its operands are quantized outside the timing, as ours are.
+DeepGEMM itself is reported only as installed or not. Also runs the quantization kernels' time.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ def sweep_shape(G, T, K, N):
     from turbo_moe.config import Float8Config
     from turbo_moe.fine_grained import triton_gemm
 
-    problems, flops, tensorwise_ms, _ = _problems(G, T, K, N, Float8Config(granularity="blockwise"))
+    problems, flops, tensorwise_ms, _, _ = _problems(G, T, K, N, Float8Config(granularity="blockwise"))
     lines = [f"blockwise config sweep, G={G} tokens/expert={T} K={K} N={N}",
              "| config | fwd TFLOPS | dgrad TFLOPS | wgrad TFLOPS |", "|---|---|---|---|",
              "| tensorwise (tuned) | " + " | ".join(f"{_tflops(*flops[op], tensorwise_ms[op]):.0f}"
@@ -110,7 +116,51 @@ def _problems(G, T, K, N, cfg, time_tensorwise=True):
         "wgrad": BlockScaledProblem(GemmKind.K_GROUPED, dt, xt, dts, xts, offs, torch.bfloat16, r),
     }
     flops = {"fwd": (M, N, K), "dgrad": (M, K, N), "wgrad": (M, N, K)}
-    return problems, flops, tensorwise_ms, lambda: (Q.quantize_rows(x, r, e4), Q.quantize_tokens(x, offs, r, e4))
+    return (problems, flops, tensorwise_ms, lambda: (Q.quantize_rows(x, r, e4), Q.quantize_tokens(x, offs, r, e4)),
+            (x, w, dy))
+
+
+def torchao_blockwise_ms(x, w, dy, T):
+    """The peer's fwd / dgrad / wgrad ms (see the module docstring), or why it cannot run. Each op:
+    one blockwise-scaled cuBLAS GEMM per expert (T tokens each), as torchao's ``fp8_blockwise_mm``
+    issues them for one dense linear, captured in a CUDA graph."""
+    try:
+        import torch.nn.functional as F
+        from torchao.prototype.blockwise_fp8_training import kernels as K
+    except Exception as exc:  # noqa: BLE001 - report, do not stop the bench
+        return f"torchao's blockwise recipe does not import ({type(exc).__name__}: {str(exc)[:120]})"
+    one_by_128, block = K.BLOCKWISE_1X128_SCALING_TYPE, K.BLOCKWISE_128X128_SCALING_TYPE
+
+    def mm(a, b, sa, ra, sb, rb):
+        return F.scaled_mm(a, b, scale_a=sa, scale_recipe_a=ra, scale_b=K._prepare_blockwise_scaled_mm_rhs_scale(sb, rb),
+                           scale_recipe_b=rb, output_dtype=torch.bfloat16)
+
+    calls = {"fwd": [], "dgrad": [], "wgrad": []}
+    for g in range(w.shape[0]):
+        xg, dyg = x[g * T:(g + 1) * T], dy[g * T:(g + 1) * T]
+        xq, xs = K.triton_fp8_blockwise_act_quant_lhs(xg, 128)
+        wtq, wts = K.triton_fp8_blockwise_weight_quant_transposed_rhs(w[g], block_size=128)
+        calls["fwd"].append((xq, wtq, xs, one_by_128, wts, block))
+        dq, dsc = K.triton_fp8_blockwise_act_quant_lhs(dyg.contiguous(), 128)
+        wq, wsc = K.triton_fp8_blockwise_weight_quant_rhs(w[g], block_size=128)
+        calls["dgrad"].append((dq, wq, dsc, one_by_128, wsc, block))
+        dtq, dts = K.triton_fp8_blockwise_act_quant_transposed_lhs(dyg.contiguous(), 128)
+        xrq, xrs = K.triton_fp8_blockwise_act_quant_rhs(xg.contiguous(), 128)
+        calls["wgrad"].append((dtq, xrq, dts, one_by_128, xrs.transpose(-1, -2), one_by_128))
+    out = {}
+    for op, args in calls.items():
+        try:
+            for a in args:  # compile / warm cuBLAS's heuristics outside the capture
+                mm(*a)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for a in args:
+                    mm(*a)
+            out[op] = _bench(graph.replay)
+        except Exception as exc:  # noqa: BLE001 - a recipe cuBLAS refuses on this GPU: say so
+            out[op] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    return out
 
 
 def _bench(fn):
@@ -128,24 +178,39 @@ def run_shape(G, T, K, N):
     from turbo_moe.config import Float8Config
     from turbo_moe.fine_grained import triton_gemm
 
-    rows = {}
+    rows, notes = {}, []
     for name in ("blockwise", "mxfp8"):
-        problems, flops, tensorwise_ms, quantize_x = _problems(G, T, K, N, Float8Config(granularity=name),
-                                                               time_tensorwise="tensorwise" not in rows)
+        problems, flops, tensorwise_ms, quantize_x, (x, w, dy) = _problems(
+            G, T, K, N, Float8Config(granularity=name), time_tensorwise="tensorwise" not in rows)
         rows.setdefault("tensorwise", tensorwise_ms)
         rows[name] = {op: _bench(lambda p=p: triton_gemm.run(p)) for op, p in problems.items()}
         rows[name]["quant x (rows+tokens)"] = _bench(quantize_x)
+        if name == "blockwise":
+            peer = torchao_blockwise_ms(x, w, dy, T)
+            if isinstance(peer, str):
+                notes.append(f"torchao blockwise: {peer}")
+            else:
+                notes += [f"torchao blockwise {op}: {v}" for op, v in peer.items() if isinstance(v, str)]
+                rows["torchao blockwise"] = {op: v for op, v in peer.items() if not isinstance(v, str)}
     lines = [f"G={G} tokens/expert={T} K={K} N={N}",
              "| recipe | fwd TFLOPS | dgrad TFLOPS | wgrad TFLOPS | x quant ms |", "|---|---|---|---|---|"]
     for name, ms in rows.items():
         cells = []
         for op in ("fwd", "dgrad", "wgrad"):
+            if op not in ms:
+                cells.append("n/a")
+                continue
             t = _tflops(*flops[op], ms[op])
             ratio = "" if name == "tensorwise" else f" ({rows['tensorwise'][op] / ms[op]:.2f}x)"
             cells.append(f"{t:.0f}{ratio}")
         quant = ms.get("quant x (rows+tokens)")
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {'' if quant is None else f'{quant:.3f}'} |")
-    return "\n".join(lines)
+    peer = rows.get("torchao blockwise", {})
+    ours = [f"{op} {peer[op] / rows['blockwise'][op]:.2f}x" for op in ("fwd", "dgrad", "wgrad") if op in peer]
+    if ours:
+        lines.append("")
+        lines.append("blockwise against the torchao peer (its time over ours): " + ", ".join(ours))
+    return "\n".join(lines + [""] + notes if notes else lines)
 
 
 def main() -> int:
