@@ -409,6 +409,156 @@ if gluon is not None:
         ], [num_warps, 1, 1], [224, 40, 40])
 
 
+    @gluon.jit
+    def _coop_block(a_bufs, b_bufs, ready, n, zero, sa_rows, sb_row, k, M, STAGES: gl.constexpr, HALF: gl.constexpr,
+                    USE_ACC: gl.constexpr = False):
+        """Ring entry n (block k of the tile), rows HALF * 64.. of its a box: the wgmma in flight on
+        return, and the block's scales."""
+        s = n % STAGES
+        mbarrier.wait(ready.index(s), (n // STAGES) & 1)
+        rows: gl.constexpr = zero.shape[0]
+        acc = warpgroup_mma(a_bufs.index(s).slice(HALF * rows, rows, 0), b_bufs.index(s).permute((1, 0)), zero,
+                            use_acc=USE_ACC, is_async=True)
+        return acc, gl.load(sa_rows + k * M) * gl.load(sb_row + k)
+
+
+    @gluon.jit
+    def _coop_math(a_bufs, b_bufs, ready, empty, c_desc, c_smems, sa_ptr, sb_ptr, M, N, K, GROUP_M: gl.constexpr,
+                   STAGES: gl.constexpr, HALF: gl.constexpr, TWO_ACC: gl.constexpr, NO_SCALE: gl.constexpr,
+                   PREFETCH: gl.constexpr, PROMOTE_MODE: gl.constexpr, tile0, tile_step):
+        """One consumer warpgroup of the cooperative kernel: rows HALF * 64 .. HALF * 64 + 63 of every
+        128-row tile of this program, each block's wgmma into a fresh accumulator, waited for, its
+        ring slot released (``empty`` counts both consumers' arrivals) and promoted; then its half of
+        the tile stored. The two consumers do not wait for each other: one's promotion runs beside
+        the other's wgmmas."""
+        HALF_M: gl.constexpr = c_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+        BLOCK_M: gl.constexpr = 2 * HALF_M
+        BLOCK_K: gl.constexpr = 128
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_N, 32])
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        kb = gl.cdiv(K, BLOCK_K)
+        zero = gl.zeros((HALF_M, BLOCK_N), gl.float32, layout=mma_layout)
+        c_smem = c_smems.index(HALF)
+        n = 0
+        for tile in range(tile0, num_pid_m * num_pid_n, tile_step):
+            pid_m, pid_n = S.swizzle_group_m(tile, num_pid_m, num_pid_n, GROUP_M)
+            sa_rows = sa_ptr + pid_m * BLOCK_M + HALF * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, mma_layout))
+            sb_row = sb_ptr + (pid_n * BLOCK_N // 128) * kb
+            acc = gl.zeros((HALF_M, BLOCK_N), gl.float32, layout=mma_layout)
+            if TWO_ACC:  # block k's wgmma in flight while block k-1 is promoted (pair-unrolled: no
+                # accumulator is copied while its wgmma runs, which made ptxas serialize them)
+                x, x_scale = _coop_block(a_bufs, b_bufs, ready, n, zero, sa_rows, sb_row, 0, M, STAGES, HALF)
+                for k in range(1, kb - 1, 2):
+                    y, y_scale = _coop_block(a_bufs, b_bufs, ready, n + k, zero, sa_rows, sb_row, k, M, STAGES, HALF)
+                    acc = _ws_promote(acc, warpgroup_mma_wait(num_outstanding=1, deps=(x,)), x_scale, empty, n + k - 1,
+                                      STAGES)
+                    x, x_scale = _coop_block(a_bufs, b_bufs, ready, n + k + 1, zero, sa_rows, sb_row, k + 1, M, STAGES,
+                                             HALF)
+                    acc = _ws_promote(acc, warpgroup_mma_wait(num_outstanding=1, deps=(y,)), y_scale, empty, n + k,
+                                      STAGES)
+                if kb % 2 == 0:
+                    y, y_scale = _coop_block(a_bufs, b_bufs, ready, n + kb - 1, zero, sa_rows, sb_row, kb - 1, M, STAGES,
+                                             HALF)
+                    acc = _ws_promote(acc, warpgroup_mma_wait(num_outstanding=1, deps=(x,)), x_scale, empty, n + kb - 2,
+                                      STAGES)
+                    acc = _ws_promote(acc, warpgroup_mma_wait(num_outstanding=0, deps=(y,)), y_scale, empty, n + kb - 1,
+                                      STAGES)
+                else:
+                    acc = _ws_promote(acc, warpgroup_mma_wait(num_outstanding=0, deps=(x,)), x_scale, empty, n + kb - 1,
+                                      STAGES)
+            elif NO_SCALE:  # timing only: the same loop without promotion (acc carried in the wgmma)
+                for k in range(kb):
+                    acc, _ = _coop_block(a_bufs, b_bufs, ready, n + k, acc, sa_rows, sb_row, k, M, STAGES, HALF, True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    mbarrier.arrive(empty.index((n + k) % STAGES), count=1)
+            elif PROMOTE_MODE > 0:  # timing only: 1 adds each block unscaled, 2 keeps only the last block
+                for k in range(kb):
+                    s = (n + k) % STAGES
+                    mbarrier.wait(ready.index(s), ((n + k) // STAGES) & 1)
+                    block = warpgroup_mma(a_bufs.index(s).slice(HALF * HALF_M, HALF_M, 0), b_bufs.index(s).permute((1, 0)),
+                                          zero, use_acc=False, is_async=True)
+                    block = warpgroup_mma_wait(num_outstanding=0, deps=(block,))
+                    mbarrier.arrive(empty.index(s), count=1)
+                    if PROMOTE_MODE == 1:
+                        acc = acc + block
+                    elif PROMOTE_MODE == 3:  # a scale per block, no load: a run-time scalar
+                        acc = acc + block * (k + 1).to(gl.float32)
+                    elif PROMOTE_MODE == 4:  # the rows' scales loaded, the weight block's not
+                        acc = acc + block * gl.expand_dims(gl.load(sa_rows + k * M), 1)
+                    elif PROMOTE_MODE == 5:  # the weight block's scale loaded, the rows' not
+                        acc = acc + block * gl.load(sb_row + k)
+                    else:
+                        acc = block
+            elif PREFETCH:  # the next block's scales loaded while this block's wgmma runs
+                scale = gl.load(sa_rows) * gl.load(sb_row)
+                for k in range(kb):
+                    block, _ = _coop_block(a_bufs, b_bufs, ready, n + k, zero, sa_rows, sb_row, k, M, STAGES, HALF)
+                    k_next = gl.minimum(k + 1, kb - 1)
+                    scale_next = gl.load(sa_rows + k_next * M) * gl.load(sb_row + k_next)
+                    acc = _ws_promote(acc, warpgroup_mma_wait(num_outstanding=0, deps=(block,)), scale, empty, n + k,
+                                      STAGES)
+                    scale = scale_next
+            else:
+                for k in range(kb):
+                    block, scale = _coop_block(a_bufs, b_bufs, ready, n + k, zero, sa_rows, sb_row, k, M, STAGES, HALF)
+                    acc = _ws_promote(acc, warpgroup_mma_wait(num_outstanding=0, deps=(block,)), scale, empty, n + k,
+                                      STAGES)
+            n += kb
+            tma.store_wait(pendings=0)  # this consumer's previous store has read its c_smem
+            c_smem.store(acc.to(c_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [pid_m * BLOCK_M + HALF * HALF_M, pid_n * BLOCK_N], c_smem)
+        tma.store_wait(pendings=0)
+
+
+    @gluon.jit
+    def _coop_math_lo(a_bufs, b_bufs, ready, empty, c_desc, c_smems, sa_ptr, sb_ptr, M, N, K, GROUP_M: gl.constexpr,
+                      STAGES: gl.constexpr, TWO_ACC: gl.constexpr, NO_SCALE: gl.constexpr, PREFETCH: gl.constexpr,
+                      PROMOTE_MODE: gl.constexpr, tile0, tile_step):
+        _coop_math(a_bufs, b_bufs, ready, empty, c_desc, c_smems, sa_ptr, sb_ptr, M, N, K, GROUP_M, STAGES, 0,
+                   TWO_ACC, NO_SCALE, PREFETCH, PROMOTE_MODE, tile0, tile_step)
+
+
+    @gluon.jit
+    def _coop_math_hi(a_bufs, b_bufs, ready, empty, c_desc, c_smems, sa_ptr, sb_ptr, M, N, K, GROUP_M: gl.constexpr,
+                      STAGES: gl.constexpr, TWO_ACC: gl.constexpr, NO_SCALE: gl.constexpr, PREFETCH: gl.constexpr,
+                      PROMOTE_MODE: gl.constexpr, tile0, tile_step):
+        _coop_math(a_bufs, b_bufs, ready, empty, c_desc, c_smems, sa_ptr, sb_ptr, M, N, K, GROUP_M, STAGES, 1,
+                   TWO_ACC, NO_SCALE, PREFETCH, PROMOTE_MODE, tile0, tile_step)
+
+
+    @gluon.jit
+    def gl_coop_blockwise_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, M, N, K, GROUP_M: gl.constexpr,
+                                 STAGES: gl.constexpr, TWO_ACC: gl.constexpr, NO_SCALE: gl.constexpr,
+                                 PREFETCH: gl.constexpr, PROMOTE_MODE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                 PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """The dense blockwise problem, persistent, with two *independent* consumer warpgroups
+        cooperating on each 128 x 128 tile (64 rows each) over one producer ring, as CUTLASS's
+        cooperative kernels split a tile. Unlike ``gl_ws_blockwise_kernel``, whose 8-warp math
+        partition is one instruction stream (its slot releases synchronize both warpgroups, so both
+        promote while the tensor cores idle), each consumer here waits only for its own wgmmas and
+        releases its half of a slot on its own (``empty`` counts two arrivals)."""
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)
+        c_smems = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+        pid, programs = gl.program_id(0), gl.num_programs(0)
+        gl.warp_specialize([
+            (_coop_math_lo, (a_bufs, b_bufs, ready, empty, c_desc, c_smems, sa_ptr, sb_ptr, M, N, K, GROUP_M, STAGES,
+                             TWO_ACC, NO_SCALE, PREFETCH, PROMOTE_MODE, pid, programs)),
+            (_coop_math_hi, (a_bufs, b_bufs, ready, empty, c_desc, c_smems, sa_ptr, sb_ptr, M, N, K, GROUP_M, STAGES,
+                             TWO_ACC, NO_SCALE, PREFETCH, PROMOTE_MODE, pid, programs)),
+            (_ws_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M, STAGES, pid, programs)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 def _operands(M, N, K, bk):
     """Random e4m3 operands, 1 x bk activation scales [K // bk, M] (block-major), 128 x bk weight
     scales [N // 128, K // bk], and a bf16 output."""
@@ -493,6 +643,25 @@ def run_gluon_two_pipe(M, N, K, stages, bm=64, bn=128, bk=128):
         print("   NaN left in the output: a tile was not written")
 
 
+def run_gluon_coop(M, N, K, stages, two_acc=False, no_scale=False, prefetch=False, promote_mode=0, bk=128):
+    """``gl_coop_blockwise_kernel``: one persistent program per SM, output NaN-poisoned first."""
+    operands = a, b, sa, sb, out = _operands(M, N, K, bk)
+    out.fill_(float("nan"))
+    layout = gl.NVMMASharedLayout.get_default_for
+    ad = TensorDescriptor(a, list(a.shape), list(a.stride()), [128, bk], layout([128, bk], gl.float8e4nv))
+    bd = TensorDescriptor(b, list(b.shape), list(b.stride()), [128, bk], layout([128, bk], gl.float8e4nv))
+    cd = TensorDescriptor(out, list(out.shape), list(out.stride()), [64, 128], layout([64, 128], gl.bfloat16))
+    grid = (min(triton.cdiv(M, 128) * triton.cdiv(N, 128), torch.cuda.get_device_properties(0).multi_processor_count),)
+    launch = lambda: gl_coop_blockwise_kernel[grid](  # noqa: E731
+        ad, bd, cd, sa, sb, M, N, K, GROUP_M=8, STAGES=stages, TWO_ACC=two_acc, NO_SCALE=no_scale, PREFETCH=prefetch, PROMOTE_MODE=promote_mode, CONSUMER_REGS=232, PRODUCER_REGS=40,
+        num_warps=4, maxnreg=168)
+    _measure(f"gluon cooperative stages={stages} two_acc={two_acc} no_scale={no_scale} prefetch={prefetch} "
+             f"promote_mode={promote_mode} (two independent 64-row consumers)", launch, operands, bk,
+             not no_scale and promote_mode == 0)
+    if torch.isnan(out).any():
+        print("   NaN left in the output: a tile was not written")
+
+
 def run_grouped(G, T, K, N, stages=4, warps=8):
     """The library's blockwise forward problem (its own quantization of random x and W, G experts of
     T tokens) through ``triton_gemm.run`` (the TMA promotion loop) and through
@@ -534,6 +703,17 @@ def run_grouped(G, T, K, N, stages=4, warps=8):
 
 def main() -> int:
     M, N, K = 32768, 4096, 7168
+    if "--coop" in sys.argv:  # the cooperative kernel beside the ceiling and the library's loop only
+        run_triton(M, N, K, 0, False, 4)
+        run_triton(M, N, K, 2, False, 4)
+        for stages, two_acc, no_scale, prefetch, mode in ((5, False, False, False, 0), (5, False, False, False, 1),
+                                                          (5, False, False, False, 3), (5, False, False, False, 4),
+                                                          (5, False, False, False, 5)):
+            try:
+                run_gluon_coop(M, N, K, stages, two_acc, no_scale, prefetch, mode)
+            except Exception as exc:
+                print(f"gluon cooperative stages={stages} two_acc={two_acc}: fails {type(exc).__name__}: {str(exc)[:300]}")
+        return 0
     for mode, ws, stages in ((0, False, 4), (1, False, 4), (2, False, 4), (2, False, 3), (2, True, 3)):
         try:
             run_triton(M, N, K, mode, ws, stages)
