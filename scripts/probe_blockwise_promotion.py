@@ -706,9 +706,9 @@ def main() -> int:
     if "--coop" in sys.argv:  # the cooperative kernel beside the ceiling and the library's loop only
         run_triton(M, N, K, 0, False, 4)
         run_triton(M, N, K, 2, False, 4)
-        for stages, two_acc, no_scale, prefetch, mode in ((5, False, False, False, 0), (5, False, False, False, 1),
-                                                          (5, False, False, False, 3), (5, False, False, False, 4),
-                                                          (5, False, False, False, 5)):
+        for stages, two_acc, no_scale, prefetch, mode in ((5, False, False, False, 0), (5, False, False, True, 0),
+                                                          (4, False, False, True, 0), (5, True, False, False, 0),
+                                                          (5, False, False, False, 3)):
             try:
                 run_gluon_coop(M, N, K, stages, two_acc, no_scale, prefetch, mode)
             except Exception as exc:
