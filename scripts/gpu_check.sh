@@ -109,6 +109,8 @@ for name in ("triton", "torchao", "matplotlib"):
         print(name, "not importable:", type(exc).__name__, exc)
 import turbo_moe
 print("turbo_moe", turbo_moe.__version__, "| backends:", turbo_moe.available_backends())
+from turbo_moe.backends.triton_backend import ptxas_description
+print("ptxas", ptxas_description())
 for op in ("_scaled_grouped_mm", "_grouped_mm", "_scaled_mm"):
     print(f"torch.{op}:", "present" if hasattr(torch, op) else "MISSING")
 EOF

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -650,3 +651,32 @@ def test_wgrad_pingpong_declines_what_it_cannot_take():
     odd = GroupedGemmProblem(GemmKind.K_GROUPED, a[:200], b, one, one, offs, torch.float32,
                              out=torch.zeros(G, 200, K), accumulate=True)
     assert "multiple of" in wgrad_pingpong_reason(odd, config, odd.out)
+
+
+def test_ptxas_description_names_the_version_and_path_triton_compiles_with(monkeypatch, tmp_path):
+    """What benchmarks and the GPU check print beside their numbers: the ptxas Triton will run
+    (Triton 3.6's own is CUDA 12.8's, whose code differs from 12.9+'s), and TRITON_PTXAS_PATH's
+    when that is set; a clear 'unknown' where Triton cannot say."""
+    triton = pytest.importorskip("triton")
+    from turbo_moe.backends import triton_backend
+
+    try:
+        tool = triton.knobs.nvidia.ptxas
+    except Exception as exc:  # a Triton without the CUDA backend's knobs
+        pytest.skip(f"this Triton cannot name its ptxas: {exc}")
+    desc = triton_backend.ptxas_description()
+    assert re.fullmatch(r"\d+\.\d+ \(.+ptxas[^)]*\)", desc), desc
+    assert desc == f"{tool.version} ({tool.path})"
+
+    # TRITON_PTXAS_PATH is followed: a stand-in ptxas that reports another version, in a fresh process
+    # (Triton reads the knob once per process)
+    fake = tmp_path / "ptxas"
+    fake.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 77.1, V77.1.0'\n")
+    fake.chmod(0o755)
+    out = subprocess.run([sys.executable, "-c", "from turbo_moe.backends.triton_backend import ptxas_description; "
+                          "print(ptxas_description())"], env={**os.environ, "TRITON_PTXAS_PATH": str(fake)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == f"77.1 ({fake})", out.stdout + out.stderr
+
+    monkeypatch.setattr(triton, "knobs", None)
+    assert triton_backend.ptxas_description().startswith("unknown (AttributeError")

@@ -252,6 +252,22 @@ def _store_descriptor_reason(out_dtype: torch.dtype, row: int, out: Optional[tor
     return ""
 
 
+def ptxas_description() -> str:
+    """The ptxas Triton compiles CUDA kernels with, as "<version> (<path>)", or why it is unknown.
+    Benchmarks and the GPU check print it beside their numbers. Triton 3.6 bundles CUDA 12.8's ptxas:
+    it lacks the FFMA interleaving that 12.9+ does (worth 0.77x -> 0.95x in a blockwise promotion
+    loop), and it miscompiled a Gluon wgrad variant that CUDA 13.0's compiles right
+    (docs/results/h100_wgrad_skew.md, h100_fine_grained.md). TRITON_PTXAS_PATH points Triton at
+    another one."""
+    try:
+        import triton
+
+        tool = triton.knobs.nvidia.ptxas
+        return f"{tool.version} ({tool.path})"
+    except Exception as exc:  # no Triton, no CUDA backend, or a Triton without knobs
+        return f"unknown ({type(exc).__name__}: {str(exc)[:80]})"
+
+
 @functools.lru_cache(maxsize=None)
 def _gluon_device_reason(device: torch.device) -> str:
     """Empty if ``device`` is an sm_90 GPU (the Gluon kernel's wgmma), else why not."""

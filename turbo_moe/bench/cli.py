@@ -240,6 +240,9 @@ def _environment(device: torch.device) -> dict:
     except Exception as exc:  # reported, the peers still run
         meta["turbo_moe"] = f"not importable: {type(exc).__name__}: {exc}"
     if device.type == "cuda":
+        from turbo_moe.backends.triton_backend import ptxas_description
+
+        meta["ptxas"] = ptxas_description()  # Triton 3.6's own is 12.8: its code differs from 12.9+'s
         props = torch.cuda.get_device_properties(device)
         meta["device_name"] = props.name
         meta["device"] = f"{props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB"

@@ -344,7 +344,7 @@ def notes(records: Sequence[dict]) -> List[str]:
 
 def markdown_report(meta: dict, records: Sequence[dict]) -> str:
     lines = ["# turbo_moe benchmark", ""]
-    for key in ("device", "torch", "triton", "turbo_moe", "command", "timing", "started", "elapsed_s"):
+    for key in ("device", "torch", "triton", "ptxas", "turbo_moe", "command", "timing", "started", "elapsed_s"):
         if key in meta:
             lines.append(f"- {key}: {meta[key]}")
     k = kernel_table(records)
