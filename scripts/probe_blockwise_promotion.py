@@ -514,6 +514,8 @@ if gluon is not None:
         tma.store_wait(pendings=0)
 
 
+    # One entry point per half: a worker partition's arguments arrive as run-time values, and the
+    # half must be a constant (it slices the shared a box), so each partition binds its own.
     @gluon.jit
     def _coop_math_lo(a_bufs, b_bufs, ready, empty, c_desc, c_smems, sa_ptr, sb_ptr, M, N, K, GROUP_M: gl.constexpr,
                       STAGES: gl.constexpr, TWO_ACC: gl.constexpr, NO_SCALE: gl.constexpr, PREFETCH: gl.constexpr,
