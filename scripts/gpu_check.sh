@@ -41,6 +41,10 @@
 #               one 600 s device call (417 s parallel cap reached at ~99%); run 1/2 and 2/2.
 #   FUZZ_S, FUZZ_ARGS, HOTPATH_S, HOTPATH_ARGS, MEGATRON_S   caps and arguments of those steps
 #   BENCH_ARGS  extra benchmark arguments (e.g. "--levels kernel --num-cu 66")
+#   PTXAS       a ptxas for Triton to compile with instead of its own (TRITON_PTXAS_PATH): Triton 3.6
+#               bundles CUDA 12.8's, which lacks 12.9+'s FFMA interleaving and miscompiled a Gluon
+#               wgrad variant (docs/results/h100_wgrad_skew.md). `bash scripts/fetch_ptxas.sh` puts
+#               CUDA 13.0's in .ptxas/ptxas (38 MB) to carry: PTXAS=.ptxas/ptxas with carry ".ptxas".
 # Wheels in .whl/ (carried with the call) are installed into /tmp/site first; nothing is downloaded.
 # The benchmark is given what is left of BUDGET_S: it starts no new case after its --time-budget,
 # and a SIGTERM at the hard limit still leaves the results measured so far.
@@ -58,6 +62,15 @@ export PYTHONUNBUFFERED=1
 : >"$LOG"
 
 log() { echo "[gpu_check +$(($(date +%s) - START))s] $*" | tee -a "$LOG"; }
+if [ -n "${PTXAS:-}" ]; then  # before anything compiles: every kernel of the run uses it
+  if [ -f "$PTXAS" ]; then
+    chmod +x "$PTXAS"
+    export TRITON_PTXAS_PATH="$(cd "$(dirname "$PTXAS")" && pwd)/$(basename "$PTXAS")"
+    log "PTXAS: TRITON_PTXAS_PATH=$TRITON_PTXAS_PATH ($("$TRITON_PTXAS_PATH" --version 2>&1 | tail -n 1))"
+  else
+    log "PTXAS=$PTXAS is not a file: Triton's own ptxas is used"
+  fi
+fi
 left() { echo $((BUDGET_S - ($(date +%s) - START))); }
 
 case "$MODE" in
