@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
