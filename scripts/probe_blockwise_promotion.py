@@ -283,6 +283,31 @@ if gluon is not None:
 
 
     @gluon.jit
+    def _coop_scales_producer(a_desc, b_desc, sa_desc, a_bufs, b_bufs, sa_bufs, ready, empty, M, N, K,
+                              GROUP_M: gl.constexpr, STAGES: gl.constexpr, tile0, tile_step):
+        """``_ws_producer`` that also loads block k's 128 row scales (``sa_desc``: the [K // BLOCK_K, M]
+        scales flattened, BLOCK_M-float boxes) into the slot's ``sa_bufs`` entry, on the same barrier."""
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        kb = gl.cdiv(K, BLOCK_K)
+        n = 0
+        for tile in range(tile0, num_pid_m * num_pid_n, tile_step):
+            pid_m, pid_n = S.swizzle_group_m(tile, num_pid_m, num_pid_n, GROUP_M)
+            for k in range(kb):
+                s = n % STAGES
+                mbarrier.wait(empty.index(s), ((n // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
+                mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes
+                                + sa_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, k * BLOCK_K], ready.index(s), a_bufs.index(s))
+                tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), b_bufs.index(s))
+                tma.async_copy_global_to_shared(sa_desc, [k * M + pid_m * BLOCK_M], ready.index(s), sa_bufs.index(s))
+                n += 1
+
+
+    @gluon.jit
     def _ws_block(a_bufs, b_bufs, ready, n, zero, sa_rows, sb_row, k, M, STAGES: gl.constexpr):
         """Ring entry n (block k of the tile): its wgmma in flight on return, and its scales."""
         s = n % STAGES
@@ -425,7 +450,8 @@ if gluon is not None:
     @gluon.jit
     def _coop_math(a_bufs, b_bufs, ready, empty, c_desc, c_smems, sa_ptr, sb_ptr, M, N, K, GROUP_M: gl.constexpr,
                    STAGES: gl.constexpr, HALF: gl.constexpr, TWO_ACC: gl.constexpr, NO_SCALE: gl.constexpr,
-                   PREFETCH: gl.constexpr, PROMOTE_MODE: gl.constexpr, tile0, tile_step):
+                   PREFETCH: gl.constexpr, PROMOTE_MODE: gl.constexpr, tile0, tile_step, sa_bufs,
+                   SA_SMEM: gl.constexpr):
         """One consumer warpgroup of the cooperative kernel: rows HALF * 64 .. HALF * 64 + 63 of every
         128-row tile of this program, each block's wgmma into a fresh accumulator, waited for, its
         ring slot released (``empty`` counts both consumers' arrivals) and promoted; then its half of
@@ -492,6 +518,20 @@ if gluon is not None:
                         acc = acc + block * gl.load(sb_row + k)
                     else:
                         acc = block
+            elif SA_SMEM:  # the rows' scales from the ring (the producer's TMA put them beside the block)
+                sa_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+                sb_next = gl.load(sb_row)
+                for k in range(kb):
+                    s = (n + k) % STAGES
+                    mbarrier.wait(ready.index(s), ((n + k) // STAGES) & 1)
+                    block = warpgroup_mma(a_bufs.index(s).slice(HALF * HALF_M, HALF_M, 0),
+                                          b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+                    sb_k = sb_next  # the weight block's scale, loaded a block ahead
+                    sb_next = gl.load(sb_row + gl.minimum(k + 1, kb - 1))
+                    scale = sa_bufs.index(s).slice(HALF * HALF_M, HALF_M, 0).load(sa_layout) * sb_k
+                    block = warpgroup_mma_wait(num_outstanding=0, deps=(block,))
+                    mbarrier.arrive(empty.index(s), count=1)  # after the scale read: the slot holds it
+                    acc = acc + block * gl.expand_dims(scale, 1)
             elif PREFETCH:  # the next block's scales loaded while this block's wgmma runs
                 scale = gl.load(sa_rows) * gl.load(sb_row)
                 for k in range(kb):
@@ -519,30 +559,34 @@ if gluon is not None:
     @gluon.jit
     def _coop_math_lo(a_bufs, b_bufs, ready, empty, c_desc, c_smems, sa_ptr, sb_ptr, M, N, K, GROUP_M: gl.constexpr,
                       STAGES: gl.constexpr, TWO_ACC: gl.constexpr, NO_SCALE: gl.constexpr, PREFETCH: gl.constexpr,
-                      PROMOTE_MODE: gl.constexpr, tile0, tile_step):
+                      PROMOTE_MODE: gl.constexpr, tile0, tile_step, sa_bufs, SA_SMEM: gl.constexpr):
         _coop_math(a_bufs, b_bufs, ready, empty, c_desc, c_smems, sa_ptr, sb_ptr, M, N, K, GROUP_M, STAGES, 0,
-                   TWO_ACC, NO_SCALE, PREFETCH, PROMOTE_MODE, tile0, tile_step)
+                   TWO_ACC, NO_SCALE, PREFETCH, PROMOTE_MODE, tile0, tile_step, sa_bufs, SA_SMEM)
 
 
     @gluon.jit
     def _coop_math_hi(a_bufs, b_bufs, ready, empty, c_desc, c_smems, sa_ptr, sb_ptr, M, N, K, GROUP_M: gl.constexpr,
                       STAGES: gl.constexpr, TWO_ACC: gl.constexpr, NO_SCALE: gl.constexpr, PREFETCH: gl.constexpr,
-                      PROMOTE_MODE: gl.constexpr, tile0, tile_step):
+                      PROMOTE_MODE: gl.constexpr, tile0, tile_step, sa_bufs, SA_SMEM: gl.constexpr):
         _coop_math(a_bufs, b_bufs, ready, empty, c_desc, c_smems, sa_ptr, sb_ptr, M, N, K, GROUP_M, STAGES, 1,
-                   TWO_ACC, NO_SCALE, PREFETCH, PROMOTE_MODE, tile0, tile_step)
+                   TWO_ACC, NO_SCALE, PREFETCH, PROMOTE_MODE, tile0, tile_step, sa_bufs, SA_SMEM)
 
 
     @gluon.jit
     def gl_coop_blockwise_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, M, N, K, GROUP_M: gl.constexpr,
                                  STAGES: gl.constexpr, TWO_ACC: gl.constexpr, NO_SCALE: gl.constexpr,
                                  PREFETCH: gl.constexpr, PROMOTE_MODE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                 PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                                 PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, sa_desc=None,
+                                 SA_SMEM: gl.constexpr = False):
         """The dense blockwise problem, persistent, with two *independent* consumer warpgroups
         cooperating on each 128 x 128 tile (64 rows each) over one producer ring, as CUTLASS's
         cooperative kernels split a tile. Unlike ``gl_ws_blockwise_kernel``, whose 8-warp math
         partition is one instruction stream (its slot releases synchronize both warpgroups, so both
         promote while the tensor cores idle), each consumer here waits only for its own wgmmas and
-        releases its half of a slot on its own (``empty`` counts two arrivals)."""
+        releases its half of a slot on its own (``empty`` counts two arrivals). SA_SMEM: ``sa_desc``
+        (the activation scales as one flat float32 vector, [K // 128 * M], BLOCK_M-float boxes) has the
+        producer put each block's 128 row scales into the ring beside its operands, where the
+        consumers read them after the slot's wait (DeepGEMM's and CUTLASS's staging)."""
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -552,13 +596,25 @@ if gluon is not None:
             mbarrier.init(empty.index(s), count=2)
         c_smems = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
         pid, programs = gl.program_id(0), gl.num_programs(0)
-        gl.warp_specialize([
-            (_coop_math_lo, (a_bufs, b_bufs, ready, empty, c_desc, c_smems, sa_ptr, sb_ptr, M, N, K, GROUP_M, STAGES,
-                             TWO_ACC, NO_SCALE, PREFETCH, PROMOTE_MODE, pid, programs)),
-            (_coop_math_hi, (a_bufs, b_bufs, ready, empty, c_desc, c_smems, sa_ptr, sb_ptr, M, N, K, GROUP_M, STAGES,
-                             TWO_ACC, NO_SCALE, PREFETCH, PROMOTE_MODE, pid, programs)),
-            (_ws_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M, STAGES, pid, programs)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        if SA_SMEM:  # (a JIT function cannot be held in a variable: one warp_specialize per producer)
+            sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
+            gl.warp_specialize([
+                (_coop_math_lo, (a_bufs, b_bufs, ready, empty, c_desc, c_smems, sa_ptr, sb_ptr, M, N, K, GROUP_M,
+                                 STAGES, TWO_ACC, NO_SCALE, PREFETCH, PROMOTE_MODE, pid, programs, sa_bufs, True)),
+                (_coop_math_hi, (a_bufs, b_bufs, ready, empty, c_desc, c_smems, sa_ptr, sb_ptr, M, N, K, GROUP_M,
+                                 STAGES, TWO_ACC, NO_SCALE, PREFETCH, PROMOTE_MODE, pid, programs, sa_bufs, True)),
+                (_coop_scales_producer, (a_desc, b_desc, sa_desc, a_bufs, b_bufs, sa_bufs, ready, empty, M, N, K,
+                                         GROUP_M, STAGES, pid, programs)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_coop_math_lo, (a_bufs, b_bufs, ready, empty, c_desc, c_smems, sa_ptr, sb_ptr, M, N, K, GROUP_M,
+                                 STAGES, TWO_ACC, NO_SCALE, PREFETCH, PROMOTE_MODE, pid, programs, a_bufs, False)),
+                (_coop_math_hi, (a_bufs, b_bufs, ready, empty, c_desc, c_smems, sa_ptr, sb_ptr, M, N, K, GROUP_M,
+                                 STAGES, TWO_ACC, NO_SCALE, PREFETCH, PROMOTE_MODE, pid, programs, a_bufs, False)),
+                (_ws_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M, STAGES, pid,
+                                programs)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def _operands(M, N, K, bk):
@@ -645,7 +701,8 @@ def run_gluon_two_pipe(M, N, K, stages, bm=64, bn=128, bk=128):
         print("   NaN left in the output: a tile was not written")
 
 
-def run_gluon_coop(M, N, K, stages, two_acc=False, no_scale=False, prefetch=False, promote_mode=0, bk=128):
+def run_gluon_coop(M, N, K, stages, two_acc=False, no_scale=False, prefetch=False, promote_mode=0, bk=128,
+                   sa_smem=False):
     """``gl_coop_blockwise_kernel``: one persistent program per SM, output NaN-poisoned first."""
     operands = a, b, sa, sb, out = _operands(M, N, K, bk)
     out.fill_(float("nan"))
@@ -654,11 +711,17 @@ def run_gluon_coop(M, N, K, stages, two_acc=False, no_scale=False, prefetch=Fals
     bd = TensorDescriptor(b, list(b.shape), list(b.stride()), [128, bk], layout([128, bk], gl.float8e4nv))
     cd = TensorDescriptor(out, list(out.shape), list(out.stride()), [64, 128], layout([64, 128], gl.bfloat16))
     grid = (min(triton.cdiv(M, 128) * triton.cdiv(N, 128), torch.cuda.get_device_properties(0).multi_processor_count),)
+    sad = None
+    if sa_smem:  # the scales flattened: block k's rows m0.. are floats k * M + m0 ..
+        flat = sa.view(-1)
+        sad = TensorDescriptor(flat, [flat.numel()], [1], [128],
+                               gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
     launch = lambda: gl_coop_blockwise_kernel[grid](  # noqa: E731
-        ad, bd, cd, sa, sb, M, N, K, GROUP_M=8, STAGES=stages, TWO_ACC=two_acc, NO_SCALE=no_scale, PREFETCH=prefetch, PROMOTE_MODE=promote_mode, CONSUMER_REGS=232, PRODUCER_REGS=40,
-        num_warps=4, maxnreg=168)
+        ad, bd, cd, sa, sb, M, N, K, GROUP_M=8, STAGES=stages, TWO_ACC=two_acc, NO_SCALE=no_scale, PREFETCH=prefetch,
+        PROMOTE_MODE=promote_mode, CONSUMER_REGS=232, PRODUCER_REGS=40, num_warps=4, maxnreg=168, sa_desc=sad,
+        SA_SMEM=sa_smem)
     _measure(f"gluon cooperative stages={stages} two_acc={two_acc} no_scale={no_scale} prefetch={prefetch} "
-             f"promote_mode={promote_mode} (two independent 64-row consumers)", launch, operands, bk,
+             f"promote_mode={promote_mode} sa_smem={sa_smem} (two independent 64-row consumers)", launch, operands, bk,
              not no_scale and promote_mode == 0)
     if torch.isnan(out).any():
         print("   NaN left in the output: a tile was not written")
@@ -705,6 +768,14 @@ def run_grouped(G, T, K, N, stages=4, warps=8):
 
 def main() -> int:
     M, N, K = 32768, 4096, 7168
+    if "--smem-scales" in sys.argv:  # the cooperative kernel's row scales from global memory or from the ring
+        run_triton(M, N, K, 0, False, 4)
+        for stages, sa_smem, mode in ((5, False, 0), (5, True, 0), (4, True, 0), (5, False, 3)):
+            try:
+                run_gluon_coop(M, N, K, stages, promote_mode=mode, sa_smem=sa_smem)
+            except Exception as exc:
+                print(f"gluon cooperative stages={stages} sa_smem={sa_smem}: fails {type(exc).__name__}: {str(exc)[:300]}")
+        return 0
     if "--coop" in sys.argv:  # the cooperative kernel beside the ceiling and the library's loop only
         run_triton(M, N, K, 0, False, 4)
         run_triton(M, N, K, 2, False, 4)
