@@ -187,3 +187,67 @@ def test_gluon_blockwise_wgrad_bitwise_equal_tma_kernel(lens, accumulate):
     if not accumulate:
         ref, mag = _reference_and_magnitudes(problem)
         _assert_within_reference_bound(problem, outs[0].cpu().double(), ref, mag, max(lens))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["blockwise", "pow2"])
+@pytest.mark.parametrize("lens", [[0, 300, 2, 0, 130, 512], [1000], [0, 300, 1, 0, 129, 512], [64, 0, 65, 191, 0, 1],
+                                  [1]])
+def test_gluon_blockwise_m_grouped_bitwise_equal_tma_kernel(lens, name, out_dtype):
+    """The M-grouped Gluon blockwise kernel (fwd and dgrad on sm_90: two cooperative consumers, the
+    row scales brought by TMA) against the Triton TMA kernel on the same problem: the same blocks'
+    wgmma sums promoted as ``acc += block * (sa * sb)`` in the same order, so the same bits. Groups
+    empty (first, middle, last), of one row, ending inside either consumer's half of a tile, and the
+    last rows past a 128-row boundary (the scales' box past the last row reads zeros); the row scales
+    through the ring (944 and 1000 rows: a column stride of whole 16 bytes; groups starting on a
+    multiple of 4 rows) and from global memory (groups starting off it; 942, 321 and 1 rows); N = 712 and
+    K = 1040, multiples of neither 128 (the next group's weight rows fill the last column tile, the
+    copy engine zero-fills the last block); NaN-poisoned outputs, and the float64 reference's bound."""
+    from fine_grained_interpreter_cases import _problem
+
+    problem = _problem("m", RECIPES[name], lens, 712, 1040, E4M3, torch.Generator().manual_seed(7))
+    problem = dataclasses.replace(problem, out_dtype=out_dtype)
+    on_gpu = dataclasses.replace(problem, **{f: getattr(problem, f).cuda() for f in
+                                              ("a", "b", "a_scale", "b_scale", "group_offs")})
+    cfg = triton_gemm.default_config(on_gpu)
+    if not cfg.gluon:
+        pytest.skip(triton_gemm.gluon_declined(on_gpu, dataclasses.replace(cfg, gluon=True)))
+    outs = []
+    for gluon in (True, False):
+        out = torch.full(problem.out_shape, float("nan"), device="cuda", dtype=out_dtype)
+        chosen = dataclasses.replace(cfg, gluon=gluon)
+        assert triton_gemm.plan(dataclasses.replace(on_gpu, out=out), chosen, out).gluon == gluon
+        outs.append(triton_gemm.run(dataclasses.replace(on_gpu, out=out), chosen))
+    assert not torch.isnan(outs[0]).any()
+    bits = torch.int32 if out_dtype == torch.float32 else torch.int16
+    same = outs[0].view(bits) == outs[1].view(bits)
+    assert bool(same.all()), f"{int((~same).sum())} elements differ from the TMA kernel"
+    if out_dtype == torch.float32:
+        ref, mag = _reference_and_magnitudes(problem)
+        _assert_within_reference_bound(problem, outs[0].cpu().double(), ref, mag, 1040)
+
+
+def test_gluon_blockwise_m_grouped_declines_what_it_cannot_take():
+    """Where the M-grouped Gluon kernel cannot run, the plan says why and the TMA kernel runs: the
+    activation scales not block-major, an output row not a multiple of 16 bytes."""
+    from fine_grained_interpreter_cases import _problem
+
+    problem = _problem("m", RECIPES["blockwise"], [300, 0, 200], 712, 1040, E4M3, torch.Generator().manual_seed(8))
+    on_gpu = dataclasses.replace(problem, **{f: getattr(problem, f).cuda() for f in
+                                              ("a", "b", "a_scale", "b_scale", "group_offs")})
+    cfg = dataclasses.replace(triton_gemm.default_config(on_gpu), gluon=True)
+    if triton_gemm.gluon_declined(on_gpu, cfg):
+        pytest.skip(triton_gemm.gluon_declined(on_gpu, cfg))
+    row_major = dataclasses.replace(on_gpu, a_scale=on_gpu.a_scale.contiguous())
+    assert "block-major" in triton_gemm.gluon_declined(row_major, cfg)
+    odd = torch.empty(500, 712, dtype=torch.bfloat16, device="cuda")[:, :700]
+    odd_problem = _problem("m", RECIPES["blockwise"], [300, 0, 200], 700, 1040, E4M3, torch.Generator().manual_seed(8))
+    odd_problem = dataclasses.replace(odd_problem, out_dtype=torch.bfloat16)
+    odd_gpu = dataclasses.replace(odd_problem, **{f: getattr(odd_problem, f).cuda() for f in
+                                                  ("a", "b", "a_scale", "b_scale", "group_offs")})
+    assert "16-byte" in triton_gemm.gluon_declined(odd_gpu, cfg, odd)
+    outs = [triton_gemm.run(dataclasses.replace(row_major, out=torch.full(on_gpu.out_shape, float("nan"),
+                                                                          device="cuda")), cfg),
+            triton_gemm.run(dataclasses.replace(on_gpu, out=torch.full(on_gpu.out_shape, float("nan"), device="cuda")),
+                            dataclasses.replace(cfg, gluon=False))]
+    assert torch.equal(outs[0], outs[1])

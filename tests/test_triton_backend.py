@@ -306,7 +306,8 @@ def _compile_gluon_for_hopper(kernel_name: str, descriptors: dict, scalars: dict
 
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("compiling needs TRITON_INTERPRET unset")
-    from turbo_moe.kernels.triton import blockwise_gemm_gluon, grouped_gemm_gluon, m_grouped_gemm_gluon
+    from turbo_moe.kernels.triton import (blockwise_gemm_gluon, grouped_gemm_gluon, m_grouped_blockwise_gluon,
+                                          m_grouped_gemm_gluon)
 
     if grouped_gemm_gluon.GLUON_ERROR:
         pytest.skip(grouped_gemm_gluon.GLUON_ERROR)
@@ -315,7 +316,7 @@ def _compile_gluon_for_hopper(kernel_name: str, descriptors: dict, scalars: dict
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
-    signature = {name: mangle_type(TensorDescriptor.from_tensor(torch.empty(256, 256, dtype=dtype), block,
+    signature = {name: mangle_type(TensorDescriptor.from_tensor(torch.empty(*[256] * len(block), dtype=dtype), block,
                                                                 grouped_gemm_gluon.shared_layout(block, dtype)))
                  for name, (block, dtype) in descriptors.items()}
     signature.update(scalars)
@@ -325,7 +326,8 @@ def _compile_gluon_for_hopper(kernel_name: str, descriptors: dict, scalars: dict
         options["maxnreg"] = constexprs.pop("maxnreg")
     signature.update({name: "constexpr" for name in constexprs})
     kernel = next(getattr(module, kernel_name) for module in (grouped_gemm_gluon, blockwise_gemm_gluon,
-                                                              m_grouped_gemm_gluon) if hasattr(module, kernel_name))
+                                                              m_grouped_gemm_gluon, m_grouped_blockwise_gluon)
+                  if hasattr(module, kernel_name))
     try:
         return triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32), options=options)
@@ -470,6 +472,38 @@ def test_gluon_blockwise_wgrad_compiles_for_hopper(accumulate):
         {**_GLUON_SCALARS, **{name: "i32" for name in ("stride_san", "stride_sas", "stride_sbk", "stride_sbs")}},
         dict(GROUP_M=8, BAND_CYCLIC=False, ACCUMULATE=accumulate, STAGES=4, num_warps=8))
     _assert_gluon_wgrad_ptx(compiled, wgmmas=9)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gluon_blockwise_m_grouped_compiles_for_hopper(out_dtype):
+    """The M-grouped Gluon blockwise kernel (fwd, dgrad) compiles for sm_90 on any machine with the
+    host's config: two 4-warp consumers and a producer warp (12 warps), each consumer's 64 x 128 half
+    of a tile four K=32 wgmmas a block; per block three TMA loads (a, b and the 128 row scales, a 1-D
+    box) into the ring, the scales read from shared memory (two rows a thread); TMA stores of whole
+    halves; setmaxnreg under a register limit; shared memory within the budget the host's fit check
+    assumes."""
+    from turbo_moe.backends.triton_backend import _SHARED_MEMORY_BUDGET
+    from turbo_moe.fine_grained.triton_gemm import _COOP_REGS, _COOP_WARPS, _GPU_DEFAULTS
+
+    cfg = _GPU_DEFAULTS[(128, False)]
+    compiled = _compile_gluon_for_hopper(
+        "m_grouped_block_scaled_coop_kernel",
+        {"a_desc": ([cfg.block_m, 128], torch.float8_e4m3fn), "b_desc": ([cfg.block_n, 128], torch.float8_e4m3fn),
+         "sa_desc": ([cfg.block_m], torch.float32), "out_desc": ([cfg.block_m // 2, cfg.block_n], out_dtype)},
+        {"out_ptr": "*fp32" if out_dtype == torch.float32 else "*bf16", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
+         "group_offs_ptr": "*i64", **{name: "i32" for name in ("N", "K", "G", "stride_om", "stride_sak", "stride_sbg",
+                                                             "stride_sbn", "stride_sbk")}},
+        dict(GROUP_M=cfg.group_m, SCALES_TMA=True, STAGES=cfg.num_stages, **_COOP_REGS, num_warps=_COOP_WARPS))
+    ptx = compiled.asm["ptx"]
+    assert compiled.metadata.num_warps == 12, compiled.metadata.num_warps
+    assert ptx.count("wgmma.mma_async") == 8, ptx.count("wgmma.mma_async")
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx)) == 2, "a and b's loads"
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.1d\.shared::\w+\.global\.mbarrier", ptx)) == 1, "the scales' load"
+    assert len(re.findall(r"ld\.shared\.[bf]32\s", ptx)) == 4, "two row scales a thread, in each consumer"
+    assert ptx.count("cp.async.bulk.tensor.2d.global.shared::cta") == 2, "a TMA store in each consumer"
+    # setmaxnreg needs the kernel's own limit within the SM's file (without it: an illegal instruction)
+    assert "setmaxnreg" in ptx and ".maxnreg 168" in ptx and "mbarrier.try_wait" in ptx
+    assert compiled.metadata.shared <= _SHARED_MEMORY_BUDGET, compiled.metadata.shared
 
 
 def test_gluon_wgrads_decline_what_they_cannot_take(monkeypatch):

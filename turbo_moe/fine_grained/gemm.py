@@ -69,14 +69,15 @@ class BlockScaledProblem:
 
     def signature(self) -> tuple:
         """Everything ``reason``, the backend choice and a launch plan read from the problem: dtypes,
-        shapes, strides, devices, the 16-byte alignment of the operands (and of ``out`` when given),
+        shapes, strides, devices, the 16-byte alignment of the operands and of the activation scales
+        (a TMA operand of the M-grouped Gluon kernel), and of ``out`` when given,
         the recipe, ``num_cu``, ``accumulate``, and the MXFP8 ``tl.dot_scaled`` override. Problems
         of one signature are checked and planned once (``run_block_scaled``)."""
         a, b, sa, sb, offs, out = self.a, self.b, self.a_scale, self.b_scale, self.group_offs, self.out
         tensors = (a, b, sa, sb, offs) if out is None else (a, b, sa, sb, offs, out)
         return (self.kind, self.recipe, self.out_dtype, self.accumulate, self.num_cu,
                 os.environ.get("TURBO_MOE_MX_DOT_SCALED"), a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0,
-                out is None or out.data_ptr() % 16 == 0,
+                sa.data_ptr() % 16 == 0, out is None or out.data_ptr() % 16 == 0,
                 *((t.dtype, t.shape, t.stride(), t.device) for t in tensors))
 
     def describe(self) -> str:

@@ -33,9 +33,11 @@ class BlockKernelConfig:
     tma: bool = True
     # With tma, K-grouped: the output tile leaves through a descriptor where ``out`` allows it.
     tma_store: bool = True
-    # K-grouped blockwise on sm_90: the Gluon kernel (kernels/triton/blockwise_gemm_gluon.py), its
-    # loads running ahead across blocks and tiles; the same bits as the TMA kernel. Where a problem
-    # cannot take it (gluon_declined), the TMA kernel runs.
+    # Blockwise on sm_90: the Gluon kernels, the same bits as the TMA kernels. K-grouped:
+    # kernels/triton/blockwise_gemm_gluon.py, its loads running ahead across blocks and tiles;
+    # M-grouped: kernels/triton/m_grouped_blockwise_gluon.py, two cooperative consumers promoting each
+    # block, the activation scales brought by TMA. Where a problem cannot take one (gluon_declined),
+    # the TMA kernel runs.
     gluon: bool = False
 
 
@@ -77,6 +79,12 @@ class _Kernels:
         self.k_grouped_tma = lean(blockwise_gemm.k_grouped_block_scaled_tma_kernel)
 
     @functools.cached_property
+    def m_grouped_gluon(self):  # imported on first use: only sm_90 plans launch it
+        from turbo_moe.kernels.triton import launch, m_grouped_blockwise_gluon
+
+        return launch.lean(m_grouped_blockwise_gluon.m_grouped_block_scaled_coop_kernel)
+
+    @functools.cached_property
     def k_grouped_gluon(self):  # imported on first use: only sm_90 plans launch it
         from turbo_moe.kernels.triton import blockwise_gemm_gluon, launch
 
@@ -115,31 +123,41 @@ def default_config(problem) -> BlockKernelConfig:
     if torch.version.hip:
         return _HIP_DEFAULTS[(r.block, dot_scaled, problem.kind)]
     config = _GPU_DEFAULTS[(r.block, dot_scaled)]
-    if problem.kind is GemmKind.K_GROUPED:
-        # The Gluon wgrad where it can run. H100, TFLOPS against the TMA kernel, the same bits
-        # (docs/results/h100_fine_grained.md): 128 x 128 tokens per expert 243 / 166, 32 x 512
-        # 437 / 388 (skewed 363 / 290), 8 x 4096 567 / 527 (DeepSeek-V3 fc1) and 574 / 590 (fc2).
-        gluon = dataclasses.replace(config, gluon=True)
-        if not gluon_declined(problem, gluon):
-            return gluon
+    # The Gluon kernels where they can run (docs/results/h100_fine_grained.md, the same bits as the
+    # TMA kernels). The wgrad, TFLOPS against the TMA kernel: 128 x 128 tokens per expert 243 / 166,
+    # 32 x 512 437 / 388 (skewed 363 / 290), 8 x 4096 567 / 527 (DeepSeek-V3 fc1) and 574 / 590 (fc2).
+    gluon = dataclasses.replace(config, gluon=True)
+    if not gluon_declined(problem, gluon):
+        return gluon
     return config
 
 
+# The M-grouped Gluon kernel: 128 x 128 tiles (one weight block across the columns) split between
+# two 4-warp consumers (num_warps is one consumer's), a producer warp; its ring holds config.num_stages
+# slots of a, b and 128 row scales (32.5 KB each) beside two 64 x 128 staging tiles. The consumers'
+# and the producer's registers (setmaxnreg, per thread): 232 leaves a consumer room for its 64 x 128
+# float32 accumulator and a block's (64 each a thread), 40 the producer's warpgroup, 64512 of 65536 in
+# all; the kernel's own limit (maxnreg) the SM's file over its 12 warps, which setmaxnreg needs (without
+# it the H100 raised an illegal instruction).
+_COOP_WARPS = 4
+_COOP_REGS = dict(CONSUMER_REGS=232, PRODUCER_REGS=40, maxnreg=168)
+
+
 def gluon_declined(problem, config: BlockKernelConfig, out: Optional[torch.Tensor] = None) -> str:
-    """Why ``problem`` does not take the Gluon K-grouped blockwise kernel under ``config``; empty
+    """Why ``problem`` does not take the Gluon blockwise kernel of its kind under ``config``; empty
     when it does. ``out``: the output (None: ``problem.out``, or a fresh contiguous one)."""
     from ..backends.triton_backend import gluon_output_reason, gluon_unavailable
 
     if not config.gluon:
         return "config.gluon is off"
-    if problem.kind is not GemmKind.K_GROUPED:
-        return "the Gluon kernel is the K-grouped one"
     r = problem.recipe
     if r.e8m0 or r.block != 128 or config.block_k != 128:
-        return "the Gluon kernel takes blockwise recipes (128-token blocks, float32 scales)"
+        return "the Gluon kernels take blockwise recipes (128-element blocks, float32 scales)"
     why = gluon_unavailable(problem.device) or tma_declined(problem, config)
     if why:
         return why
+    if problem.kind is GemmKind.M_GROUPED:
+        return _m_grouped_gluon_declined(problem, config, out if out is not None else problem.out)
     why = gluon_output_reason(problem, config, out if out is not None else problem.out)
     if why:
         return why
@@ -156,6 +174,38 @@ def _num_programs_limit(problem) -> int:
     if problem.device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(problem.device).multi_processor_count
+
+
+def _m_grouped_gluon_declined(problem, config: BlockKernelConfig, out: Optional[torch.Tensor]) -> str:
+    """Why the M-grouped Gluon kernel does not take ``problem`` (``out``: None for a fresh
+    contiguous output); empty when it does."""
+    from ..backends.triton_backend import _SHARED_MEMORY_BUDGET, _store_descriptor_reason
+    from turbo_moe.kernels.triton import m_grouped_blockwise_gluon
+
+    sa, r = problem.a_scale, problem.recipe
+    if sa.shape[1] == 0:
+        return "K is 0: no block to stage (the TMA kernel writes the zeros)"
+    if (config.block_m, config.block_n) != (128, 128) or r.weight_block != config.block_n:
+        return "the M-grouped Gluon kernel runs 128 x 128 tiles (one weight block across the columns)"
+    if sa.stride(0) != 1 or sa.data_ptr() % 16:
+        return "its TMA reads the activation scales as block-major storage (sa[:, k] contiguous), 16-byte aligned"
+    if _flat_scales(sa) >= 2**31:
+        return "its TMA coordinates into the activation scales are 32-bit"
+    why = _store_descriptor_reason(problem.out_dtype, problem.mnk[1], out)
+    if why:
+        return why
+    item = torch.empty((), dtype=problem.out_dtype).element_size()
+    ring = config.num_stages * ((config.block_m + config.block_n) * config.block_k + 4 * config.block_m)
+    if ring + config.block_m * config.block_n * item > _SHARED_MEMORY_BUDGET:
+        return "its ring and two staging tiles do not fit in shared memory"
+    return m_grouped_blockwise_gluon.GLUON_ERROR
+
+
+def _flat_scales(sa: torch.Tensor) -> int:
+    """Elements of ``sa``'s ([M, blocks], column stride >= M) block-major storage that the M-grouped
+    Gluon kernel's flat scale descriptor spans."""
+    rows, blocks = sa.shape
+    return (blocks - 1) * sa.stride(1) + rows
 
 
 # The K-grouped TMA kernel's boxes for groups that start off a 16-token boundary: the narrowest
@@ -210,6 +260,14 @@ class _BlockPlan:
             launcher.launch_keyed(self.grid, key, a, b, out, sa, sb, offs, *self.int_args, **self.constexprs)
             return
         geometry, plan, a_ptr, b_ptr = self.geometry, self.key, a.data_ptr(), b.data_ptr()
+        if self.gluon and problem.kind is GemmKind.M_GROUPED:  # a, b, the scales flattened, out
+            a_geo, b_geo, sa_geo, out_geo = geometry
+            launcher.launch_keyed(self.grid, key, HostDesc(a, *a_geo[:3], (plan, 0, a_ptr), a_geo[3]),
+                                  HostDesc(b, *b_geo[:3], (plan, 1, b_ptr), b_geo[3]),
+                                  HostDesc(sa, *sa_geo[:3], (plan, 2, sa.data_ptr()), sa_geo[3]),
+                                  HostDesc(out, *out_geo[:3], (plan, 3, out.data_ptr()), out_geo[3]),
+                                  out, sa, sb, offs, *self.int_args, **self.constexprs)
+            return
         if self.gluon:
             (a_geo, b_geo, out_geo) = geometry
             launcher.launch_keyed(self.grid, key, HostDesc(a, *a_geo[:3], (plan, 0, a_ptr), a_geo[3]),
@@ -254,6 +312,22 @@ def plan(problem, config: Optional[BlockKernelConfig] = None, out: Optional[torc
     extra = {} if k.interpreting else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.gluon and gluon_declined(problem, cfg, None if out.device.type == "meta" else out):
         cfg = dataclasses.replace(cfg, gluon=False)
+    if cfg.gluon and problem.kind is GemmKind.M_GROUPED:
+        from turbo_moe.kernels.triton.grouped_gemm_gluon import shared_layout
+
+        bm, bn, bk, half = cfg.block_m, cfg.block_n, cfg.block_k, cfg.block_m // 2
+        flat = _flat_scales(sa)
+        geometry = (([M, K], [a.stride(0), 1], [bm, bk], shared_layout([bm, bk], a.dtype)),
+                    ([G * N, K], [b.stride(1), 1], [bn, bk], shared_layout([bn, bk], b.dtype)),
+                    ([flat], [1], [bm], shared_layout([bm], sa.dtype)),
+                    ([M, N], [N, 1], [half, bn], shared_layout([half, bn], problem.out_dtype)))
+        bound = ts.m_grouped_tile_upper_bound(M, G, bm, ts.cdiv(N, bn))
+        # the scales' TMA boxes start on 16-byte boundaries only with a column stride of whole 16 bytes
+        constexprs = dict(GROUP_M=cfg.group_m, SCALES_TMA=sa.stride(1) % 4 == 0, STAGES=cfg.num_stages, **_COOP_REGS,
+                          num_warps=_COOP_WARPS)
+        return _BlockPlan(next(_PLAN_IDS), "m_grouped_gluon", (ts.persistent_grid_size(bound, limit),), True, True,
+                          geometry, (N, K, G, N, sa.stride(1), sb.stride(0), sb.stride(1), sb.stride(2)), constexprs,
+                          gluon=True)
     if cfg.gluon:
         from turbo_moe.kernels.triton.grouped_gemm_gluon import shared_layout
 
