@@ -44,7 +44,8 @@ class BlockKernelConfig:
 # H100 defaults (two warpgroups, 128x128 tiles: DeepGEMM's shape for blockwise), from
 # scripts/bench_fine_grained.py --sweep (docs/results/h100_fine_grained.md): blockwise M-grouped
 # through TMA with 4 stages (0.72-0.76x tensorwise, against 0.27-0.46x through pointers; 3 or 5
-# stages within 3%). MXFP8's promotion loop steps 32 of K, so it pipelines deeper, and through
+# stages within 3%; on sm_90 the Gluon kernels take these configs where they can, the M-grouped one
+# at 0.83-0.95x). MXFP8's promotion loop steps 32 of K, so it pipelines deeper, and through
 # pointers: 32-byte TMA boxes ran it slower (108-122 against 131-148 TFLOPS).
 _GPU_DEFAULTS = {
     (128, False): BlockKernelConfig(128, 128, 128, num_stages=4),
