@@ -284,9 +284,12 @@ if gluon is not None:
 
     @gluon.jit
     def _coop_scales_producer(a_desc, b_desc, sa_desc, a_bufs, b_bufs, sa_bufs, ready, empty, M, N, K,
-                              GROUP_M: gl.constexpr, STAGES: gl.constexpr, tile0, tile_step):
+                              GROUP_M: gl.constexpr, STAGES: gl.constexpr, tile0, tile_step, sbc_desc,
+                              BOXES: gl.constexpr):
         """``_ws_producer`` that also loads block k's 128 row scales (``sa_desc``: the [K // BLOCK_K, M]
-        scales flattened, BLOCK_M-float boxes) into the slot's ``sa_bufs`` entry, on the same barrier."""
+        scales flattened, BLOCK_M-float boxes) into the slot's first ``sa_bufs`` entry, on the same
+        barrier; with BOXES = 2 also its 128 column scales (``sbc_desc``: [K // BLOCK_K, N] flattened)
+        into the second: the wgrad's per-block outer product of scales."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -300,10 +303,14 @@ if gluon is not None:
                 s = n % STAGES
                 mbarrier.wait(empty.index(s), ((n // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
                 mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes
-                                + sa_desc.block_type.nbytes)
+                                + BOXES * sa_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, k * BLOCK_K], ready.index(s), a_bufs.index(s))
                 tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), b_bufs.index(s))
-                tma.async_copy_global_to_shared(sa_desc, [k * M + pid_m * BLOCK_M], ready.index(s), sa_bufs.index(s))
+                tma.async_copy_global_to_shared(sa_desc, [k * M + pid_m * BLOCK_M], ready.index(s),
+                                                sa_bufs.index(s * BOXES))
+                if BOXES == 2:
+                    tma.async_copy_global_to_shared(sbc_desc, [k * N + pid_n * BLOCK_N], ready.index(s),
+                                                    sa_bufs.index(s * BOXES + 1))
                 n += 1
 
 
@@ -518,6 +525,19 @@ if gluon is not None:
                         acc = acc + block * gl.load(sb_row + k)
                     else:
                         acc = block
+            elif SA_SMEM == 2:  # the wgrad's promotion: row and column scales from the ring, their outer product
+                row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+                col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+                for k in range(kb):
+                    s = (n + k) % STAGES
+                    mbarrier.wait(ready.index(s), ((n + k) // STAGES) & 1)
+                    block = warpgroup_mma(a_bufs.index(s).slice(HALF * HALF_M, HALF_M, 0),
+                                          b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+                    rows_scale = sa_bufs.index(2 * s).slice(HALF * HALF_M, HALF_M, 0).load(row_layout)
+                    cols_scale = sa_bufs.index(2 * s + 1).load(col_layout)
+                    block = warpgroup_mma_wait(num_outstanding=0, deps=(block,))
+                    mbarrier.arrive(empty.index(s), count=1)  # after the scales' reads: the slot holds them
+                    acc = acc + block * (gl.expand_dims(rows_scale, 1) * gl.expand_dims(cols_scale, 0))
             elif SA_SMEM:  # the rows' scales from the ring (the producer's TMA put them beside the block)
                 sa_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
                 sb_next = gl.load(sb_row)
@@ -577,7 +597,7 @@ if gluon is not None:
                                  STAGES: gl.constexpr, TWO_ACC: gl.constexpr, NO_SCALE: gl.constexpr,
                                  PREFETCH: gl.constexpr, PROMOTE_MODE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                  PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, sa_desc=None,
-                                 SA_SMEM: gl.constexpr = False):
+                                 SA_SMEM: gl.constexpr = 0, sbc_desc=None):
         """The dense blockwise problem, persistent, with two *independent* consumer warpgroups
         cooperating on each 128 x 128 tile (64 rows each) over one producer ring, as CUTLASS's
         cooperative kernels split a tile. Unlike ``gl_ws_blockwise_kernel``, whose 8-warp math
@@ -586,7 +606,10 @@ if gluon is not None:
         releases its half of a slot on its own (``empty`` counts two arrivals). SA_SMEM: ``sa_desc``
         (the activation scales as one flat float32 vector, [K // 128 * M], BLOCK_M-float boxes) has the
         producer put each block's 128 row scales into the ring beside its operands, where the
-        consumers read them after the slot's wait (DeepGEMM's and CUTLASS's staging)."""
+        consumers read them after the slot's wait (DeepGEMM's and CUTLASS's staging). SA_SMEM = 2:
+        the wgrad's promotion on the same problem shape, ``sbc_desc`` ([K // 128, N] flattened)
+        bringing a per-column scale per block too, and the block scaled by the outer product of the
+        two (``blockwise_gemm``'s K-grouped formula)."""
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -597,21 +620,23 @@ if gluon is not None:
         c_smems = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
         pid, programs = gl.program_id(0), gl.num_programs(0)
         if SA_SMEM:  # (a JIT function cannot be held in a variable: one warp_specialize per producer)
-            sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
+            sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES * SA_SMEM] + sa_desc.block_type.shape,
+                                                sa_desc.layout)
             gl.warp_specialize([
                 (_coop_math_lo, (a_bufs, b_bufs, ready, empty, c_desc, c_smems, sa_ptr, sb_ptr, M, N, K, GROUP_M,
-                                 STAGES, TWO_ACC, NO_SCALE, PREFETCH, PROMOTE_MODE, pid, programs, sa_bufs, True)),
+                                 STAGES, TWO_ACC, NO_SCALE, PREFETCH, PROMOTE_MODE, pid, programs, sa_bufs, SA_SMEM)),
                 (_coop_math_hi, (a_bufs, b_bufs, ready, empty, c_desc, c_smems, sa_ptr, sb_ptr, M, N, K, GROUP_M,
-                                 STAGES, TWO_ACC, NO_SCALE, PREFETCH, PROMOTE_MODE, pid, programs, sa_bufs, True)),
+                                 STAGES, TWO_ACC, NO_SCALE, PREFETCH, PROMOTE_MODE, pid, programs, sa_bufs, SA_SMEM)),
                 (_coop_scales_producer, (a_desc, b_desc, sa_desc, a_bufs, b_bufs, sa_bufs, ready, empty, M, N, K,
-                                         GROUP_M, STAGES, pid, programs)),
+                                         GROUP_M, STAGES, pid, programs, sbc_desc if SA_SMEM == 2 else sa_desc,
+                                         SA_SMEM)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_coop_math_lo, (a_bufs, b_bufs, ready, empty, c_desc, c_smems, sa_ptr, sb_ptr, M, N, K, GROUP_M,
-                                 STAGES, TWO_ACC, NO_SCALE, PREFETCH, PROMOTE_MODE, pid, programs, a_bufs, False)),
+                                 STAGES, TWO_ACC, NO_SCALE, PREFETCH, PROMOTE_MODE, pid, programs, a_bufs, 0)),
                 (_coop_math_hi, (a_bufs, b_bufs, ready, empty, c_desc, c_smems, sa_ptr, sb_ptr, M, N, K, GROUP_M,
-                                 STAGES, TWO_ACC, NO_SCALE, PREFETCH, PROMOTE_MODE, pid, programs, a_bufs, False)),
+                                 STAGES, TWO_ACC, NO_SCALE, PREFETCH, PROMOTE_MODE, pid, programs, a_bufs, 0)),
                 (_ws_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M, STAGES, pid,
                                 programs)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -702,8 +727,10 @@ def run_gluon_two_pipe(M, N, K, stages, bm=64, bn=128, bk=128):
 
 
 def run_gluon_coop(M, N, K, stages, two_acc=False, no_scale=False, prefetch=False, promote_mode=0, bk=128,
-                   sa_smem=False):
-    """``gl_coop_blockwise_kernel``: one persistent program per SM, output NaN-poisoned first."""
+                   sa_smem=0):
+    """``gl_coop_blockwise_kernel``: one persistent program per SM, output NaN-poisoned first.
+    ``sa_smem`` 2: the wgrad's outer-product promotion, with per-column scales ``sbc`` [K // bk, N]
+    (its error against a float32 evaluation of that sum)."""
     operands = a, b, sa, sb, out = _operands(M, N, K, bk)
     out.fill_(float("nan"))
     layout = gl.NVMMASharedLayout.get_default_for
@@ -711,18 +738,26 @@ def run_gluon_coop(M, N, K, stages, two_acc=False, no_scale=False, prefetch=Fals
     bd = TensorDescriptor(b, list(b.shape), list(b.stride()), [128, bk], layout([128, bk], gl.float8e4nv))
     cd = TensorDescriptor(out, list(out.shape), list(out.stride()), [64, 128], layout([64, 128], gl.bfloat16))
     grid = (min(triton.cdiv(M, 128) * triton.cdiv(N, 128), torch.cuda.get_device_properties(0).multi_processor_count),)
-    sad = None
+    sad = sbcd = None
+    flat_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     if sa_smem:  # the scales flattened: block k's rows m0.. are floats k * M + m0 ..
         flat = sa.view(-1)
-        sad = TensorDescriptor(flat, [flat.numel()], [1], [128],
-                               gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
+        sad = TensorDescriptor(flat, [flat.numel()], [1], [128], flat_layout)
+    if sa_smem == 2:
+        sbc = torch.rand(K // bk, N, device="cuda") + 0.5
+        sbcd = TensorDescriptor(sbc.view(-1), [sbc.numel()], [1], [128], flat_layout)
     launch = lambda: gl_coop_blockwise_kernel[grid](  # noqa: E731
         ad, bd, cd, sa, sb, M, N, K, GROUP_M=8, STAGES=stages, TWO_ACC=two_acc, NO_SCALE=no_scale, PREFETCH=prefetch,
         PROMOTE_MODE=promote_mode, CONSUMER_REGS=232, PRODUCER_REGS=40, num_warps=4, maxnreg=168, sa_desc=sad,
-        SA_SMEM=sa_smem)
+        SA_SMEM=sa_smem, sbc_desc=sbcd)
     _measure(f"gluon cooperative stages={stages} two_acc={two_acc} no_scale={no_scale} prefetch={prefetch} "
              f"promote_mode={promote_mode} sa_smem={sa_smem} (two independent 64-row consumers)", launch, operands, bk,
-             not no_scale and promote_mode == 0)
+             not no_scale and promote_mode == 0 and sa_smem != 2)
+    if sa_smem == 2:  # the outer-product sum, against float32
+        af = a.float().view(M, K // bk, bk) * sa.T[:, :, None]
+        bf = b.float().view(N, K // bk, bk) * sbc.T[:, :, None]
+        ref = af.reshape(M, K)[:1024] @ bf.reshape(N, K).T
+        print(f"   outer-product relerr {((out[:1024].float() - ref).norm() / ref.norm()).item():.2e}")
     if torch.isnan(out).any():
         print("   NaN left in the output: a tile was not written")
 
@@ -768,9 +803,10 @@ def run_grouped(G, T, K, N, stages=4, warps=8):
 
 def main() -> int:
     M, N, K = 32768, 4096, 7168
-    if "--smem-scales" in sys.argv:  # the cooperative kernel's row scales from global memory or from the ring
+    if "--smem-scales" in sys.argv:  # the cooperative kernel's row scales from global memory or from the ring, and
+        # the wgrad's row-and-column promotion (sa_smem 2) on the same shape
         run_triton(M, N, K, 0, False, 4)
-        for stages, sa_smem, mode in ((5, False, 0), (5, True, 0), (4, True, 0), (5, False, 3)):
+        for stages, sa_smem, mode in ((5, 0, 0), (5, 1, 0), (4, 1, 0), (5, 0, 3), (4, 2, 0), (5, 2, 0)):
             try:
                 run_gluon_coop(M, N, K, stages, promote_mode=mode, sa_smem=sa_smem)
             except Exception as exc:
