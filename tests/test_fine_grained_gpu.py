@@ -22,6 +22,24 @@ def _cpu(t):
     return t.detach().cpu()
 
 
+def _on_gpu(problem):
+    """``problem`` with its operands, scales and offsets on the GPU (``out`` stays where it is)."""
+    return _on_gpu(problem)
+
+
+def _gluon_and_tma_outputs(on_gpu, cfg, new_out):
+    """The outputs of the Gluon kernel and of the Triton TMA kernel (``cfg`` with gluon on / off) on
+    ``on_gpu``, each into ``new_out()`` (NaN-poisoned, or a main_grad to add into), after checking
+    that each plan runs the kernel asked for."""
+    outs = []
+    for gluon in (True, False):
+        out = new_out()
+        chosen = dataclasses.replace(cfg, gluon=gluon)
+        assert triton_gemm.plan(dataclasses.replace(on_gpu, out=out), chosen, out).gluon == gluon
+        outs.append(triton_gemm.run(dataclasses.replace(on_gpu, out=out), chosen))
+    return outs
+
+
 @pytest.mark.parametrize("name", list(RECIPES))
 @pytest.mark.parametrize("fp8", [E4M3, E5M2])
 def test_casts_bitwise_equal_torch_reference_on_random_data(name, fp8):
@@ -59,8 +77,7 @@ def test_gemms_match_block_scaled_reference(name, dot_scaled, lens, monkeypatch)
     for kind, n, k in (("m", 700, 1000), ("k", 300, 260)):
         problem = _problem(kind, recipe, lens, n, k, E4M3, gen)
         ref, mag = _reference_and_magnitudes(problem)
-        on_gpu = dataclasses.replace(problem, **{f: getattr(problem, f).cuda() for f in
-                                                  ("a", "b", "a_scale", "b_scale", "group_offs")})
+        on_gpu = _on_gpu(problem)
         cfg = triton_gemm.default_config(on_gpu)
         out = torch.full(problem.out_shape, float("nan"), device="cuda")
         out = triton_gemm.run(dataclasses.replace(on_gpu, out=out), cfg).cpu().double()
@@ -107,8 +124,7 @@ def test_tma_kernel_bitwise_equal_pointer_kernel(name, kind, lens, monkeypatch):
 
     n, k = (700, 1040) if kind == "m" else (300, 260)
     problem = _problem(kind, RECIPES[name], lens, n, k, E4M3, torch.Generator().manual_seed(3))
-    on_gpu = dataclasses.replace(problem, **{f: getattr(problem, f).cuda() for f in
-                                              ("a", "b", "a_scale", "b_scale", "group_offs")})
+    on_gpu = _on_gpu(problem)
     # MXFP8's default: pointers; the Gluon kernel has its own test below.
     cfg = dataclasses.replace(triton_gemm.default_config(on_gpu), tma=True, gluon=False)
     assert not triton_gemm.tma_declined(on_gpu, cfg)
@@ -170,17 +186,12 @@ def test_gluon_blockwise_wgrad_bitwise_equal_tma_kernel(lens, accumulate):
 
     problem = _problem("k", RECIPES["blockwise"], lens, 256, 264, E5M2, torch.Generator().manual_seed(5),
                        accumulate=accumulate)
-    on_gpu = dataclasses.replace(problem, **{f: getattr(problem, f).cuda() for f in
-                                              ("a", "b", "a_scale", "b_scale", "group_offs")})
+    on_gpu = _on_gpu(problem)
     cfg = triton_gemm.default_config(on_gpu)
     if not cfg.gluon:
         pytest.skip(triton_gemm.gluon_declined(on_gpu, dataclasses.replace(cfg, gluon=True)))
-    outs = []
-    for gluon in (True, False):
-        out = problem.out.cuda() if accumulate else torch.full(problem.out_shape, float("nan"), device="cuda")
-        chosen = dataclasses.replace(cfg, gluon=gluon)
-        assert triton_gemm.plan(dataclasses.replace(on_gpu, out=out), chosen, out).gluon == gluon
-        outs.append(triton_gemm.run(dataclasses.replace(on_gpu, out=out), chosen))
+    outs = _gluon_and_tma_outputs(on_gpu, cfg, lambda: problem.out.cuda() if accumulate else torch.full(
+        problem.out_shape, float("nan"), device="cuda"))
     assert not torch.isnan(outs[0]).any()
     same = outs[0].view(torch.int32) == outs[1].view(torch.int32)
     assert bool(same.all()), f"{int((~same).sum())} elements differ from the TMA kernel"
@@ -207,17 +218,12 @@ def test_gluon_blockwise_m_grouped_bitwise_equal_tma_kernel(lens, name, out_dtyp
 
     problem = _problem("m", RECIPES[name], lens, 712, 1040, E4M3, torch.Generator().manual_seed(7))
     problem = dataclasses.replace(problem, out_dtype=out_dtype)
-    on_gpu = dataclasses.replace(problem, **{f: getattr(problem, f).cuda() for f in
-                                              ("a", "b", "a_scale", "b_scale", "group_offs")})
+    on_gpu = _on_gpu(problem)
     cfg = triton_gemm.default_config(on_gpu)
     if not cfg.gluon:
         pytest.skip(triton_gemm.gluon_declined(on_gpu, dataclasses.replace(cfg, gluon=True)))
-    outs = []
-    for gluon in (True, False):
-        out = torch.full(problem.out_shape, float("nan"), device="cuda", dtype=out_dtype)
-        chosen = dataclasses.replace(cfg, gluon=gluon)
-        assert triton_gemm.plan(dataclasses.replace(on_gpu, out=out), chosen, out).gluon == gluon
-        outs.append(triton_gemm.run(dataclasses.replace(on_gpu, out=out), chosen))
+    outs = _gluon_and_tma_outputs(on_gpu, cfg, lambda: torch.full(problem.out_shape, float("nan"), device="cuda",
+                                                                 dtype=out_dtype))
     assert not torch.isnan(outs[0]).any()
     bits = torch.int32 if out_dtype == torch.float32 else torch.int16
     same = outs[0].view(bits) == outs[1].view(bits)
@@ -233,8 +239,7 @@ def test_gluon_blockwise_m_grouped_declines_what_it_cannot_take():
     from fine_grained_interpreter_cases import _problem
 
     problem = _problem("m", RECIPES["blockwise"], [300, 0, 200], 712, 1040, E4M3, torch.Generator().manual_seed(8))
-    on_gpu = dataclasses.replace(problem, **{f: getattr(problem, f).cuda() for f in
-                                              ("a", "b", "a_scale", "b_scale", "group_offs")})
+    on_gpu = _on_gpu(problem)
     cfg = dataclasses.replace(triton_gemm.default_config(on_gpu), gluon=True)
     if triton_gemm.gluon_declined(on_gpu, cfg):
         pytest.skip(triton_gemm.gluon_declined(on_gpu, cfg))
@@ -243,8 +248,7 @@ def test_gluon_blockwise_m_grouped_declines_what_it_cannot_take():
     odd = torch.empty(500, 712, dtype=torch.bfloat16, device="cuda")[:, :700]
     odd_problem = _problem("m", RECIPES["blockwise"], [300, 0, 200], 700, 1040, E4M3, torch.Generator().manual_seed(8))
     odd_problem = dataclasses.replace(odd_problem, out_dtype=torch.bfloat16)
-    odd_gpu = dataclasses.replace(odd_problem, **{f: getattr(odd_problem, f).cuda() for f in
-                                                  ("a", "b", "a_scale", "b_scale", "group_offs")})
+    odd_gpu = _on_gpu(odd_problem)
     assert "16-byte" in triton_gemm.gluon_declined(odd_gpu, cfg, odd)
     outs = [triton_gemm.run(dataclasses.replace(row_major, out=torch.full(on_gpu.out_shape, float("nan"),
                                                                           device="cuda")), cfg),
