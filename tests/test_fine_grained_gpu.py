@@ -200,11 +200,12 @@ def test_gluon_blockwise_wgrad_bitwise_equal_tma_kernel(lens, accumulate):
         _assert_within_reference_bound(problem, outs[0].cpu().double(), ref, mag, max(lens))
 
 
+@pytest.mark.parametrize("a_fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["blockwise", "pow2"])
 @pytest.mark.parametrize("lens", [[0, 300, 2, 0, 130, 512], [1000], [0, 300, 1, 0, 129, 512], [64, 0, 65, 191, 0, 1],
                                   [1]])
-def test_gluon_blockwise_m_grouped_bitwise_equal_tma_kernel(lens, name, out_dtype):
+def test_gluon_blockwise_m_grouped_bitwise_equal_tma_kernel(lens, name, out_dtype, a_fp8):
     """The M-grouped Gluon blockwise kernel (fwd and dgrad on sm_90: two cooperative consumers, the
     row scales brought by TMA) against the Triton TMA kernel on the same problem: the same blocks'
     wgmma sums promoted as ``acc += block * (sa * sb)`` in the same order, so the same bits. Groups
@@ -213,10 +214,11 @@ def test_gluon_blockwise_m_grouped_bitwise_equal_tma_kernel(lens, name, out_dtyp
     through the ring (944 and 1000 rows: a column stride of whole 16 bytes; groups starting on a
     multiple of 4 rows) and from global memory (groups starting off it; 942, 321 and 1 rows); N = 712 and
     K = 1040, multiples of neither 128 (the next group's weight rows fill the last column tile, the
-    copy engine zero-fills the last block); NaN-poisoned outputs, and the float64 reference's bound."""
+    copy engine zero-fills the last block); e4m3 or e5m2 activations (the hybrid format's dgrad);
+    NaN-poisoned outputs, and the float64 reference's bound."""
     from fine_grained_interpreter_cases import _problem
 
-    problem = _problem("m", RECIPES[name], lens, 712, 1040, E4M3, torch.Generator().manual_seed(7))
+    problem = _problem("m", RECIPES[name], lens, 712, 1040, a_fp8, torch.Generator().manual_seed(7))
     problem = dataclasses.replace(problem, out_dtype=out_dtype)
     on_gpu = _on_gpu(problem)
     cfg = triton_gemm.default_config(on_gpu)

@@ -474,10 +474,11 @@ def test_gluon_blockwise_wgrad_compiles_for_hopper(accumulate):
     _assert_gluon_wgrad_ptx(compiled, wgmmas=9)
 
 
+@pytest.mark.parametrize("a_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2 (hybrid dgrad)"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_gluon_blockwise_m_grouped_compiles_for_hopper(out_dtype):
-    """The M-grouped Gluon blockwise kernel (fwd, dgrad) compiles for sm_90 on any machine with the
-    host's config: two 4-warp consumers and a producer warp (12 warps), each consumer's 64 x 128 half
+def test_gluon_blockwise_m_grouped_compiles_for_hopper(out_dtype, a_dtype):
+    """The M-grouped Gluon blockwise kernel (fwd, dgrad; the hybrid format's dgrad reads e5m2
+    gradients) compiles for sm_90 on any machine with the host's config: two 4-warp consumers and a producer warp (12 warps), each consumer's 64 x 128 half
     of a tile four K=32 wgmmas a block; per block three TMA loads (a, b and the 128 row scales, a 1-D
     box) into the ring, the scales read from shared memory (two rows a thread); TMA stores of whole
     halves; setmaxnreg under a register limit; shared memory within the budget the host's fit check
@@ -488,7 +489,7 @@ def test_gluon_blockwise_m_grouped_compiles_for_hopper(out_dtype):
     cfg = _GPU_DEFAULTS[(128, False)]
     compiled = _compile_gluon_for_hopper(
         "m_grouped_block_scaled_coop_kernel",
-        {"a_desc": ([cfg.block_m, 128], torch.float8_e4m3fn), "b_desc": ([cfg.block_n, 128], torch.float8_e4m3fn),
+        {"a_desc": ([cfg.block_m, 128], a_dtype), "b_desc": ([cfg.block_n, 128], torch.float8_e4m3fn),
          "sa_desc": ([cfg.block_m], torch.float32), "out_desc": ([cfg.block_m // 2, cfg.block_n], out_dtype)},
         {"out_ptr": "*fp32" if out_dtype == torch.float32 else "*bf16", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
          "group_offs_ptr": "*i64", **{name: "i32" for name in ("N", "K", "G", "stride_om", "stride_sak", "stride_sbg",
