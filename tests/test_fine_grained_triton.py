@@ -51,3 +51,32 @@ def test_dot_scaled_lowering_sm90_emulated_sm100_native():
     # Our block-scaled kernels (promotion loop) compile for sm_90 to FP8 wgmma, no bf16 fallback.
     for name, counts in report["block_scaled_kernels_sm_90"].items():
         assert counts["fp8_wgmma"] > 0 and counts["bf16_wgmma"] == 0, (name, counts)
+
+
+def test_m_grouped_gluon_takes_what_its_tma_allows():
+    """Which M-grouped blockwise problems the Gluon kernel (fwd, dgrad) takes past the device check
+    (``_m_grouped_gluon_declined``, host logic only): block-major activation scales, 16-byte aligned;
+    a 16-byte output row; 128 x 128 tiles; K > 0. The scales' column stride need not be a whole 16
+    bytes: the kernel then loads them from global memory (``SCALES_TMA`` off in the plan)."""
+    import dataclasses
+
+    import torch
+
+    from fine_grained_interpreter_cases import _problem
+    from turbo_moe.fine_grained import quantize as Q
+    from turbo_moe.fine_grained.triton_gemm import _GPU_DEFAULTS, _m_grouped_gluon_declined
+
+    cfg = dataclasses.replace(_GPU_DEFAULTS[(128, False)], gluon=True)
+    gen = torch.Generator().manual_seed(0)
+    e4m3 = torch.float8_e4m3fn
+    fwd = _problem("m", Q.BLOCKWISE, [16, 0, 301], 712, 1040, e4m3, gen)  # 317 rows: an odd column stride
+    assert fwd.a_scale.stride() == (1, 317)
+    assert _m_grouped_gluon_declined(fwd, cfg, None) == ""
+    assert "16-byte" in _m_grouped_gluon_declined(dataclasses.replace(fwd, out_dtype=torch.bfloat16), cfg,
+                                                  torch.empty(317, 720, dtype=torch.bfloat16)[:, :712])
+    assert "block-major" in _m_grouped_gluon_declined(dataclasses.replace(fwd, a_scale=fwd.a_scale.contiguous()), cfg,
+                                                      None)
+    assert "128 x 128" in _m_grouped_gluon_declined(fwd, dataclasses.replace(cfg, block_n=64), None)
+    odd_n = dataclasses.replace(_problem("m", Q.BLOCKWISE, [16, 0, 301], 708, 1040, e4m3, gen),
+                                out_dtype=torch.bfloat16)
+    assert "16-byte row stride" in _m_grouped_gluon_declined(odd_n, cfg, None)  # 708 bf16: 1416 bytes a row
