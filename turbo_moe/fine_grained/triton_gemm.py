@@ -248,7 +248,9 @@ class _BlockPlan:
     geometry: tuple  # (shape, strides, block shape) per descriptor slot: a, b[, a narrow, b narrow, out]
     int_args: tuple  # the kernel's integer arguments after its tensors
     constexprs: dict
-    gluon: bool = False  # the Gluon kernel: geometry a, b, out (one [G*N, K] matrix), each with its layout
+    # A Gluon kernel, each geometry entry with its layout: K-grouped a, b, out (one [G*N, K] matrix);
+    # M-grouped a, b, the activation scales' storage flattened, out.
+    gluon: bool = False
 
     def launch(self, problem, out: torch.Tensor) -> None:
         from turbo_moe.kernels.triton.launch import HostDesc
