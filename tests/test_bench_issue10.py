@@ -29,6 +29,7 @@ GEMM_NAMES = [
     "m_grouped_gemm_kernel", "k_grouped_gemm_kernel", "m_grouped_gemm_tma_kernel", "k_grouped_gemm_tma_kernel",
     "m_grouped_block_scaled_kernel", "k_grouped_block_scaled_kernel", "m_grouped_block_scaled_tma_kernel",
     "k_grouped_block_scaled_tma_kernel", "k_grouped_gemm_gluon_kernel", "k_grouped_block_scaled_gluon_kernel",
+    "m_grouped_block_scaled_coop_kernel", "k_grouped_block_scaled_coop_kernel",
     "void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::GemmUniversal<...>>>(...)",
     "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64",
 ]
