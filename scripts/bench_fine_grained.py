@@ -221,7 +221,11 @@ def main() -> int:
     parser.add_argument("--sweep-shapes", default="0",
                         help="with --sweep: the indices of the shapes to sweep, comma-separated (default 0)")
     args = parser.parse_args()
-    print(f"device: {torch.cuda.get_device_name()}")
+    from turbo_moe.backends.triton_backend import ptxas_description
+
+    # the blockwise promotion's speed moves with the ptxas (docs/results/h100_fine_grained.md)
+    header = f"device: {torch.cuda.get_device_name()}; ptxas {ptxas_description()}"
+    print(header)
     try:
         import deep_gemm  # noqa: F401
 
@@ -237,7 +241,7 @@ def main() -> int:
     print(text)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(peer + "\n\n" + text + "\n")
+            f.write(header + "\n" + peer + "\n\n" + text + "\n")
     return 0
 
 
