@@ -1,6 +1,7 @@
 """H100 speed table of the fine-grained recipes beside tensorwise (issue 12, item 5).
 
-    python scripts/bench_fine_grained.py [--shapes deepseek|small] [--out table.md]
+    python scripts/bench_fine_grained.py [--shapes deepseek|small] [--routing skewed|dirichlet|zipf] [--align 1]
+                                         [--out table.md]
 
 Times the GEMM kernels alone on pre-quantized operands (triton.testing.do_bench, median ms) for
 fwd (M-grouped NT), dgrad (M-grouped, W^T) and wgrad (K-grouped), per recipe: tensorwise (the
@@ -76,10 +77,11 @@ def sweep_shape(G, T, K, N):
     return "\n".join(lines)
 
 
-def _problems(G, T, K, N, cfg, time_tensorwise=True):
+def _problems(G, T, K, N, cfg, time_tensorwise=True, lens=None):
     """The recipe's fwd/dgrad/wgrad problems on fresh operands, their (M, N, K) for TFLOPS, the
     tensorwise kernels' ms on the same shapes (None unless ``time_tensorwise``), and a function
-    that quantizes x as the recipe does (rows and tokens layouts)."""
+    that quantizes x as the recipe does (rows and tokens layouts). ``lens``: the groups' token
+    counts (G x T in all; None: T each)."""
     from turbo_moe.autograd import quantize_weight
     from turbo_moe.backends import triton_backend
     from turbo_moe.backends.base import GemmKind, GroupedGemmProblem
@@ -92,7 +94,10 @@ def _problems(G, T, K, N, cfg, time_tensorwise=True):
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
     w = torch.randn(G, N, K, device=dev, dtype=torch.bfloat16) / K**0.5
     dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
-    offs = torch.arange(0, M + 1, T, device=dev, dtype=torch.int64)
+    if lens is None:
+        offs = torch.arange(0, M + 1, T, device=dev, dtype=torch.int64)
+    else:
+        offs = torch.tensor([0] + list(lens), device=dev, dtype=torch.int64).cumsum(0)
     e4 = torch.float8_e4m3fn
     xq, xt, xs = quantize_tensorwise_layouts(x, e4, transposed=True)
     dq, dt, ds = quantize_tensorwise_layouts(dy, e4, transposed=True)
@@ -174,25 +179,30 @@ def _tflops(m, n, k, ms):
     return 2.0 * m * n * k / ms / 1e9
 
 
-def run_shape(G, T, K, N):
+def run_shape(G, T, K, N, routing="balanced", align=16):
+    """The table of one shape. ``routing`` / ``align``: the group sizes
+    (``turbo_moe.bench.shapes.make_group_sizes``; ``align=1`` ragged, groups starting anywhere). The
+    torchao peer runs on balanced routing only: its per-expert graph is built for equal groups."""
+    from turbo_moe.bench.shapes import make_group_sizes
     from turbo_moe.config import Float8Config
     from turbo_moe.fine_grained import triton_gemm
 
+    lens = None if routing == "balanced" and align == 16 else make_group_sizes(G, T, routing, align=align)
     rows, notes = {}, []
     for name in ("blockwise", "mxfp8"):
         problems, flops, tensorwise_ms, quantize_x, (x, w, dy) = _problems(
-            G, T, K, N, Float8Config(granularity=name), time_tensorwise="tensorwise" not in rows)
+            G, T, K, N, Float8Config(granularity=name), time_tensorwise="tensorwise" not in rows, lens=lens)
         rows.setdefault("tensorwise", tensorwise_ms)
         rows[name] = {op: _bench(lambda p=p: triton_gemm.run(p)) for op, p in problems.items()}
         rows[name]["quant x (rows+tokens)"] = _bench(quantize_x)
-        if name == "blockwise":
+        if name == "blockwise" and lens is None:
             peer = torchao_blockwise_ms(x, w, dy, T)
             if isinstance(peer, str):
                 notes.append(f"torchao blockwise: {peer}")
             else:
                 notes += [f"torchao blockwise {op}: {v}" for op, v in peer.items() if isinstance(v, str)]
                 rows["torchao blockwise"] = {op: v for op, v in peer.items() if not isinstance(v, str)}
-    lines = [f"G={G} tokens/expert={T} K={K} N={N}",
+    lines = [f"G={G} tokens/expert={T} K={K} N={N} routing={routing} align={align}",
              "| recipe | fwd TFLOPS | dgrad TFLOPS | wgrad TFLOPS | x quant ms |", "|---|---|---|---|---|"]
     for name, ms in rows.items():
         cells = []
@@ -217,6 +227,10 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="deepseek", choices=sorted(SHAPES))
     parser.add_argument("--out", default=None)
+    parser.add_argument("--routing", default="balanced", choices=("balanced", "skewed", "dirichlet", "zipf"),
+                        help="group sizes (turbo_moe.bench.shapes.make_group_sizes); the peer runs on balanced only")
+    parser.add_argument("--align", type=int, default=16,
+                        help="group sizes are multiples of this (1: ragged, groups starting anywhere)")
     parser.add_argument("--sweep", action="store_true", help="blockwise tile configs at the first shape instead")
     parser.add_argument("--sweep-shapes", default="0",
                         help="with --sweep: the indices of the shapes to sweep, comma-separated (default 0)")
@@ -236,7 +250,7 @@ def main() -> int:
     if args.sweep:
         tables = [sweep_shape(*SHAPES[args.shapes][int(i)]) for i in args.sweep_shapes.split(",")]
     else:
-        tables = [run_shape(*shape) for shape in SHAPES[args.shapes]]
+        tables = [run_shape(*shape, routing=args.routing, align=args.align) for shape in SHAPES[args.shapes]]
     text = "\n\n".join(tables)
     print(text)
     if args.out:
