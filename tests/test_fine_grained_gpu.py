@@ -24,7 +24,8 @@ def _cpu(t):
 
 def _on_gpu(problem):
     """``problem`` with its operands, scales and offsets on the GPU (``out`` stays where it is)."""
-    return _on_gpu(problem)
+    return dataclasses.replace(problem, **{f: getattr(problem, f).cuda() for f in
+                                           ("a", "b", "a_scale", "b_scale", "group_offs")})
 
 
 def _gluon_and_tma_outputs(on_gpu, cfg, new_out):
