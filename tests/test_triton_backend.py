@@ -478,8 +478,8 @@ def test_gluon_blockwise_wgrad_compiles_for_hopper(accumulate):
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_gluon_blockwise_m_grouped_compiles_for_hopper(out_dtype, a_dtype):
     """The M-grouped Gluon blockwise kernel (fwd, dgrad; the hybrid format's dgrad reads e5m2
-    gradients) compiles for sm_90 on any machine with the host's config: two 4-warp consumers and a producer warp (12 warps), each consumer's 64 x 128 half
-    of a tile four K=32 wgmmas a block; per block three TMA loads (a, b and the 128 row scales, a 1-D
+    gradients) compiles for sm_90 on any machine with the host's config: two 4-warp consumers and a
+    producer warp (12 warps), each consumer's 64 x 128 half of a tile four K=32 wgmmas a block; per block three TMA loads (a, b and the 128 row scales, a 1-D
     box) into the ring, the scales read from shared memory (two rows a thread); TMA stores of whole
     halves; setmaxnreg under a register limit; shared memory within the budget the host's fit check
     assumes."""
