@@ -176,27 +176,39 @@ def test_autograd_triton_matches_torch_backend_and_captures(granularity):
     assert torch.allclose(y.float(), grads["triton"][0]) and torch.allclose(ww.grad.float(), grads["triton"][2])
 
 
-@pytest.mark.parametrize("accumulate", [False, True], ids=["out", "main_grad"])
+@pytest.mark.parametrize("cooperative", [True, False], ids=["cooperative", "single-stream"])
+@pytest.mark.parametrize("out", ["fp32", "bf16", "main_grad"])
 @pytest.mark.parametrize("lens", [[16, 0, 300, 4, 0, 128, 512], [1024], [0, 131, 77, 1, 0, 259, 0, 60, 0]])
-def test_gluon_blockwise_wgrad_bitwise_equal_tma_kernel(lens, accumulate):
-    """The Gluon K-grouped blockwise kernel (sm_90) against the Triton TMA kernel on the same tiles:
+def test_gluon_blockwise_wgrad_bitwise_equal_tma_kernel(lens, out, cooperative):
+    """The Gluon K-grouped blockwise kernels (sm_90) against the Triton TMA kernel on the same tiles:
     groups on and off 16-token boundaries (off: each block as five 32-token slices, two ring
     entries), short last blocks, empty groups (first, middle, last), one token: the same slices
-    and promotions, so the same bits; an fp32 main_grad accumulated into the same way."""
+    and promotions, so the same bits; an fp32 main_grad accumulated into the same way. The
+    cooperative kernel (two consumer warpgroups zeroing their halves of a masked box, the scales
+    through the ring) writes bf16 or adds into main_grad; a plain float32 output takes the
+    single-stream one."""
     from fine_grained_interpreter_cases import _problem
 
+    accumulate = out == "main_grad"
     problem = _problem("k", RECIPES["blockwise"], lens, 256, 264, E5M2, torch.Generator().manual_seed(5),
                        accumulate=accumulate)
+    if out == "bf16":
+        problem = dataclasses.replace(problem, out_dtype=torch.bfloat16)
     on_gpu = _on_gpu(problem)
-    cfg = triton_gemm.default_config(on_gpu)
+    cfg = dataclasses.replace(triton_gemm.default_config(on_gpu), cooperative=cooperative)
     if not cfg.gluon:
         pytest.skip(triton_gemm.gluon_declined(on_gpu, dataclasses.replace(cfg, gluon=True)))
+    coop = cooperative and out != "fp32"
+    assert bool(triton_gemm.coop_declined(on_gpu, cfg)) != coop, triton_gemm.coop_declined(on_gpu, cfg)
+    kernel = triton_gemm.plan(on_gpu, cfg).kernel_name
+    assert kernel == ("k_grouped_coop" if coop else "k_grouped_gluon"), kernel
     outs = _gluon_and_tma_outputs(on_gpu, cfg, lambda: problem.out.cuda() if accumulate else torch.full(
-        problem.out_shape, float("nan"), device="cuda"))
+        problem.out_shape, float("nan"), device="cuda", dtype=problem.out_dtype))
     assert not torch.isnan(outs[0]).any()
-    same = outs[0].view(torch.int32) == outs[1].view(torch.int32)
+    bits = torch.int16 if out == "bf16" else torch.int32
+    same = outs[0].view(bits) == outs[1].view(bits)
     assert bool(same.all()), f"{int((~same).sum())} elements differ from the TMA kernel"
-    if not accumulate:
+    if out == "fp32":
         ref, mag = _reference_and_magnitudes(problem)
         _assert_within_reference_bound(problem, outs[0].cpu().double(), ref, mag, max(lens))
 

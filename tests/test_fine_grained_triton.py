@@ -80,3 +80,33 @@ def test_m_grouped_gluon_takes_what_its_tma_allows():
     odd_n = dataclasses.replace(_problem("m", Q.BLOCKWISE, [16, 0, 301], 708, 1040, e4m3, gen),
                                 out_dtype=torch.bfloat16)
     assert "16-byte row stride" in _m_grouped_gluon_declined(odd_n, cfg, None)  # 708 bf16: 1416 bytes a row
+
+
+def test_cooperative_wgrad_takes_what_its_tma_and_flags_allow():
+    """Which K-grouped blockwise problems the cooperative Gluon wgrad takes (``coop_declined``, host
+    logic only): slot-major scales whose slot stride is a whole 16 bytes (its TMA boxes of a slot's
+    128 scales), a bf16 dW or a float32 main_grad to add into (its consumers read ACCUMULATE off the
+    output's dtype), 128 x 128 tiles; M-grouped problems never."""
+    import dataclasses
+
+    import torch
+
+    from fine_grained_interpreter_cases import _problem
+    from turbo_moe.fine_grained import quantize as Q
+    from turbo_moe.fine_grained.triton_gemm import _GPU_DEFAULTS, coop_declined
+
+    cfg = dataclasses.replace(_GPU_DEFAULTS[(128, False)], gluon=True)
+    gen = torch.Generator().manual_seed(0)
+    e5m2 = torch.float8_e5m2
+    dw = dataclasses.replace(_problem("k", Q.BLOCKWISE, [16, 0, 300], 256, 264, e5m2, gen), out_dtype=torch.bfloat16)
+    assert coop_declined(dw, cfg) == ""
+    assert coop_declined(_problem("k", Q.BLOCKWISE, [16, 0, 300], 256, 264, e5m2, gen, accumulate=True), cfg) == ""
+    assert "float32 main_grad" in coop_declined(dataclasses.replace(dw, out_dtype=torch.float32), cfg)
+    assert "cooperative is on" in coop_declined(dw, dataclasses.replace(cfg, cooperative=False))
+    assert "128 x 128" in coop_declined(dw, dataclasses.replace(cfg, block_n=64))
+    odd = dataclasses.replace(_problem("k", Q.BLOCKWISE, [16, 0, 300], 256, 262, e5m2, gen), out_dtype=torch.bfloat16)
+    assert "b_scale" in coop_declined(odd, cfg)  # K = 262: the slot stride is not a whole 16 bytes
+    row_major = dataclasses.replace(dw, a_scale=dw.a_scale.contiguous())
+    assert "a_scale" in coop_declined(row_major, cfg)
+    assert "K-grouped" in coop_declined(_problem("m", Q.BLOCKWISE, [16, 0, 300], 256, 264, torch.float8_e4m3fn, gen),
+                                        cfg)

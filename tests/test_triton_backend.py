@@ -474,6 +474,34 @@ def test_gluon_blockwise_wgrad_compiles_for_hopper(accumulate):
     _assert_gluon_wgrad_ptx(compiled, wgmmas=9)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32 +="])
+def test_gluon_blockwise_wgrad_coop_compiles_for_hopper(out_dtype):
+    """The cooperative K-grouped Gluon blockwise kernel compiles for sm_90 on any machine: two 4-warp
+    consumers and a producer warp (12 warps); each consumer's 64 x 128 half of a tile four K=32
+    wgmmas for a block on a 16-token boundary and five for one off it; a and b's boxes and the block's
+    row and column scales (1-D boxes) through TMA; the scales read from shared memory; into a float32
+    main_grad a TMA read of the old tile in each consumer; setmaxnreg under a register limit; shared
+    memory within the budget."""
+    from turbo_moe.backends.triton_backend import _SHARED_MEMORY_BUDGET
+    from turbo_moe.fine_grained.triton_gemm import _COOP_REGS, _COOP_WARPS
+
+    accumulate = out_dtype == torch.float32
+    compiled = _compile_gluon_for_hopper(
+        "k_grouped_block_scaled_coop_kernel",
+        {"a_desc": ([128, 128], torch.float8_e5m2), "b_desc": ([128, 128], torch.float8_e4m3fn),
+         "sa_desc": ([128], torch.float32), "sb_desc": ([128], torch.float32), "out_desc": ([64, 128], out_dtype)},
+        {"group_offs_ptr": "*i64", **{name: "i32" for name in ("N", "K", "G", "stride_sas", "stride_sbs")}},
+        dict(GROUP_M=8, BAND_CYCLIC=False, STAGES=4, **_COOP_REGS, num_warps=_COOP_WARPS))
+    ptx = compiled.asm["ptx"]
+    assert compiled.metadata.num_warps == 12, compiled.metadata.num_warps
+    assert ptx.count("wgmma.mma_async") == 18, ptx.count("wgmma.mma_async")
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx)) == 2 + 2 * accumulate
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.1d\.shared::\w+\.global\.mbarrier", ptx)) == 2, "the scales"
+    assert ptx.count("cp.async.bulk.tensor.2d.global.shared::cta") == 2, "a TMA store in each consumer"
+    assert "setmaxnreg" in ptx and ".maxnreg 168" in ptx and "mbarrier.try_wait" in ptx
+    assert compiled.metadata.shared <= _SHARED_MEMORY_BUDGET, compiled.metadata.shared
+
+
 @pytest.mark.parametrize("a_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2 (hybrid dgrad)"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_gluon_blockwise_m_grouped_compiles_for_hopper(out_dtype, a_dtype):

@@ -37,11 +37,11 @@ from .grouped_gemm_gluon import GLUON_ERROR, gluon  # noqa: F401 (GLUON_ERROR: w
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
     from .grouped_gemm_gluon import (_allocate, _cta_barrier, _group_tile, _load_slot, _program_tiles, _release,
-                                     _store_tile, _zero_other_groups)
+                                     _store_tile, _tma_load, _zero_other_groups)
 
     @gluon.jit
     def _block_tile_of(i, pid, num_programs, G, num_m_blocks, num_n_blocks, group_offs_ptr, BLOCK_M: gl.constexpr,
@@ -181,3 +181,189 @@ if gluon is not None:
             out_loads = _store_tile(acc, out_desc, out_buf, out_ready, out_loads, group * N + row_a, row_b, hi > lo,
                                     mma_layout, ACCUMULATE, False)
         _release(ready, out_ready, STAGES)
+
+    # ------------------------------------------------------------------------------------------------
+    # The cooperative variant: a producer warp and two consumer warpgroups (warp-specialized), each
+    # consumer 64 rows of a 128 x 128 tile, the block's row and column scales brought into the ring by
+    # the producer's TMA. The M-grouped kernel's layout (m_grouped_blockwise_gluon: 0.73x -> 0.83-0.95x
+    # tensorwise on the H100) on the wgrad's token walk.
+
+    @gluon.jit
+    def _coop_producer(p, GROUP_M: gl.constexpr, BAND_CYCLIC: gl.constexpr):
+        """The load partition: every ring entry of every tile of this program (one a block on a
+        16-token boundary, else two: ``_produce_block``'s walk), and with a block's first entry its
+        128 row scales (a's) and 128 column scales (b's), once both consumers released the slot."""
+        (a_desc, b_desc, sa_desc, sb_desc, out_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, out_bufs, ready, empty,
+         masked, out_ready, group_offs_ptr, N, K, G, stride_sas, stride_sbs) = p
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        SCALE_BLOCK: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        STAGES: gl.constexpr = a_bufs.type.shape[0]
+        OPERAND_BYTES: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+        SCALE_BYTES: gl.constexpr = sa_desc.block_type.nbytes + sb_desc.block_type.nbytes
+        pid, num_programs, num_m_blocks, num_n_blocks, my_tiles = _program_tiles(N, K, G, BLOCK_M, BLOCK_N)
+        issued = 0
+        for i in range(my_tiles):
+            group, row_a, row_b, lo, hi, blocks, per_block = _block_tile_of(
+                i, pid, num_programs, G, num_m_blocks, num_n_blocks, group_offs_ptr, BLOCK_M, BLOCK_N, SCALE_BLOCK,
+                GROUP_M, BAND_CYCLIC)
+            first_slot = lo // SCALE_BLOCK + group
+            for entry in range(blocks * per_block):
+                slot = issued % STAGES
+                # Fresh barriers count as having completed phase 1: the first round does not wait.
+                mbarrier.wait(empty.index(slot), ((issued // STAGES) & 1) ^ 1)
+                j = gl.where(per_block == 1, entry, entry // 2)
+                block_token = lo + j * SCALE_BLOCK
+                # Aligned: the block's first token. Off 16: that token rounded down to 16, then the box after it.
+                token = gl.where(per_block == 1, block_token, block_token // 16 * 16 + (entry % 2) * SCALE_BLOCK)
+                if (per_block == 1) | (entry % 2 == 0):  # a block's first entry carries its scales
+                    mbarrier.expect(ready.index(slot), OPERAND_BYTES + SCALE_BYTES)
+                    scale_slot = first_slot + j
+                    _tma_load(sa_desc, [scale_slot * stride_sas + row_a], ready.index(slot), sa_bufs.index(slot))
+                    _tma_load(sb_desc, [scale_slot * stride_sbs + row_b], ready.index(slot), sb_bufs.index(slot))
+                else:
+                    mbarrier.expect(ready.index(slot), OPERAND_BYTES)
+                _tma_load(a_desc, [row_a, token], ready.index(slot), a_bufs.index(slot))
+                _tma_load(b_desc, [row_b, token], ready.index(slot), b_bufs.index(slot))
+                issued += 1
+
+    @gluon.jit
+    def _zero_halves(a_buf, b_buf, HALF: gl.constexpr, first_token, lo, hi, WIDTH: gl.constexpr,
+                     layout: gl.constexpr):
+        """This consumer's share of a box's masking: the tokens outside [lo, hi) zeroed in its own 64
+        rows of a and in half of b's rows (the other consumer zeroes the other half)."""
+        HALF_M: gl.constexpr = a_buf.type.shape[0] // 2
+        HALF_N: gl.constexpr = b_buf.type.shape[0] // 2
+        _zero_other_groups(a_buf.slice(HALF * HALF_M, HALF_M, 0), first_token, lo, hi, WIDTH, layout)
+        _zero_other_groups(b_buf.slice(HALF * HALF_N, HALF_N, 0), first_token, lo, hi, WIDTH, layout)
+
+    @gluon.jit
+    def _both_masked(masked, count):
+        """Both consumers have zeroed their halves of the slots a masked block reads (``masked``
+        counts one arrival from each), and their stores are visible to the tensor cores."""
+        fence_async_shared()
+        mbarrier.arrive(masked, count=1)
+        mbarrier.wait(masked, count & 1)
+        fence_async_shared()  # the other consumer's stores, before this one's wgmmas read them
+        return count + 1
+
+    @gluon.jit
+    def _coop_consumer(p, HALF: gl.constexpr, GROUP_M: gl.constexpr, BAND_CYCLIC: gl.constexpr):
+        """A math partition: rows HALF * 64 .. HALF * 64 + 63 of every tile of this program. Each block
+        as the single-stream kernel runs it (its wgmmas into a fresh accumulator; a short or
+        off-16 block's other tokens zeroed first, in shared memory, this consumer's halves), waited
+        for, its slots released (``empty`` counts both consumers), and promoted by the scales from the
+        ring: ``acc += block * (sa[:, None] * sb[None, :])``, the Triton kernel's formula."""
+        (a_desc, b_desc, sa_desc, sb_desc, out_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, out_bufs, ready, empty,
+         masked, out_ready, group_offs_ptr, N, K, G, stride_sas, stride_sbs) = p
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        SCALE_BLOCK: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        HALF_M: gl.constexpr = out_desc.block_type.shape[0]
+        STAGES: gl.constexpr = a_bufs.type.shape[0]
+        # Read off the output's dtype (a worker partition's flags arrive as run-time values): the host
+        # passes a float32 output only to add into (triton_gemm.coop_declined).
+        ACCUMULATE: gl.constexpr = out_desc.dtype == gl.float32
+        SLICE_K: gl.constexpr = 32  # the FP8 wgmma's K: the Triton kernel's narrow boxes
+        WARPS: gl.constexpr = gl.num_warps()
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                             instr_shape=[16, BLOCK_N, 32])
+        mask_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8],
+                                                     warps_per_cta=[WARPS, 1], order=[1, 0])
+        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+        out_buf = out_bufs.index(HALF)
+        out_ready_half = out_ready.index(HALF)
+        pid, num_programs, num_m_blocks, num_n_blocks, my_tiles = _program_tiles(N, K, G, BLOCK_M, BLOCK_N)
+        zero = gl.zeros((HALF_M, BLOCK_N), gl.float32, layout=mma_layout)
+        consumed = 0
+        masked_count = 0
+        out_loads = 0
+        for i in range(my_tiles):
+            group, row_a, row_b, lo, hi, blocks, per_block = _block_tile_of(
+                i, pid, num_programs, G, num_m_blocks, num_n_blocks, group_offs_ptr, BLOCK_M, BLOCK_N, SCALE_BLOCK,
+                GROUP_M, BAND_CYCLIC)
+            acc = gl.zeros((HALF_M, BLOCK_N), gl.float32, layout=mma_layout)
+            for j in range(blocks):
+                t0 = lo + j * SCALE_BLOCK
+                t1 = gl.minimum(t0 + SCALE_BLOCK, hi)
+                slot = consumed % STAGES
+                mbarrier.wait(ready.index(slot), (consumed // STAGES) & 1)
+                a_buf = a_bufs.index(slot)
+                b_buf = b_bufs.index(slot)
+                next_slot = (consumed + 1) % STAGES  # an off-16 block's second entry
+                if per_block == 1:
+                    if t1 - t0 < SCALE_BLOCK:  # a short last block: the next group's tokens zeroed
+                        _zero_halves(a_buf, b_buf, HALF, t0, t0, t1, SCALE_BLOCK, mask_layout)
+                        masked_count = _both_masked(masked, masked_count)
+                    block = warpgroup_mma(a_buf.slice(HALF * HALF_M, HALF_M, 0), b_buf.permute((1, 0)), zero,
+                                          use_acc=False, is_async=True)
+                else:
+                    start = t0 // 16 * 16
+                    mbarrier.wait(ready.index(next_slot), ((consumed + 1) // STAGES) & 1)
+                    a_next = a_bufs.index(next_slot)
+                    b_next = b_bufs.index(next_slot)
+                    _zero_halves(a_buf, b_buf, HALF, start, t0, t1, SCALE_BLOCK, mask_layout)
+                    _zero_halves(a_next.slice(0, SLICE_K, 1), b_next.slice(0, SLICE_K, 1), HALF, start + SCALE_BLOCK,
+                                 t0, t1, SLICE_K, mask_layout)
+                    masked_count = _both_masked(masked, masked_count)
+                    block = warpgroup_mma(a_buf.slice(HALF * HALF_M, HALF_M, 0), b_buf.permute((1, 0)), zero,
+                                          use_acc=False, is_async=True)
+                    block = warpgroup_mma(a_next.slice(HALF * HALF_M, HALF_M, 0).slice(0, SLICE_K, 1),
+                                          b_next.slice(0, SLICE_K, 1).permute((1, 0)), block, is_async=True)
+                # The block's scales, from its first entry's slot, while its wgmmas run.
+                sa = sa_bufs.index(slot).slice(HALF * HALF_M, HALF_M, 0).load(row_layout)
+                sb = sb_bufs.index(slot).load(col_layout)
+                block = warpgroup_mma_wait(num_outstanding=0, deps=(block,))
+                mbarrier.arrive(empty.index(slot), count=1)  # after the scales' reads: the slot holds them
+                if per_block == 2:
+                    mbarrier.arrive(empty.index(next_slot), count=1)
+                consumed += per_block
+                acc += block * (sa[:, None] * sb[None, :])
+            out_loads = _store_tile(acc, out_desc, out_buf, out_ready_half, out_loads,
+                                    group * N + row_a + HALF * HALF_M, row_b, hi > lo, mma_layout, ACCUMULATE, False)
+        tma.store_wait(pendings=0)
+
+    # One entry point per half: a worker partition's arguments arrive as run-time values, and the
+    # half must be a constant (it slices the shared boxes and scales).
+    @gluon.jit
+    def _coop_consumer_lo(p, GROUP_M: gl.constexpr, BAND_CYCLIC: gl.constexpr):
+        _coop_consumer(p, 0, GROUP_M, BAND_CYCLIC)
+
+    @gluon.jit
+    def _coop_consumer_hi(p, GROUP_M: gl.constexpr, BAND_CYCLIC: gl.constexpr):
+        _coop_consumer(p, 1, GROUP_M, BAND_CYCLIC)
+
+    @gluon.jit
+    def k_grouped_block_scaled_coop_kernel(
+        a_desc, b_desc, sa_desc, sb_desc, out_desc, group_offs_ptr, N, K, G, stride_sas, stride_sbs,
+        GROUP_M: gl.constexpr, BAND_CYCLIC: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """``k_grouped_block_scaled_gluon_kernel``'s problem, tile order, token walk and bits, warp-
+        specialized and cooperative. a_desc: a [N, M] with [128, 128] boxes; b_desc: b [K, M] with
+        [128, 128] boxes; sa_desc / sb_desc: the scales' slot-major storage as flat float32 vectors
+        (slot s's scale of a's row n at s * stride_sas + n; of b's row k at s * stride_sbs + k) with
+        128-element boxes (N, K and both strides multiples of 4: every box on a 16-byte boundary);
+        out_desc: out as one [G*N, K] matrix with [64, 128] boxes (N a multiple of 128), float32 to
+        add into (``main_grad``: an empty group's tiles neither read nor written) or 16-bit.
+        num_warps: one consumer's (4)."""
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
+        sb_bufs = gl.allocate_shared_memory(sb_desc.dtype, [STAGES] + sb_desc.block_type.shape, sb_desc.layout)
+        out_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)  # both consumers
+        masked = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(masked, count=2)
+        out_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(2):
+            mbarrier.init(out_ready.index(c), count=1)
+        p = (a_desc, b_desc, sa_desc, sb_desc, out_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, out_bufs, ready, empty,
+             masked, out_ready, group_offs_ptr, N, K, G, stride_sas, stride_sbs)
+        gl.warp_specialize([(_coop_consumer_lo, (p, GROUP_M, BAND_CYCLIC)), (_coop_consumer_hi, (p, GROUP_M, BAND_CYCLIC)),
+                            (_coop_producer, (p, GROUP_M, BAND_CYCLIC))], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -39,6 +39,10 @@ class BlockKernelConfig:
     # block, the activation scales brought by TMA. Where a problem cannot take one (gluon_declined),
     # the TMA kernel runs.
     gluon: bool = False
+    # With gluon, K-grouped: the cooperative wgrad (k_grouped_block_scaled_coop_kernel: two consumer
+    # warpgroups, the block's row and column scales through the TMA ring) where it can run
+    # (coop_declined), else the single-stream one.
+    cooperative: bool = True
 
 
 # H100 defaults (two warpgroups, 128x128 tiles: DeepGEMM's shape for blockwise), from
@@ -90,6 +94,12 @@ class _Kernels:
         from turbo_moe.kernels.triton import blockwise_gemm_gluon, launch
 
         return launch.lean(blockwise_gemm_gluon.k_grouped_block_scaled_gluon_kernel)
+
+    @functools.cached_property
+    def k_grouped_coop(self):  # imported on first use: only sm_90 plans launch it
+        from turbo_moe.kernels.triton import blockwise_gemm_gluon, launch
+
+        return launch.lean(blockwise_gemm_gluon.k_grouped_block_scaled_coop_kernel)
 
 
 _KERNELS: Optional[_Kernels] = None
@@ -209,6 +219,39 @@ def _flat_scales(sa: torch.Tensor) -> int:
     return (blocks - 1) * sa.stride(1) + rows
 
 
+def coop_declined(problem, config: BlockKernelConfig, out: Optional[torch.Tensor] = None) -> str:
+    """Why the cooperative K-grouped wgrad does not take ``problem`` under ``config`` (a Gluon config
+    ``gluon_declined`` accepts); empty when it does. ``out``: None for ``problem.out`` or a fresh one."""
+    from ..backends.triton_backend import _SHARED_MEMORY_BUDGET
+
+    if problem.kind is not GemmKind.K_GROUPED or not config.cooperative:
+        return "the cooperative kernel is the K-grouped one, where config.cooperative is on"
+    if (config.block_m, config.block_n) != (128, 128):
+        return "the cooperative kernel runs 128 x 128 tiles"
+    if (problem.out_dtype == torch.float32) != bool(problem.accumulate):
+        # its consumers read ACCUMULATE off the output's dtype (a worker partition's flags arrive as
+        # run-time values)
+        return "the cooperative kernel adds into a float32 main_grad or writes a 16-bit dW"
+    for name, scales in (("a_scale", problem.a_scale), ("b_scale", problem.b_scale)):
+        # its TMA boxes of a slot's 128 scales start on 16-byte boundaries only so
+        if scales.stride(0) != 1 or scales.stride(1) % 4 or scales.data_ptr() % 16:
+            return f"its TMA reads {name} as slot-major storage with a column stride of whole 16 bytes, 16-byte aligned"
+        if _flat_slots(scales) >= 2**31:
+            return f"its TMA coordinates into {name} are 32-bit"
+    item = torch.empty((), dtype=problem.out_dtype).element_size()
+    ring = config.num_stages * ((config.block_m + config.block_n) * config.block_k + 4 * (config.block_m + config.block_n))
+    if ring + config.block_m * config.block_n * item > _SHARED_MEMORY_BUDGET:
+        return "its ring and two staging tiles do not fit in shared memory"
+    return ""
+
+
+def _flat_slots(scales: torch.Tensor) -> int:
+    """Elements of a wgrad operand's slot-major scales ([C, slots], slot stride >= C) that the
+    cooperative kernel's flat scale descriptor spans."""
+    rows, slots = scales.shape
+    return (slots - 1) * scales.stride(1) + rows
+
+
 # The K-grouped TMA kernel's boxes for groups that start off a 16-token boundary: the narrowest
 # an FP8 wgmma takes (k = 32).
 _NARROW_TOKENS = 32
@@ -271,6 +314,15 @@ class _BlockPlan:
                                   HostDesc(out, *out_geo[:3], (plan, 3, out.data_ptr()), out_geo[3]),
                                   out, sa, sb, offs, *self.int_args, **self.constexprs)
             return
+        if self.gluon and self.kernel_name == "k_grouped_coop":  # a, b, both scales flattened, out
+            a_geo, b_geo, sa_geo, sb_geo, out_geo = geometry
+            launcher.launch_keyed(self.grid, key, HostDesc(a, *a_geo[:3], (plan, 0, a_ptr), a_geo[3]),
+                                  HostDesc(b, *b_geo[:3], (plan, 1, b_ptr), b_geo[3]),
+                                  HostDesc(sa, *sa_geo[:3], (plan, 2, sa.data_ptr()), sa_geo[3]),
+                                  HostDesc(sb, *sb_geo[:3], (plan, 3, sb.data_ptr()), sb_geo[3]),
+                                  HostDesc(out, *out_geo[:3], (plan, 4, out.data_ptr()), out_geo[3]),
+                                  offs, *self.int_args, **self.constexprs)
+            return
         if self.gluon:
             (a_geo, b_geo, out_geo) = geometry
             launcher.launch_keyed(self.grid, key, HostDesc(a, *a_geo[:3], (plan, 0, a_ptr), a_geo[3]),
@@ -331,6 +383,20 @@ def plan(problem, config: Optional[BlockKernelConfig] = None, out: Optional[torc
         return _BlockPlan(next(_PLAN_IDS), "m_grouped_gluon", (ts.persistent_grid_size(bound, limit),), True, True,
                           geometry, (N, K, G, N, sa.stride(1), sb.stride(0), sb.stride(1), sb.stride(2)), constexprs,
                           gluon=True)
+    if cfg.gluon and cfg.cooperative and not coop_declined(problem, cfg, None if out.device.type == "meta" else out):
+        from turbo_moe.kernels.triton.grouped_gemm_gluon import shared_layout
+
+        bm, bn, half = cfg.block_m, cfg.block_n, cfg.block_m // 2
+        geometry = (([N, M], [a.stride(0), 1], [bm, r.block], shared_layout([bm, r.block], a.dtype)),
+                    ([K, M], [b.stride(0), 1], [bn, r.block], shared_layout([bn, r.block], b.dtype)),
+                    ([_flat_slots(sa)], [1], [bm], shared_layout([bm], sa.dtype)),
+                    ([_flat_slots(sb)], [1], [bn], shared_layout([bn], sb.dtype)),
+                    ([G * N, K], [K, 1], [half, bn], shared_layout([half, bn], problem.out_dtype)))
+        tiles = ts.k_grouped_total_tiles(G, ts.cdiv(N, bm), ts.cdiv(K, bn))
+        constexprs = dict(GROUP_M=cfg.group_m, BAND_CYCLIC=cfg.band_cyclic, STAGES=cfg.num_stages, **_COOP_REGS,
+                          num_warps=_COOP_WARPS)
+        return _BlockPlan(next(_PLAN_IDS), "k_grouped_coop", (ts.persistent_grid_size(tiles, limit),), True, True,
+                          geometry, (N, K, G, sa.stride(1), sb.stride(1)), constexprs, gluon=True)
     if cfg.gluon:
         from turbo_moe.kernels.triton.grouped_gemm_gluon import shared_layout
 
