@@ -292,7 +292,8 @@ class _BlockPlan:
     int_args: tuple  # the kernel's integer arguments after its tensors
     constexprs: dict
     # A Gluon kernel, each geometry entry with its layout: K-grouped a, b, out (one [G*N, K] matrix);
-    # M-grouped a, b, the activation scales' storage flattened, out.
+    # the cooperative K-grouped one a, b, both scales' storage flattened, out; M-grouped a, b, the
+    # activation scales' storage flattened, out.
     gluon: bool = False
 
     def launch(self, problem, out: torch.Tensor) -> None:
