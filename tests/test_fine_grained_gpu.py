@@ -224,8 +224,8 @@ def test_gluon_blockwise_m_grouped_bitwise_equal_tma_kernel(lens, name, out_dtyp
     wgmma sums promoted as ``acc += block * (sa * sb)`` in the same order, so the same bits. Groups
     empty (first, middle, last), of one row, ending inside either consumer's half of a tile, and the
     last rows past a 128-row boundary (the scales' box past the last row reads zeros); the row scales
-    through the ring (944 and 1000 rows: a column stride of whole 16 bytes; groups starting on a
-    multiple of 4 rows) and from global memory (groups starting off it; 942, 321 and 1 rows); N = 712 and
+    by TMA (944 and 1000 rows: a column stride of whole 16 bytes; groups starting on a multiple of 4
+    rows) and by the producer's cp.async (groups starting off it; 942, 321 and 1 rows); N = 712 and
     K = 1040, multiples of neither 128 (the next group's weight rows fill the last column tile, the
     copy engine zero-fills the last block); e4m3 or e5m2 activations (the hybrid format's dgrad);
     NaN-poisoned outputs, and the float64 reference's bound."""

@@ -27,8 +27,9 @@ against the tensorwise Triton kernel of the same call) found three costs and thi
   instruction on the H100), and a shared slice's start a whole layout tile, so this holds where a
   tile's scales start on a 16-byte boundary: block-major storage whose column stride is a multiple of
   4 (the host's SCALES_TMA), for groups starting on a multiple of 4 rows (the per-tile
-  ``scales_in_ring``: Megatron pads groups to 16 or 32 for FP8). Other tiles' consumers load their
-  scales from global memory, as the probe's slower variant did (the same values, the same bits);
+  ``scales_in_ring``: Megatron pads groups to 16 or 32 for FP8). For other tiles the producer copies
+  the 128 scales into the slot by cp.async (4-byte copies, any alignment), tracked by the same
+  barrier (``cp.async.mbarrier.arrive``), so the consumers always read the ring;
 * ptxas before 12.9 does not interleave the promotion's FFMAs with the wgmmas (DeepGEMM's finding;
   a scalar-scale loop ran 0.77x under 12.8, 0.95x under 13.0). Measured both ways: see
   docs/results/h100_fine_grained.md.
@@ -56,8 +57,29 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
     from .grouped_gemm_gluon import _tma_load, _tma_store
     from .m_grouped_gemm_gluon import _cursor_advance, _cursor_start, _store_group_tail
+
+    # Triton 3.6 names the cp.async copy async_copy_global_to_shared; 3.7+ async_load.
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+    @gluon.jit
+    def _copy_row_scales(sa_buf, ready, a_scale_ptr, k_block, stride_sak, lo, first_row, rows):
+        """A tile's BLOCK_M row scales of block ``k_block`` into its ring slot ``sa_buf`` by cp.async
+        (4-byte copies: any alignment), completing on the slot's barrier ``ready``: where the TMA box
+        cannot start there (a group starting off a multiple of 4 rows, or a column stride that is not
+        a whole 16 bytes). Rows past the group's end read its first row's scale (in bounds; never
+        stored). Issued before the slot's expect: each thread's tracking raises the barrier's pending
+        count before the expect's arrival could complete the phase."""
+        BLOCK_M: gl.constexpr = sa_buf.type.shape[0]
+        layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[BLOCK_M // 32], threads_per_warp=[32],
+                                                warps_per_cta=[gl.num_warps()], order=[0])
+        tile_rows = first_row + gl.arange(0, BLOCK_M, layout=layout)
+        source = a_scale_ptr + k_block.to(gl.int64) * stride_sak + lo + gl.where(tile_rows < rows, tile_rows, 0)
+        _cp_async(sa_buf, source)
+        async_copy.mbarrier_arrive(ready)
 
     @gluon.jit
     def _producer(p, GROUP_M: gl.constexpr):
@@ -93,6 +115,8 @@ if gluon is not None:
                         # sa[row_a:row_a + BLOCK_M, k_block] (past the last row: zeros, never stored)
                         _tma_load(sa_desc, [k_block * stride_sak + row_a], ready.index(slot), sa_bufs.index(slot))
                     else:
+                        _copy_row_scales(sa_bufs.index(slot), ready.index(slot), a_scale_ptr, k_block, stride_sak, lo,
+                                         m_block * BLOCK_M, hi - lo)
                         mbarrier.expect(ready.index(slot), OPERAND_BYTES)
                     _tma_load(a_desc, [row_a, k_block * BLOCK_K], ready.index(slot), a_bufs.index(slot))
                     _tma_load(b_desc, [row_b, k_block * BLOCK_K], ready.index(slot), b_bufs.index(slot))
@@ -132,11 +156,6 @@ if gluon is not None:
                 # the tile's weight scale row: one 128 x 128 block across its columns
                 sb_ptr = b_scale_ptr + group.to(gl.int64) * stride_sbg + n_block * stride_sbn
                 sb_next = gl.load(sb_ptr)
-                scales_in_ring = SCALES_TMA & (lo % 4 == 0)
-                # else the half's row scales from global memory: rows past the group's end read its
-                # first row's (in bounds; never stored)
-                half_rows = m_block * BLOCK_M + HALF * HALF_M + gl.arange(0, HALF_M, layout=scale_layout)
-                sa_rows = a_scale_ptr + lo + gl.where(half_rows < rows, half_rows, 0)
                 acc = gl.zeros((HALF_M, BLOCK_N), gl.float32, layout=mma_layout)
                 for k_block in range(num_k_blocks):
                     slot = consumed % STAGES
@@ -145,10 +164,7 @@ if gluon is not None:
                                           b_bufs.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
                     sb = sb_next  # loaded a block ahead, while a wgmma ran
                     sb_next = gl.load(sb_ptr + gl.minimum(k_block + 1, num_k_blocks - 1) * stride_sbk)
-                    if scales_in_ring:
-                        sa = sa_bufs.index(slot).slice(HALF * HALF_M, HALF_M, 0).load(scale_layout)
-                    else:
-                        sa = gl.load(sa_rows + k_block.to(gl.int64) * stride_sak)
+                    sa = sa_bufs.index(slot).slice(HALF * HALF_M, HALF_M, 0).load(scale_layout)
                     scale = sa * sb
                     block = warpgroup_mma_wait(num_outstanding=0, deps=(block,))
                     mbarrier.arrive(empty.index(slot), count=1)  # after the scales' read: the slot holds them
@@ -188,8 +204,8 @@ if gluon is not None:
         next group's rows, never stored); sa_desc: the activation scales' block-major storage as one
         flat float32 vector (element k * stride_sak + m is sa[m, k], at ``a_scale_ptr``) with
         BLOCK_M-element boxes. SCALES_TMA (stride_sak a multiple of 4): the scales of groups starting
-        on a multiple of 4 rows come through the ring; without it, and for other groups, the
-        consumers load them from global memory;
+        on a multiple of 4 rows come by TMA; without it, and for other groups, by the producer's
+        cp.async (``_copy_row_scales``);
         out_desc: out [M, N] with [BLOCK_M / 2, BLOCK_N] boxes. num_warps: one consumer's (4, a
         warpgroup); the kernel runs two consumers and a producer warp."""
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
