@@ -112,17 +112,18 @@ def _problems(G, T, K, N, cfg, time_tensorwise=True, lens=None):
     r = Q.recipe_of(cfg)
     xq, xs = Q.quantize_rows(x, r, e4)
     dq, ds = Q.quantize_rows(dy, r, e4)
-    xt, xts = Q.quantize_tokens(x, offs, r, e4)
-    dt, dts = Q.quantize_tokens(dy, offs, r, e4)
+    # The wgrad's operands as the autograd makes them on a GPU: each group from a 16-token boundary.
+    xt, xts, wgrad_offs = Q.quantize_tokens_for_wgrad(x, offs, r, e4)
+    dt, dts, _ = Q.quantize_tokens_for_wgrad(dy, offs, r, e4, wgrad_offs=wgrad_offs)
     wf = quantize_weight(w, cfg)
     problems = {
         "fwd": BlockScaledProblem(GemmKind.M_GROUPED, xq, wf.data, xs, wf.scale, offs, torch.bfloat16, r),
         "dgrad": BlockScaledProblem(GemmKind.M_GROUPED, dq, wf.data_t, ds, wf.scale_t, offs, torch.bfloat16, r),
-        "wgrad": BlockScaledProblem(GemmKind.K_GROUPED, dt, xt, dts, xts, offs, torch.bfloat16, r),
+        "wgrad": BlockScaledProblem(GemmKind.K_GROUPED, dt, xt, dts, xts, wgrad_offs, torch.bfloat16, r),
     }
     flops = {"fwd": (M, N, K), "dgrad": (M, K, N), "wgrad": (M, N, K)}
-    return (problems, flops, tensorwise_ms, lambda: (Q.quantize_rows(x, r, e4), Q.quantize_tokens(x, offs, r, e4)),
-            (x, w, dy))
+    return (problems, flops, tensorwise_ms,
+            lambda: (Q.quantize_rows(x, r, e4), Q.quantize_tokens_for_wgrad(x, offs, r, e4)), (x, w, dy))
 
 
 def torchao_blockwise_ms(x, w, dy, T):

@@ -73,7 +73,42 @@ def case_casts():
     return "bitwise: " + ", ".join(checked) + ", weights"
 
 
-def _problem(kind, recipe, lens, n, k, a_fp8, gen, accumulate=False):
+def case_casts_aligned():
+    """The aligned token layout (groups off 16-token boundaries, an empty one, a 16-token one)
+    bit for bit the torch reference: values, zeroed padding, scales in their slots, offsets."""
+    from turbo_moe.fine_grained import quantize as Q
+    from turbo_moe.kernels.triton import blockwise_cast as BC
+
+    gen = torch.Generator().manual_seed(3)
+    checked = []
+    for recipe in (Q.BLOCKWISE, Q.MXFP8):
+        fmax = torch.finfo(E4M3).max
+        lens = [5, 0, 140, 1, 16, 77]
+        offs = torch.tensor([0] + lens).cumsum(0)
+        e = torch.randint(-6, 7, (1, 24), generator=gen).float()
+        xt = _grid((sum(lens), 24), E4M3, gen) * 2.0 ** e
+        for g, slots in enumerate(Q.token_slots(offs, recipe.block)):
+            for j in range(len(slots)):
+                xt[int(offs[g]) + j * recipe.block] = fmax * 2.0 ** e[0]
+        cols = Q.aligned_token_columns(sum(lens), len(lens), 16)
+        junk = torch.full((24, cols), 0x77, dtype=torch.uint8)  # freed memory the kernel's output may reuse:
+        del junk  # the padding must be zeros it writes
+        q, s, aligned = BC.block_cast_tokens_aligned(xt, offs, recipe, E4M3, fmax, 8, 0, 16, cols)
+        q0, s0, aligned0 = Q.quantize_tokens_aligned(xt, offs, recipe, E4M3)
+        assert torch.equal(aligned, aligned0) and aligned.tolist() == [0, 16, 16, 160, 176, 192, 272], aligned.tolist()
+        end = int(aligned[-1])
+        assert q.shape == q0.shape == (24, cols) and cols % 16 == 0 and cols >= end
+        assert torch.equal(q[:, :end].view(torch.uint8), q0[:, :end].view(torch.uint8))
+        used = Q.token_slot_mask(aligned, end, recipe.block)
+        assert torch.equal(s[:, :used.numel()][:, used], s0[:, :used.numel()][:, used])
+        # reused offsets (the second operand of one wgrad): not written, the same layout
+        q2, s2, again = BC.block_cast_tokens_aligned(xt, offs, recipe, E4M3, fmax, 8, 0, 16, cols, aligned)
+        assert again is aligned and torch.equal(q2[:, :end].view(torch.uint8), q[:, :end].view(torch.uint8))
+        checked.append("mx" if recipe.e8m0 else "block")
+    return "bitwise: " + ", ".join(checked)
+
+
+def _problem(kind, recipe, lens, n, k, a_fp8, gen, accumulate=False, aligned=False):
     from turbo_moe.backends.base import GemmKind
     from turbo_moe.fine_grained import BlockScaledProblem
     from turbo_moe.fine_grained import quantize as Q
@@ -86,15 +121,21 @@ def _problem(kind, recipe, lens, n, k, a_fp8, gen, accumulate=False):
         w = torch.randn(len(lens), n, k, generator=gen)
         b, sb = Q.quantize_rows(w, recipe, E4M3) if recipe.e8m0 else Q.quantize_weight_blocks(w, recipe, E4M3)[::2]
         return BlockScaledProblem(GemmKind.M_GROUPED, a, b, sa, sb, offs, torch.float32, recipe)
-    a, sa = Q.quantize_tokens(torch.randn(m, n, generator=gen) * mags(m), offs, recipe, a_fp8)
-    b, sb = Q.quantize_tokens(torch.randn(m, k, generator=gen), offs, recipe, E4M3)
+    x_a, x_b = torch.randn(m, n, generator=gen) * mags(m), torch.randn(m, k, generator=gen)
+    if aligned:  # the layout a GPU's wgrad gets (quantize_tokens_for_wgrad): groups on 16-token boundaries
+        a, sa, wgrad_offs = Q.quantize_tokens_aligned(x_a, offs, recipe, a_fp8)
+        b, sb, _ = Q.quantize_tokens_aligned(x_b, offs, recipe, E4M3, aligned_offs=wgrad_offs)
+        offs = wgrad_offs
+    else:
+        a, sa = Q.quantize_tokens(x_a, offs, recipe, a_fp8)
+        b, sb = Q.quantize_tokens(x_b, offs, recipe, E4M3)
     out = torch.randn(len(lens), n, k, generator=gen) if accumulate else None
     return BlockScaledProblem(GemmKind.K_GROUPED, a, b, sa, sb, offs, torch.float32, recipe, out=out,
                               accumulate=accumulate)
 
 
 def case_gemm(kind, recipe_name, lens, n, k, a_fp8=E4M3, accumulate=False, dot_scaled=False, tma=None, seed=None,
-              planned=False):
+              planned=False, aligned=False):
     """``tma``: None takes the default config's path; True / False require the TMA / pointer
     kernel to be the one that runs (``triton_gemm.tma_declined``). ``planned``: no config given,
     so ``run`` takes (and caches) the launch plan of the problem's signature; ``seed`` varies the
@@ -106,7 +147,7 @@ def case_gemm(kind, recipe_name, lens, n, k, a_fp8=E4M3, accumulate=False, dot_s
 
     recipe = {"blockwise": Q.BLOCKWISE, "pow2": Q.BLOCKWISE._replace(pow2=True), "mxfp8": Q.MXFP8}[recipe_name]
     gen = torch.Generator().manual_seed(len(lens) * 7 + n if seed is None else seed)
-    problem = _problem(kind, recipe, lens, n, k, a_fp8, gen, accumulate)
+    problem = _problem(kind, recipe, lens, n, k, a_fp8, gen, accumulate, aligned)
     assert not problem.reason(), problem.reason()
     before = problem.out.clone() if accumulate else None
     config = (None if planned else
@@ -122,6 +163,10 @@ def case_gemm(kind, recipe_name, lens, n, k, a_fp8=E4M3, accumulate=False, dot_s
     ref = reference_block_scaled_gemm(problem, torch.float64)
     mag = reference_block_scaled_gemm(dataclasses.replace(problem, a=problem.a.float().abs(), b=problem.b.float().abs()),
                                       torch.float64)
+    if aligned:  # the layout holds the same problem: the same float64 value as the tokens where they are
+        gen = torch.Generator().manual_seed(len(lens) * 7 + n if seed is None else seed)
+        plain = _problem(kind, recipe, lens, n, k, a_fp8, gen, accumulate)
+        assert torch.equal(reference_block_scaled_gemm(plain, torch.float64), ref)
     contraction = k if kind == "m" else max(lens + [1])
     blocks = -(-contraction // recipe.block)
     tol = (recipe.block + blocks + 3) * 2.0**-24 * 1.2 * mag + ref.abs() * 2.0**-24
@@ -146,6 +191,11 @@ def case_gemm(kind, recipe_name, lens, n, k, a_fp8=E4M3, accumulate=False, dot_s
 
 CASES = {
     "casts_bitwise": case_casts,
+    "casts_aligned_token_layout": case_casts_aligned,
+    # The wgrad over the aligned token layout (groups off 16 tokens moved onto boundaries, zeros
+    # between): the TMA kernel's aligned walk against the float64 reference of that problem.
+    "k_blockwise_aligned_layout": lambda: case_gemm("k", "blockwise", [5, 0, 140, 1, 16, 77], 40, 48, tma=True,
+                                                   aligned=True),
     "m_blockwise_ragged_empty": lambda: case_gemm("m", "blockwise", [5, 0, 37, 16, 0, 1], 45, 200),
     "m_blockwise_pow2_one_group": lambda: case_gemm("m", "pow2", [50], 130, 256),
     "m_blockwise_e5m2_a": lambda: case_gemm("m", "blockwise", [9, 23, 0, 31], 40, 150, a_fp8=E5M2),

@@ -25,7 +25,8 @@ from turbo_moe.autograd import grouped_gemm_fp8, grouped_wgrad_fp8
 from turbo_moe.backends.base import BackendUnavailable, GemmKind
 from turbo_moe.fine_grained import quantize as Q
 from turbo_moe.fine_grained import (BlockScaledProblem, dequantize_scales, quantize_rows, quantize_tokens,
-                                    quantize_weight_blocks, run_block_scaled, token_slot_mask, token_slots)
+                                    quantize_weight_blocks, reference_block_scaled_gemm, run_block_scaled,
+                                    token_slot_mask, token_slots)
 
 from fp8_reference import FP8_HALF_SUBNORMAL, FP8_UNIT_ROUNDOFF, OUT_HALF_ULP
 
@@ -114,6 +115,39 @@ def test_token_blocks_restart_at_each_group():
     assert torch.allclose(s[:, second], x[133:205].abs().amax(0) / 448, rtol=1e-6)
     assert torch.allclose(s[:, slots[0][0]], x[0:5].abs().amax(0) / 448, rtol=1e-6)
     assert token_slot_mask(offs, 208, 128).sum() == 4
+
+
+@pytest.mark.parametrize("lens", [[5, 0, 37, 300, 0, 128, 1], [0, 0], [129], [16, 32, 1, 15, 17], [3] * 40])
+def test_aligned_token_layout_moves_groups_onto_boundaries_and_keeps_the_wgrad(lens):
+    """The layout a GPU's wgrad gets (``quantize_tokens_for_wgrad``): every group from a 16-token
+    boundary with zeros after its tokens, the same FP8 values and scales, and so the same wgrad: its
+    float64 value over the moved problem equals the one over the tokens where they were."""
+    offs = _offs(lens)
+    aligned = Q.aligned_token_offsets(offs, 16)
+    cols = Q.aligned_token_columns(sum(lens), len(lens), 16)
+    assert all(int(v) % 16 == 0 for v in aligned) and int(aligned[-1]) <= cols and cols % 16 == 0
+    assert [int(b - a) for a, b in zip(aligned[:-1], aligned[1:])] == [-(-n // 16) * 16 for n in lens]
+    gen = torch.Generator().manual_seed(4)
+    dy, x = torch.randn(sum(lens), 24, generator=gen), torch.randn(sum(lens), 40, generator=gen)
+    for name in ("blockwise", "mxfp8"):
+        recipe = RECIPES[name]
+        a, sa = quantize_tokens(dy, offs, recipe, E5M2)
+        b, sb = quantize_tokens(x, offs, recipe, E4M3)
+        a2, sa2, wgrad_offs = Q.quantize_tokens_aligned(dy, offs, recipe, E5M2)
+        b2, sb2, again = Q.quantize_tokens_aligned(x, offs, recipe, E4M3, aligned_offs=wgrad_offs)
+        assert again is wgrad_offs and torch.equal(wgrad_offs, aligned) and a2.shape == (24, cols)
+        for g, (lo, hi) in enumerate(zip(offs.tolist()[:-1], offs.tolist()[1:])):
+            start, end = int(aligned[g]), int(aligned[g + 1])
+            assert torch.equal(a2[:, start:start + hi - lo].view(torch.uint8), a[:, lo:hi].view(torch.uint8))
+            assert not a2[:, start + hi - lo:end].view(torch.uint8).any() and not b2[:, start + hi - lo:end].float().any()
+        plain = BlockScaledProblem(GemmKind.K_GROUPED, a, b, sa, sb, offs, torch.float32, recipe)
+        moved = BlockScaledProblem(GemmKind.K_GROUPED, a2, b2, sa2, sb2, wgrad_offs, torch.float32, recipe)
+        assert not moved.reason(), moved.reason()
+        assert torch.equal(reference_block_scaled_gemm(moved, torch.float64),
+                           reference_block_scaled_gemm(plain, torch.float64))
+    # off the GPU the wgrad keeps the tokens where they are
+    q, _, used = Q.quantize_tokens_for_wgrad(x, offs, RECIPES["blockwise"], E4M3)
+    assert used is offs and q.shape == (40, sum(lens))
 
 
 # ----------------------------------------------------------------------------- error bounds (f64)

@@ -56,6 +56,17 @@ def test_casts_bitwise_equal_torch_reference_on_random_data(name, fp8):
     q0, s0 = Q.quantize_tokens(x, offs, recipe, fp8)
     used = Q.token_slot_mask(offs, 333, recipe.block)
     assert torch.equal(_cpu(q).view(torch.uint8), q0.view(torch.uint8)) and torch.equal(_cpu(s)[:, used], s0[:, used])
+    # the aligned token layout (the wgrad's on a GPU): the padding written as zeros over memory the
+    # caching allocator hands back full of NaN bytes
+    junk = torch.full((1000, Q.aligned_token_columns(333, 4, 16)), 0x7F, dtype=torch.uint8, device="cuda")
+    del junk
+    q, s, aligned = Q.quantize_tokens_aligned(x.cuda(), offs.cuda(), recipe, fp8)
+    q0, s0, aligned0 = Q.quantize_tokens_aligned(x, offs, recipe, fp8)
+    end = int(aligned0[-1])
+    assert torch.equal(_cpu(aligned), aligned0) and aligned0.tolist() == [0, 16, 16, 320, 352]
+    assert torch.equal(_cpu(q)[:, :end].view(torch.uint8), q0[:, :end].view(torch.uint8))
+    used = Q.token_slot_mask(aligned0, end, recipe.block)
+    assert torch.equal(_cpu(s)[:, :used.numel()][:, used], s0[:, :used.numel()][:, used])
     if not recipe.e8m0 and fp8 == E4M3:
         w = torch.randn(3, 300, 260, generator=gen)
         got = Q.quantize_weight_blocks(w.cuda(), recipe, fp8)
@@ -92,11 +103,11 @@ def _reference_and_magnitudes(problem):
     return ref, mag
 
 
-def _assert_within_reference_bound(problem, out, ref, mag, contraction):
+def _assert_within_reference_bound(problem, out, ref, mag, contraction, out_roundoff=2.0**-24):
     """|out - ref64| within fp32 summation of exact FP8 products plus, on Hopper, one scale block of
-    the tensor cores' narrower FP8 accumulation."""
+    the tensor cores' narrower FP8 accumulation; ``out_roundoff``: the output's (bf16: 2**-8)."""
     block = problem.recipe.block
-    tol = (128 + contraction // 32 + 3) * 2.0**-24 * 1.2 * mag + ref.abs() * 2.0**-24
+    tol = (128 + contraction // 32 + 3) * 2.0**-24 * 1.2 * mag + ref.abs() * out_roundoff
     if torch.cuda.get_device_capability()[0] == 9:
         # Hopper's FP8 wgmma adds into a narrower accumulator (about 14 mantissa bits, DeepSeek-V3
         # section 3.3.2) and Triton leaves that on for FP8 dots on sm_90; promotion to fp32 happens
@@ -211,6 +222,31 @@ def test_gluon_blockwise_wgrad_bitwise_equal_tma_kernel(lens, out, cooperative):
     if out == "fp32":
         ref, mag = _reference_and_magnitudes(problem)
         _assert_within_reference_bound(problem, outs[0].cpu().double(), ref, mag, max(lens))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("lens", [[0, 131, 77, 1, 0, 259, 0, 60, 0], [5, 300, 1000, 3]])
+def test_blockwise_wgrad_over_the_aligned_token_layout(lens, out_dtype):
+    """Groups off 16-token boundaries as a GPU's autograd hands them to the wgrad
+    (``quantize_tokens_for_wgrad``: moved onto boundaries, zeros after each): the default plan
+    (the cooperative Gluon kernel for a bf16 dW) within the float64 bound of the same problem,
+    every element written over NaN poison, deterministic."""
+    from fine_grained_interpreter_cases import _problem
+
+    problem = dataclasses.replace(_problem("k", RECIPES["blockwise"], lens, 256, 264, E5M2,
+                                           torch.Generator().manual_seed(6), aligned=True), out_dtype=out_dtype)
+    assert all(int(v) % 16 == 0 for v in problem.group_offs)
+    on_gpu = _on_gpu(problem)
+    cfg = triton_gemm.default_config(on_gpu)
+    if cfg.gluon and out_dtype == torch.bfloat16:
+        assert triton_gemm.plan(on_gpu, cfg).kernel_name == "k_grouped_coop"
+    outs = [triton_gemm.run(dataclasses.replace(on_gpu, out=torch.full(problem.out_shape, float("nan"), device="cuda",
+                                                                       dtype=out_dtype)), cfg) for _ in range(2)]
+    assert torch.equal(outs[0], outs[1]) and not torch.isnan(outs[0]).any()
+    ref, mag = _reference_and_magnitudes(problem)
+    got = outs[0].cpu().double()
+    _assert_within_reference_bound(problem, got, ref, mag, max(lens),
+                                   2.0**-8 if out_dtype == torch.bfloat16 else 2.0**-24)
 
 
 @pytest.mark.parametrize("a_fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])

@@ -117,21 +117,51 @@ def block_cast_weight_kernel(
 
 
 @triton.jit
+def _aligned_group_start(group_offs_ptr, group, zero, TOKEN_ALIGN: tl.constexpr):
+    """Column of group ``group``'s first token in an aligned token layout: the token counts of the
+    groups before it, each rounded up to TOKEN_ALIGN (a prefix sum over at most G offsets, read by
+    every program of the group: no second launch, no host sync)."""
+    start = zero
+    for h0 in range(0, group, 128):
+        h = h0 + tl.arange(0, 128)
+        here = h < group
+        n = tl.load(group_offs_ptr + h + 1, mask=here, other=0) - tl.load(group_offs_ptr + h, mask=here, other=0)
+        n = tl.maximum(n, 0)
+        start += tl.sum((n + TOKEN_ALIGN - 1) // TOKEN_ALIGN * TOKEN_ALIGN, axis=0)
+    return start
+
+
+@triton.jit
 def block_cast_tokens_kernel(
-    x_ptr, group_offs_ptr, out_t_ptr, scale_ptr,
-    M, C, stride_xm, stride_xc, stride_ss, stride_sc,
+    x_ptr, group_offs_ptr, out_t_ptr, scale_ptr, aligned_offs_ptr,
+    M, C, stride_xm, stride_xc, stride_ss, stride_sc, cols_t,
     FP8_MAX: tl.constexpr, EMAX: tl.constexpr, MARGIN: tl.constexpr, MARGIN_FACTOR: tl.constexpr, E8M0: tl.constexpr, POW2: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, TOKEN_ALIGN: tl.constexpr, WRITE_OFFS: tl.constexpr,
 ):
     """Program (c, g): columns [c*BLOCK_C, ...) of group g's tokens, BLOCK tokens at a time from
-    the group's first token; block j's scales go to slot offs[g] // BLOCK + g + j."""
+    the group's first token. TOKEN_ALIGN 1: token t at column t of ``out_t`` ([C, cols_t]), block
+    j's scales in slot offs[g] // BLOCK + g + j. TOKEN_ALIGN > 1: group g starts at column
+    ``start = _aligned_group_start`` and runs to ``end = start + round_up(len, TOKEN_ALIGN)``, the
+    columns past its tokens written as zeros, its scales in slot start // BLOCK + g + j; with
+    WRITE_OFFS the programs of column block 0 store ``aligned_offs[g + 1] = end`` (and 0 first)."""
     pid_c = tl.program_id(0)
     group = tl.program_id(1)
     lo = tl.load(group_offs_ptr + group)
     hi = tl.load(group_offs_ptr + group + 1)
     cols = pid_c.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < C
-    slot = lo // BLOCK + group
+    if TOKEN_ALIGN > 1:
+        start = _aligned_group_start(group_offs_ptr, group, lo * 0, TOKEN_ALIGN)
+        end = start + (tl.maximum(hi - lo, 0) + TOKEN_ALIGN - 1) // TOKEN_ALIGN * TOKEN_ALIGN
+        if WRITE_OFFS:
+            if pid_c == 0:
+                tl.store(aligned_offs_ptr + group + 1, end)
+                if group == 0:
+                    tl.store(aligned_offs_ptr, start)
+    else:
+        start = lo
+        end = hi
+    slot = start // BLOCK + group
     for t0 in range(lo, hi, BLOCK):
         tokens = t0 + tl.arange(0, BLOCK)
         mask = (tokens[:, None] < hi) & col_ok[None, :]
@@ -143,7 +173,10 @@ def block_cast_tokens_kernel(
         mask_t = col_ok[:, None] & (tokens[None, :] < hi)
         x_t = tl.load(x_ptr + tokens[None, :] * stride_xm + cols[:, None] * stride_xc, mask=mask_t, other=0.0)
         q_t = _cast(x_t.to(tl.float32), quant[:, None], FP8_MAX, out_t_ptr.dtype.element_ty)
-        tl.store(out_t_ptr + cols[:, None] * M + tokens[None, :], q_t, mask=mask_t)
+        # aligned: the group's padding (tokens past hi) written as the zeros x_t holds there
+        dest = start + (tokens - lo)
+        keep = col_ok[:, None] & (dest[None, :] < end) & (dest[None, :] < cols_t)
+        tl.store(out_t_ptr + cols[:, None] * cols_t + dest[None, :], q_t, mask=keep)
         slot += 1
 
 
@@ -201,26 +234,49 @@ def block_cast_weight(w, recipe, fp8_dtype, fp8_max: float, margin: int = 0, tra
 
 def block_cast_tokens(x, group_offs, recipe, fp8_dtype, fp8_max: float, emax: int, margin: int = 0):
     """``turbo_moe.fine_grained.quantize.quantize_tokens`` on the device: one launch."""
+    out_t, scale, _ = _cast_tokens(x, group_offs, recipe, fp8_dtype, fp8_max, emax, margin, 1, x.shape[0], None)
+    return out_t, scale
+
+
+def block_cast_tokens_aligned(x, group_offs, recipe, fp8_dtype, fp8_max: float, emax: int, margin: int,
+                              token_align: int, columns: int, aligned_offs=None):
+    """``turbo_moe.fine_grained.quantize.quantize_tokens_aligned`` on the device: one launch, into
+    ``[C, columns]`` (room for every group rounded up to ``token_align``). ``aligned_offs``: the
+    offsets an earlier call over the same ``group_offs`` returned (not written again), or None for
+    a new tensor."""
+    return _cast_tokens(x, group_offs, recipe, fp8_dtype, fp8_max, emax, margin, token_align, columns, aligned_offs)
+
+
+def _cast_tokens(x, group_offs, recipe, fp8_dtype, fp8_max, emax, margin, token_align, cols_t, aligned_offs):
     import torch
 
     _check_fp8_max(fp8_max, emax)
     m, c = x.shape
     groups = group_offs.shape[0] - 1
-    slots = m // recipe.block + groups
-    out_t = torch.empty((c, m), dtype=fp8_dtype, device=x.device)
+    slots = cols_t // recipe.block + groups
+    out_t = torch.empty((c, cols_t), dtype=fp8_dtype, device=x.device)
     storage = torch.empty((slots, c), dtype=recipe.scale_dtype, device=x.device)
-    if groups * c and m:
+    write_offs = token_align > 1 and aligned_offs is None
+    launch = groups * c and m
+    if write_offs:  # the kernel writes every entry when it runs
+        aligned_offs = torch.empty_like(group_offs) if launch else torch.zeros_like(group_offs)
+    if launch:
         block_c = 64
         strides = x.stride()
-        key = (x.dtype, m, c, strides, group_offs.dtype, groups, fp8_dtype, recipe, margin, x.data_ptr() % 16 == 0,
-               group_offs.data_ptr() % 16 == 0, out_t.data_ptr() % 16 == 0, storage.data_ptr() % 16 == 0)
+        key = (x.dtype, m, c, strides, group_offs.dtype, groups, fp8_dtype, recipe, margin, token_align, write_offs,
+               x.data_ptr() % 16 == 0, group_offs.data_ptr() % 16 == 0, out_t.data_ptr() % 16 == 0,
+               storage.data_ptr() % 16 == 0, aligned_offs is not None and aligned_offs.data_ptr() % 16 == 0)
         _lean["block_cast_tokens_kernel"].launch_keyed(
             (_cdiv(c, block_c), groups), key,
-            x, group_offs, out_t, storage, m, c, strides[0], strides[1], storage.stride(0), storage.stride(1),
+            x, group_offs, out_t, storage, aligned_offs if write_offs else group_offs, m, c, strides[0], strides[1],
+            storage.stride(0), storage.stride(1), cols_t,
             FP8_MAX=fp8_max, EMAX=emax, MARGIN=margin, MARGIN_FACTOR=2.0 ** -margin, E8M0=recipe.e8m0, POW2=recipe.pow2,
-            BLOCK=recipe.block, BLOCK_C=block_c, num_warps=4,
+            BLOCK=recipe.block, BLOCK_C=block_c, TOKEN_ALIGN=token_align, WRITE_OFFS=write_offs, num_warps=4,
         )
-    return out_t, storage.T
+    elif write_offs and m:  # no columns to cast: the offsets alone (torch ops, off the hot path)
+        lens = (group_offs[1:] - group_offs[:-1]).clamp(min=0)
+        aligned_offs[1:] = ((lens + token_align - 1) // token_align * token_align).cumsum(0)
+    return out_t, storage.T, aligned_offs
 
 
 _lean = {name: lean(globals()[name]) for name in (

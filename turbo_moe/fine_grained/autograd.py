@@ -25,7 +25,7 @@ import torch
 from ..backends.base import GemmKind
 from ..config import Float8Config
 from .gemm import BlockScaledProblem, run_block_scaled
-from .quantize import quantize_rows, quantize_tokens, quantize_weight_blocks, recipe_of
+from .quantize import quantize_rows, quantize_tokens_for_wgrad, quantize_weight_blocks, recipe_of
 
 __all__ = ["FineGrainedFP8Function", "grouped_gemm_fine", "grouped_wgrad_fine", "quantize_weight_fine"]
 
@@ -62,11 +62,11 @@ class FineGrainedFP8Function(torch.autograd.Function):
         y = _gemm(GemmKind.M_GROUPED, x_q, w_fp8.data, x_scale, w_fp8.scale, group_offs, out_dtype, recipe,
                   num_cu, backend, "fwd")
         del x_q  # the token-major copy (its own pass anyway) is made once the rows copy is freed
-        x_t = x_t_scale = None
+        x_t = x_t_scale = wgrad_offs = None
         if need_dw:
-            x_t, x_t_scale = quantize_tokens(x, group_offs, recipe, dtype, margin)
+            x_t, x_t_scale, wgrad_offs = quantize_tokens_for_wgrad(x, group_offs, recipe, dtype, margin)
         ctx.w_kn = (w_fp8.data_t, w_fp8.scale_t) if need_dx else None  # dgrad's alone: dropped before wgrad
-        ctx.save_for_backward(w_nk if need_dx else None, x_t, x_t_scale, group_offs)
+        ctx.save_for_backward(w_nk if need_dx else None, x_t, x_t_scale, group_offs, wgrad_offs)
         ctx.config, ctx.num_cu, ctx.backend = config, num_cu, backend
         ctx.x_dtype, ctx.w_dtype = x.dtype, w_nk.dtype
         ctx.wgrad_target = wgrad_target  # turbo_moe.autograd.WgradTarget
@@ -75,7 +75,7 @@ class FineGrainedFP8Function(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        w_nk, x_t, x_t_scale, group_offs = ctx.saved_tensors
+        w_nk, x_t, x_t_scale, group_offs, wgrad_offs = ctx.saved_tensors
         config = ctx.config
         recipe, gdtype, margin = recipe_of(config), config.grad_dtype, config.margin
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -91,15 +91,15 @@ class FineGrainedFP8Function(torch.autograd.Function):
                        ctx.num_cu, ctx.backend, "dgrad")
             del dy_q, w_kn
         if need_dw:
-            dy_t, dy_t_scale = quantize_tokens(dy, group_offs, recipe, gdtype, margin)
+            dy_t, dy_t_scale, _ = quantize_tokens_for_wgrad(dy, group_offs, recipe, gdtype, margin, wgrad_offs)
             if ctx.wgrad_target is None:
-                dw = _gemm(GemmKind.K_GROUPED, dy_t, x_t, dy_t_scale, x_t_scale, group_offs, ctx.w_dtype, recipe,
+                dw = _gemm(GemmKind.K_GROUPED, dy_t, x_t, dy_t_scale, x_t_scale, wgrad_offs, ctx.w_dtype, recipe,
                            ctx.num_cu, ctx.backend, "wgrad")
             else:  # into the caller's buffer, or deferred (turbo_moe.autograd.WgradTarget)
                 from ..autograd import DeferredWgrad, finish_wgrad
 
                 dw = finish_wgrad(ctx.wgrad_target, DeferredWgrad(functools.partial(
-                    _gemm, GemmKind.K_GROUPED, dy_t, x_t, dy_t_scale, x_t_scale, group_offs, recipe=recipe,
+                    _gemm, GemmKind.K_GROUPED, dy_t, x_t, dy_t_scale, x_t_scale, wgrad_offs, recipe=recipe,
                     num_cu=ctx.num_cu, backend=ctx.backend, role="wgrad")))
         return dx, dw, None, None, None, None, None, None, None
 
@@ -115,8 +115,8 @@ def grouped_wgrad_fine(dy, x, group_offs, *, config: Float8Config, num_cu=None, 
                        out_dtype: Optional[torch.dtype] = None, main_grad=None) -> torch.Tensor:
     """``turbo_moe.autograd._grouped_wgrad_fp8_resolved`` for the fine-grained recipes (checked there)."""
     recipe = recipe_of(config)
-    dy_t, dy_scale = quantize_tokens(dy, group_offs, recipe, config.grad_dtype, config.margin)
-    x_t, x_scale = quantize_tokens(x, group_offs, recipe, config.forward_dtype, config.margin)
-    return _gemm(GemmKind.K_GROUPED, dy_t, x_t, dy_scale, x_scale, group_offs,
+    dy_t, dy_scale, wgrad_offs = quantize_tokens_for_wgrad(dy, group_offs, recipe, config.grad_dtype, config.margin)
+    x_t, x_scale, _ = quantize_tokens_for_wgrad(x, group_offs, recipe, config.forward_dtype, config.margin, wgrad_offs)
+    return _gemm(GemmKind.K_GROUPED, dy_t, x_t, dy_scale, x_scale, wgrad_offs,
                  dy.dtype if out_dtype is None else out_dtype, recipe, num_cu, backend, "wgrad",
                  out=main_grad, accumulate=main_grad is not None)
