@@ -32,6 +32,11 @@ block of a group whose token count is not a multiple of ``B`` is short) and its 
 slot ``offs[g] // B + g + j`` of a ``[C, M // B + G]`` scale tensor: that slot map needs no prefix
 sum (no host sync, one formula on host and device) and never collides (see ``token_slot``).
 Slots no block maps to hold unspecified values and are never read.
+
+On a GPU the wgrad's two token operands are stored in an aligned layout
+(``quantize_tokens_for_wgrad``): group g from column ``sum_{h<g} round_up(len_h, 16)``, zeros up
+to the next group, the same values and scales (slots from the aligned offsets), so the kernels'
+16-byte TMA boxes start on every group's first token wherever the routing put it.
 """
 
 from .quantize import (

@@ -135,8 +135,10 @@ def default_config(problem) -> BlockKernelConfig:
         return _HIP_DEFAULTS[(r.block, dot_scaled, problem.kind)]
     config = _GPU_DEFAULTS[(r.block, dot_scaled)]
     # The Gluon kernels where they can run (docs/results/h100_fine_grained.md, the same bits as the
-    # TMA kernels). The wgrad, TFLOPS against the TMA kernel: 128 x 128 tokens per expert 243 / 166,
-    # 32 x 512 437 / 388 (skewed 363 / 290), 8 x 4096 567 / 527 (DeepSeek-V3 fc1) and 574 / 590 (fc2).
+    # TMA kernels). The single-stream wgrad, TFLOPS against the TMA kernel: 128 x 128 tokens per
+    # expert 243 / 166, 32 x 512 437 / 388 (skewed 363 / 290), 8 x 4096 567 / 527 (DeepSeek-V3 fc1)
+    # and 574 / 590 (fc2); the cooperative one (a bf16 dW or main_grad) against the single-stream:
+    # 737 / 547 (8 x 4096, K 7168, N 4096), 690 / 531 (K 2048, N 7168), 635 / 434 (32 x 512).
     gluon = dataclasses.replace(config, gluon=True)
     if not gluon_declined(problem, gluon):
         return gluon
