@@ -274,6 +274,6 @@ def quantize_tokens_for_wgrad(t: torch.Tensor, group_offs: torch.Tensor, recipe:
     """A wgrad operand as the device's kernels want it: (fp8 ``[C, cols]``, scales, the offsets to
     pass the wgrad). On a GPU the aligned token layout (``quantize_tokens_aligned``; ``wgrad_offs``:
     the other operand's, for the same routing); elsewhere ``quantize_tokens`` and ``group_offs``."""
-    if not t.is_cuda:
+    if _kernels(t) is None:
         return (*quantize_tokens(t, group_offs, recipe, fp8_dtype, margin), group_offs)
     return quantize_tokens_aligned(t, group_offs, recipe, fp8_dtype, margin, aligned_offs=wgrad_offs)
