@@ -36,6 +36,21 @@ def _exact_rows(r, c, block, fp8, gen):
     return x
 
 
+def _exact_tokens(lens, recipe, fp8, gen):
+    """(x [M, 24], offsets): FP8 grid values times a power of two per column, each token block's
+    first token at the column's ``fp8_max * 2**e`` (its amax pinned, so its scale is exact)."""
+    from turbo_moe.fine_grained import quantize as Q
+
+    fmax = torch.finfo(fp8).max
+    offs = torch.tensor([0] + lens).cumsum(0)
+    e = torch.randint(-6, 7, (1, 24), generator=gen).float()
+    xt = _grid((sum(lens), 24), fp8, gen) * 2.0 ** e
+    for g, slots in enumerate(Q.token_slots(offs, recipe.block)):
+        for j in range(len(slots)):
+            xt[int(offs[g]) + j * recipe.block] = fmax * 2.0 ** e[0]
+    return xt, offs
+
+
 def case_casts():
     from turbo_moe.fine_grained import quantize as Q
     from turbo_moe.kernels.triton import blockwise_cast as BC
@@ -51,12 +66,7 @@ def case_casts():
                 q0, s0 = Q.quantize_rows(src, recipe, fp8)
                 assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0), (recipe, fp8)
             lens = [5, 0, 140, 1, 64]
-            offs = torch.tensor([0] + lens).cumsum(0)
-            e = torch.randint(-6, 7, (1, 24), generator=gen).float()
-            xt = _grid((sum(lens), 24), fp8, gen) * 2.0 ** e
-            for g, slots in enumerate(Q.token_slots(offs, recipe.block)):
-                for j in range(len(slots)):
-                    xt[int(offs[g]) + j * recipe.block] = fmax * 2.0 ** e[0]
+            xt, offs = _exact_tokens(lens, recipe, fp8, gen)
             q, s = BC.block_cast_tokens(xt, offs, recipe, fp8, fmax, emax)
             q0, s0 = Q.quantize_tokens(xt, offs, recipe, fp8)
             used = Q.token_slot_mask(offs, sum(lens), recipe.block)
@@ -84,12 +94,7 @@ def case_casts_aligned():
     for recipe in (Q.BLOCKWISE, Q.MXFP8):
         fmax = torch.finfo(E4M3).max
         lens = [5, 0, 140, 1, 16, 77]
-        offs = torch.tensor([0] + lens).cumsum(0)
-        e = torch.randint(-6, 7, (1, 24), generator=gen).float()
-        xt = _grid((sum(lens), 24), E4M3, gen) * 2.0 ** e
-        for g, slots in enumerate(Q.token_slots(offs, recipe.block)):
-            for j in range(len(slots)):
-                xt[int(offs[g]) + j * recipe.block] = fmax * 2.0 ** e[0]
+        xt, offs = _exact_tokens(lens, recipe, E4M3, gen)
         cols = Q.aligned_token_columns(sum(lens), len(lens), 16)
         junk = torch.full((24, cols), 0x77, dtype=torch.uint8)  # freed memory the kernel's output may reuse:
         del junk  # the padding must be zeros it writes

@@ -40,8 +40,8 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from .grouped_gemm_gluon import (_allocate, _cta_barrier, _group_tile, _load_slot, _program_tiles, _release,
-                                     _store_tile, _tma_load, _zero_other_groups)
+    from .grouped_gemm_gluon import (_allocate, _cta_barrier, _group_tile, _load_slot, _program_tiles, _release, _ring,
+                                     _ring_barriers, _store_tile, _tma_load, _zero_other_groups)
 
     @gluon.jit
     def _block_tile_of(i, pid, num_programs, G, num_m_blocks, num_n_blocks, group_offs_ptr, BLOCK_M: gl.constexpr,
@@ -348,16 +348,12 @@ if gluon is not None:
         out_desc: out as one [G*N, K] matrix with [64, 128] boxes (N a multiple of 128), float32 to
         add into (``main_grad``: an empty group's tiles neither read nor written) or 16-bit.
         num_warps: one consumer's (4)."""
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-        sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
-        sb_bufs = gl.allocate_shared_memory(sb_desc.dtype, [STAGES] + sb_desc.block_type.shape, sb_desc.layout)
-        out_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)  # both consumers
+        a_bufs = _ring(a_desc, STAGES)
+        b_bufs = _ring(b_desc, STAGES)
+        sa_bufs = _ring(sa_desc, STAGES)
+        sb_bufs = _ring(sb_desc, STAGES)
+        out_bufs = _ring(out_desc, 2)  # a staging tile per consumer
+        ready, empty = _ring_barriers(STAGES, 2)
         masked = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(masked, count=2)
         out_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())

@@ -321,6 +321,23 @@ if gluon is not None:
     # ---------------------------------------------------------------- the accumulating ping-pong
 
     @gluon.jit
+    def _ring(desc, STAGES: gl.constexpr):
+        """A ring of STAGES of ``desc``'s boxes in shared memory."""
+        return gl.allocate_shared_memory(desc.dtype, [STAGES] + desc.block_type.shape, desc.layout)
+
+    @gluon.jit
+    def _ring_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+        """A warp-specialized ring's barriers, initialized: per slot a ``ready`` one (the producer's
+        loads) and an ``empty`` one counting every consumer's release (the cooperative kernels of
+        blockwise_gemm_gluon and m_grouped_blockwise_gluon)."""
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=CONSUMERS)
+        return ready, empty
+
+    @gluon.jit
     def _pingpong_barriers(STAGES: gl.constexpr):
         """A ping-pong's barriers, initialized (in both ping-pongs: this module's and
         m_grouped_gemm_gluon's): a ``ready`` and an ``empty`` one per ring slot, a ``turn`` one per

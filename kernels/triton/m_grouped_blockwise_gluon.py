@@ -59,7 +59,7 @@ if gluon is not None:
 
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    from .grouped_gemm_gluon import _tma_load, _tma_store
+    from .grouped_gemm_gluon import _ring, _ring_barriers, _tma_load, _tma_store
     from .m_grouped_gemm_gluon import _cursor_advance, _cursor_start, _store_group_tail
 
     # Triton 3.6 names the cp.async copy async_copy_global_to_shared; 3.7+ async_load.
@@ -208,15 +208,11 @@ if gluon is not None:
         cp.async (``_copy_row_scales``);
         out_desc: out [M, N] with [BLOCK_M / 2, BLOCK_N] boxes. num_warps: one consumer's (4, a
         warpgroup); the kernel runs two consumers and a producer warp."""
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-        sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
-        out_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)  # both consumers' halves
+        a_bufs = _ring(a_desc, STAGES)
+        b_bufs = _ring(b_desc, STAGES)
+        sa_bufs = _ring(sa_desc, STAGES)
+        out_bufs = _ring(out_desc, 2)  # a staging tile per consumer
+        ready, empty = _ring_barriers(STAGES, 2)  # empty: both consumers' halves
         p = (a_desc, b_desc, sa_desc, out_desc, out_ptr, a_bufs, b_bufs, sa_bufs, out_bufs, ready, empty, a_scale_ptr,
              b_scale_ptr, group_offs_ptr, N, K, G, stride_om, stride_sak, stride_sbg, stride_sbn, stride_sbk, SCALES_TMA)
         gl.warp_specialize([(_consumer_lo, (p, GROUP_M)), (_consumer_hi, (p, GROUP_M)), (_producer, (p, GROUP_M))],
