@@ -1,7 +1,9 @@
 """H100 speed table of the fine-grained recipes beside tensorwise (issue 12, item 5).
 
     python scripts/bench_fine_grained.py [--shapes deepseek|small] [--routing skewed|dirichlet|zipf] [--align 1]
-                                         [--out table.md]
+                                         [--recipes blockwise] [--shape-index 0,2] [--no-peer] [--out table.md]
+
+Each shape's table is printed when it is done (``python -u`` under a time limit keeps what finished).
 
 Times the GEMM kernels alone on pre-quantized operands (triton.testing.do_bench, median ms) for
 fwd (M-grouped NT), dgrad (M-grouped, W^T) and wgrad (K-grouped), per recipe: tensorwise (the
@@ -180,29 +182,30 @@ def _tflops(m, n, k, ms):
     return 2.0 * m * n * k / ms / 1e9
 
 
-def run_shape(G, T, K, N, routing="balanced", align=16):
+def run_shape(G, T, K, N, routing="balanced", align=16, recipes=("blockwise", "mxfp8"), peer=True):
     """The table of one shape. ``routing`` / ``align``: the group sizes
     (``turbo_moe.bench.shapes.make_group_sizes``; ``align=1`` ragged, groups starting anywhere). The
-    torchao peer runs on balanced routing only: its per-expert graph is built for equal groups."""
+    torchao peer runs on balanced routing only: its per-expert graph is built for equal groups.
+    ``recipes``: the fine-grained rows beside tensorwise; ``peer``: time the torchao peer."""
     from turbo_moe.bench.shapes import make_group_sizes
     from turbo_moe.config import Float8Config
     from turbo_moe.fine_grained import triton_gemm
 
     lens = None if routing == "balanced" and align == 16 else make_group_sizes(G, T, routing, align=align)
     rows, notes = {}, []
-    for name in ("blockwise", "mxfp8"):
+    for name in recipes:
         problems, flops, tensorwise_ms, quantize_x, (x, w, dy) = _problems(
             G, T, K, N, Float8Config(granularity=name), time_tensorwise="tensorwise" not in rows, lens=lens)
         rows.setdefault("tensorwise", tensorwise_ms)
         rows[name] = {op: _bench(lambda p=p: triton_gemm.run(p)) for op, p in problems.items()}
         rows[name]["quant x (rows+tokens)"] = _bench(quantize_x)
-        if name == "blockwise" and lens is None:
-            peer = torchao_blockwise_ms(x, w, dy, T)
-            if isinstance(peer, str):
-                notes.append(f"torchao blockwise: {peer}")
+        if name == "blockwise" and lens is None and peer:
+            peer_ms = torchao_blockwise_ms(x, w, dy, T)
+            if isinstance(peer_ms, str):
+                notes.append(f"torchao blockwise: {peer_ms}")
             else:
-                notes += [f"torchao blockwise {op}: {v}" for op, v in peer.items() if isinstance(v, str)]
-                rows["torchao blockwise"] = {op: v for op, v in peer.items() if not isinstance(v, str)}
+                notes += [f"torchao blockwise {op}: {v}" for op, v in peer_ms.items() if isinstance(v, str)]
+                rows["torchao blockwise"] = {op: v for op, v in peer_ms.items() if not isinstance(v, str)}
     lines = [f"G={G} tokens/expert={T} K={K} N={N} routing={routing} align={align}",
              "| recipe | fwd TFLOPS | dgrad TFLOPS | wgrad TFLOPS | x quant ms |", "|---|---|---|---|---|"]
     for name, ms in rows.items():
@@ -216,8 +219,8 @@ def run_shape(G, T, K, N, routing="balanced", align=16):
             cells.append(f"{t:.0f}{ratio}")
         quant = ms.get("quant x (rows+tokens)")
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {'' if quant is None else f'{quant:.3f}'} |")
-    peer = rows.get("torchao blockwise", {})
-    ours = [f"{op} {peer[op] / rows['blockwise'][op]:.2f}x" for op in ("fwd", "dgrad", "wgrad") if op in peer]
+    peer_row = rows.get("torchao blockwise", {})
+    ours = [f"{op} {peer_row[op] / rows['blockwise'][op]:.2f}x" for op in ("fwd", "dgrad", "wgrad") if op in peer_row]
     if ours:
         lines.append("")
         lines.append("blockwise against the torchao peer (its time over ours): " + ", ".join(ours))
@@ -232,6 +235,11 @@ def main() -> int:
                         help="group sizes (turbo_moe.bench.shapes.make_group_sizes); the peer runs on balanced only")
     parser.add_argument("--align", type=int, default=16,
                         help="group sizes are multiples of this (1: ragged, groups starting anywhere)")
+    parser.add_argument("--recipes", default="blockwise,mxfp8",
+                        help="the fine-grained recipes timed beside tensorwise, comma-separated")
+    parser.add_argument("--shape-index", default=None,
+                        help="only these of the --shapes set, comma-separated indices (default all)")
+    parser.add_argument("--no-peer", action="store_true", help="skip the torchao peer (balanced routing only)")
     parser.add_argument("--sweep", action="store_true", help="blockwise tile configs at the first shape instead")
     parser.add_argument("--sweep-shapes", default="0",
                         help="with --sweep: the indices of the shapes to sweep, comma-separated (default 0)")
@@ -251,9 +259,17 @@ def main() -> int:
     if args.sweep:
         tables = [sweep_shape(*SHAPES[args.shapes][int(i)]) for i in args.sweep_shapes.split(",")]
     else:
-        tables = [run_shape(*shape, routing=args.routing, align=args.align) for shape in SHAPES[args.shapes]]
+        shapes = SHAPES[args.shapes]
+        if args.shape_index is not None:
+            shapes = [shapes[int(i)] for i in args.shape_index.split(",")]
+        tables = []
+        for shape in shapes:  # each table printed when done: a call that runs out of time keeps the rest
+            tables.append(run_shape(*shape, routing=args.routing, align=args.align,
+                                    recipes=tuple(args.recipes.split(",")), peer=not args.no_peer))
+            print(tables[-1] + "\n", flush=True)
     text = "\n\n".join(tables)
-    print(text)
+    if args.sweep:
+        print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(header + "\n" + peer + "\n\n" + text + "\n")
