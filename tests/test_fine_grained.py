@@ -150,6 +150,22 @@ def test_aligned_token_layout_moves_groups_onto_boundaries_and_keeps_the_wgrad(l
     assert used is offs and q.shape == (40, sum(lens))
 
 
+def test_aligned_token_cast_without_columns_still_gives_the_offsets(monkeypatch):
+    """A wgrad operand with no columns (the cast kernel has nothing to run for): the GPU path's
+    offsets come from the torch formula; the kernel wrapper asked for them alone says to pass them."""
+    pytest.importorskip("triton")
+    from turbo_moe.kernels.triton import blockwise_cast as BC
+
+    monkeypatch.setattr(Q, "_kernels", lambda t: BC)  # the GPU path, on CPU tensors: no launch happens
+    offs = _offs([5, 0, 17])
+    q, _, aligned = Q.quantize_tokens_aligned(torch.empty(22, 0), offs, Q.BLOCKWISE, E4M3)
+    assert q.shape == (0, Q.aligned_token_columns(22, 3, 16)) and aligned.tolist() == [0, 16, 16, 48]
+    with pytest.raises(ValueError, match="aligned_offs"):
+        BC.block_cast_tokens_aligned(torch.empty(22, 0), offs, Q.BLOCKWISE, E4M3, 448.0, 8, 0, 16, 80)
+    _, _, none_yet = Q.quantize_tokens_aligned(torch.empty(0, 8), _offs([0, 0]), Q.BLOCKWISE, E4M3)
+    assert none_yet.tolist() == [0, 0, 0]
+
+
 # ----------------------------------------------------------------------------- error bounds (f64)
 
 def _expand_rows(s, block, cols):

@@ -117,18 +117,17 @@ def block_cast_weight_kernel(
 
 
 @triton.jit
-def _aligned_group_start(group_offs_ptr, group, zero, TOKEN_ALIGN: tl.constexpr):
+def _aligned_group_start(group_offs_ptr, group, TOKEN_ALIGN: tl.constexpr):
     """Column of group ``group``'s first token in an aligned token layout: the token counts of the
     groups before it, each rounded up to TOKEN_ALIGN (a prefix sum over at most G offsets, read by
     every program of the group: no second launch, no host sync)."""
-    start = zero
+    padded = tl.zeros([128], dtype=tl.int64)
     for h0 in range(0, group, 128):
         h = h0 + tl.arange(0, 128)
         here = h < group
         n = tl.load(group_offs_ptr + h + 1, mask=here, other=0) - tl.load(group_offs_ptr + h, mask=here, other=0)
-        n = tl.maximum(n, 0)
-        start += tl.sum((n + TOKEN_ALIGN - 1) // TOKEN_ALIGN * TOKEN_ALIGN, axis=0)
-    return start
+        padded += (tl.maximum(n, 0) + TOKEN_ALIGN - 1) // TOKEN_ALIGN * TOKEN_ALIGN
+    return tl.sum(padded, axis=0)
 
 
 @triton.jit
@@ -151,7 +150,7 @@ def block_cast_tokens_kernel(
     cols = pid_c.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < C
     if TOKEN_ALIGN > 1:
-        start = _aligned_group_start(group_offs_ptr, group, lo * 0, TOKEN_ALIGN)
+        start = _aligned_group_start(group_offs_ptr, group, TOKEN_ALIGN)
         end = start + (tl.maximum(hi - lo, 0) + TOKEN_ALIGN - 1) // TOKEN_ALIGN * TOKEN_ALIGN
         if WRITE_OFFS:
             if pid_c == 0:
@@ -258,8 +257,10 @@ def _cast_tokens(x, group_offs, recipe, fp8_dtype, fp8_max, emax, margin, token_
     storage = torch.empty((slots, c), dtype=recipe.scale_dtype, device=x.device)
     write_offs = token_align > 1 and aligned_offs is None
     launch = groups * c and m
-    if write_offs:  # the kernel writes every entry when it runs
-        aligned_offs = torch.empty_like(group_offs) if launch else torch.zeros_like(group_offs)
+    if write_offs:
+        if not launch and m:
+            raise ValueError("x has no columns to cast: pass aligned_offs (the kernel writes them as it casts)")
+        aligned_offs = torch.empty_like(group_offs) if launch else torch.zeros_like(group_offs)  # no tokens: 0s
     if launch:
         block_c = 64
         strides = x.stride()
@@ -273,9 +274,6 @@ def _cast_tokens(x, group_offs, recipe, fp8_dtype, fp8_max, emax, margin, token_
             FP8_MAX=fp8_max, EMAX=emax, MARGIN=margin, MARGIN_FACTOR=2.0 ** -margin, E8M0=recipe.e8m0, POW2=recipe.pow2,
             BLOCK=recipe.block, BLOCK_C=block_c, TOKEN_ALIGN=token_align, WRITE_OFFS=write_offs, num_warps=4,
         )
-    elif write_offs and m:  # no columns to cast: the offsets alone (torch ops, off the hot path)
-        lens = (group_offs[1:] - group_offs[:-1]).clamp(min=0)
-        aligned_offs[1:] = ((lens + token_align - 1) // token_align * token_align).cumsum(0)
     return out_t, storage.T, aligned_offs
 
 

@@ -250,6 +250,8 @@ def quantize_tokens_aligned(t: torch.Tensor, group_offs: torch.Tensor, recipe: F
     cols = aligned_token_columns(m, num_groups, token_align)
     kernels = _kernels(t)
     if kernels is not None:
+        if aligned_offs is None and m and not c:  # no columns: the cast kernel would not run to write them
+            aligned_offs = aligned_token_offsets(group_offs, token_align)
         return kernels.block_cast_tokens_aligned(t, group_offs, recipe, fp8_dtype, fp8_max(fp8_dtype),
                                                  _FP8_EMAX[fp8_dtype], margin, token_align, cols, aligned_offs)
     if aligned_offs is None:
