@@ -109,6 +109,12 @@ def case_casts_aligned():
         # reused offsets (the second operand of one wgrad): not written, the same layout
         q2, s2, again = BC.block_cast_tokens_aligned(xt, offs, recipe, E4M3, fmax, 8, 0, 16, cols, aligned)
         assert again is aligned and torch.equal(q2[:, :end].view(torch.uint8), q[:, :end].view(torch.uint8))
+        # decreasing offsets (never the layer's: checked and clamped) still give offsets within the columns
+        bad = torch.tensor([0, 300, 0, 300])
+        cols_bad = Q.aligned_token_columns(300, 3, 16)
+        _, _, got = BC.block_cast_tokens_aligned(torch.randn(300, 24, generator=gen), bad, recipe, E4M3, fmax, 8, 0, 16,
+                                                 cols_bad)
+        assert torch.equal(got, Q.aligned_token_offsets(bad, 16, cols_bad)) and got.tolist() == [0, 304, 304, 352]
         checked.append("mx" if recipe.e8m0 else "block")
     return "bitwise: " + ", ".join(checked)
 

@@ -133,7 +133,7 @@ def _aligned_group_start(group_offs_ptr, group, TOKEN_ALIGN: tl.constexpr):
 @triton.jit
 def block_cast_tokens_kernel(
     x_ptr, group_offs_ptr, out_t_ptr, scale_ptr, aligned_offs_ptr,
-    M, C, stride_xm, stride_xc, stride_ss, stride_sc, cols_t,
+    M, C, stride_xm, stride_xc, stride_ss, stride_sc, cols_t, slots,
     FP8_MAX: tl.constexpr, EMAX: tl.constexpr, MARGIN: tl.constexpr, MARGIN_FACTOR: tl.constexpr, E8M0: tl.constexpr, POW2: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, TOKEN_ALIGN: tl.constexpr, WRITE_OFFS: tl.constexpr,
 ):
@@ -142,7 +142,8 @@ def block_cast_tokens_kernel(
     j's scales in slot offs[g] // BLOCK + g + j. TOKEN_ALIGN > 1: group g starts at column
     ``start = _aligned_group_start`` and runs to ``end = start + round_up(len, TOKEN_ALIGN)``, the
     columns past its tokens written as zeros, its scales in slot start // BLOCK + g + j; with
-    WRITE_OFFS the programs of column block 0 store ``aligned_offs[g + 1] = end`` (and 0 first)."""
+    WRITE_OFFS the programs of column block 0 store ``aligned_offs[g + 1] = min(end, cols_t)`` (and 0
+    first)."""
     pid_c = tl.program_id(0)
     group = tl.program_id(1)
     lo = tl.load(group_offs_ptr + group)
@@ -153,8 +154,8 @@ def block_cast_tokens_kernel(
         start = _aligned_group_start(group_offs_ptr, group, TOKEN_ALIGN)
         end = start + (tl.maximum(hi - lo, 0) + TOKEN_ALIGN - 1) // TOKEN_ALIGN * TOKEN_ALIGN
         if WRITE_OFFS:
-            if pid_c == 0:
-                tl.store(aligned_offs_ptr + group + 1, end)
+            if pid_c == 0:  # within the columns whatever the offsets (the layer's are checked and clamped)
+                tl.store(aligned_offs_ptr + group + 1, tl.minimum(end, cols_t))
                 if group == 0:
                     tl.store(aligned_offs_ptr, start)
     else:
@@ -167,7 +168,9 @@ def block_cast_tokens_kernel(
         x = tl.load(x_ptr + tokens[:, None] * stride_xm + cols[None, :] * stride_xc, mask=mask, other=0.0)
         x = x.to(tl.float32)
         quant, stored = _block_scales(_nan_max(tl.abs(x), 0), FP8_MAX, EMAX, MARGIN, MARGIN_FACTOR, E8M0, POW2)
-        tl.store(scale_ptr + slot * stride_ss + cols * stride_sc, stored, mask=col_ok)
+        # in bounds whatever the offsets, as the offsets written above
+        slot_ok = (cols * 0 + slot) < slots
+        tl.store(scale_ptr + slot * stride_ss + cols * stride_sc, stored, mask=col_ok & slot_ok)
         # the cast reads the block again, transposed (fp8_cast's module docstring)
         mask_t = col_ok[:, None] & (tokens[None, :] < hi)
         x_t = tl.load(x_ptr + tokens[None, :] * stride_xm + cols[:, None] * stride_xc, mask=mask_t, other=0.0)
@@ -270,7 +273,7 @@ def _cast_tokens(x, group_offs, recipe, fp8_dtype, fp8_max, emax, margin, token_
         _lean["block_cast_tokens_kernel"].launch_keyed(
             (_cdiv(c, block_c), groups), key,
             x, group_offs, out_t, storage, aligned_offs if write_offs else group_offs, m, c, strides[0], strides[1],
-            storage.stride(0), storage.stride(1), cols_t,
+            storage.stride(0), storage.stride(1), cols_t, slots,
             FP8_MAX=fp8_max, EMAX=emax, MARGIN=margin, MARGIN_FACTOR=2.0 ** -margin, E8M0=recipe.e8m0, POW2=recipe.pow2,
             BLOCK=recipe.block, BLOCK_C=block_c, TOKEN_ALIGN=token_align, WRITE_OFFS=write_offs, num_warps=4,
         )

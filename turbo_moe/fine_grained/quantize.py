@@ -220,12 +220,14 @@ def quantize_tokens(t: torch.Tensor, group_offs: torch.Tensor, recipe: FineRecip
 WGRAD_TOKEN_ALIGN = 16
 
 
-def aligned_token_offsets(group_offs: torch.Tensor, token_align: int) -> torch.Tensor:
+def aligned_token_offsets(group_offs: torch.Tensor, token_align: int, columns: Optional[int] = None) -> torch.Tensor:
     """``[G + 1]`` offsets of the aligned token layout: group g's tokens at columns
-    ``[out[g], out[g] + len_g)``, ``out[g + 1] = out[g] + round_up(len_g, token_align)``."""
+    ``[out[g], out[g] + len_g)``, ``out[g + 1] = out[g] + round_up(len_g, token_align)``, at most
+    ``columns`` (offsets that are not non-decreasing, which the layer's never are, could pass it)."""
     lens = (group_offs[1:] - group_offs[:-1]).clamp(min=0)
     padded = (lens + token_align - 1) // token_align * token_align
-    return torch.cat([group_offs.new_zeros(1), padded.cumsum(0)])
+    out = torch.cat([group_offs.new_zeros(1), padded.cumsum(0)])
+    return out if columns is None else out.clamp_(max=columns)
 
 
 def aligned_token_columns(num_tokens: int, num_groups: int, token_align: int) -> int:
@@ -251,11 +253,11 @@ def quantize_tokens_aligned(t: torch.Tensor, group_offs: torch.Tensor, recipe: F
     kernels = _kernels(t)
     if kernels is not None:
         if aligned_offs is None and m and not c:  # no columns: the cast kernel would not run to write them
-            aligned_offs = aligned_token_offsets(group_offs, token_align)
+            aligned_offs = aligned_token_offsets(group_offs, token_align, cols)
         return kernels.block_cast_tokens_aligned(t, group_offs, recipe, fp8_dtype, fp8_max(fp8_dtype),
                                                  _FP8_EMAX[fp8_dtype], margin, token_align, cols, aligned_offs)
     if aligned_offs is None:
-        aligned_offs = aligned_token_offsets(group_offs, token_align)
+        aligned_offs = aligned_token_offsets(group_offs, token_align, cols)
     q, scales = quantize_tokens(t, group_offs, recipe, fp8_dtype, margin)
     fill = 127 if recipe.e8m0 else 1.0
     stored = torch.full((num_token_slots(cols, num_groups, recipe.block), c), fill, dtype=recipe.scale_dtype,
