@@ -43,20 +43,24 @@ SHAPES = {
 def _sweep_configs():
     from turbo_moe.fine_grained.triton_gemm import BlockKernelConfig as C
 
-    # The default first (through TMA); wgrad's tile stored through pointers; the same tiles through
-    # pointer loads; other pipeline depths; one warpgroup (two CTAs per SM, so one CTA's promotion
-    # can overlap the other's wgmma).
+    # The default tiles first, on the Triton TMA kernels (what runs where the Gluon ones decline);
+    # wgrad's tile stored through pointers; the same tiles through pointer loads; other pipeline
+    # depths; one warpgroup (two CTAs per SM, so one CTA's promotion can overlap the other's wgmma);
+    # last, the Gluon kernels that sm_90 runs by default (triton_gemm.default_config).
     return [C(128, 128, 128, num_warps=8, num_stages=4), C(128, 128, 128, num_warps=8, num_stages=4, tma_store=False),
             C(128, 128, 128, num_warps=8, num_stages=4, tma=False),
             C(128, 128, 128, num_warps=8, num_stages=3), C(128, 128, 128, num_warps=8, num_stages=5),
             C(64, 128, 128, num_warps=4, num_stages=4), C(128, 64, 128, num_warps=4, num_stages=4),
             # 128 x 64 on two warpgroups: the K-grouped TMA kernel compiles without spills there
             # (its 128 x 128 default spills 60 bytes: the wgrad's column-scale vector)
-            C(128, 64, 128, num_warps=8, num_stages=4)]
+            C(128, 64, 128, num_warps=8, num_stages=4),
+            # the Gluon kernels (sm_90: the library's default there; the cooperative wgrad for bf16 dW)
+            C(128, 128, 128, num_warps=8, num_stages=4, gluon=True)]
 
 
-def sweep_shape(G, T, K, N):
-    """Blockwise fwd/dgrad/wgrad TFLOPS per candidate config (see the module docstring)."""
+def sweep_shape(G, T, K, N, rows=None):
+    """Blockwise fwd/dgrad/wgrad TFLOPS per candidate config (see the module docstring); ``rows``:
+    the indices of the configs to time (None: all)."""
     from turbo_moe.config import Float8Config
     from turbo_moe.fine_grained import triton_gemm
 
@@ -65,7 +69,9 @@ def sweep_shape(G, T, K, N):
              "| config | fwd TFLOPS | dgrad TFLOPS | wgrad TFLOPS |", "|---|---|---|---|",
              "| tensorwise (tuned) | " + " | ".join(f"{_tflops(*flops[op], tensorwise_ms[op]):.0f}"
                                                   for op in ("fwd", "dgrad", "wgrad")) + " |"]
-    for cfg in _sweep_configs():
+    for i, cfg in enumerate(_sweep_configs()):
+        if rows is not None and i not in rows:
+            continue
         cells = []
         for op in ("fwd", "dgrad", "wgrad"):
             try:
@@ -73,7 +79,8 @@ def sweep_shape(G, T, K, N):
                 cells.append(f"{_tflops(*flops[op], ms):.0f} ({tensorwise_ms[op] / ms:.2f}x)")
             except Exception as exc:  # e.g. out of shared memory for this tile shape
                 cells.append(f"fails: {type(exc).__name__}")
-        name = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}" + ("" if cfg.tma else " ptr") + ("" if cfg.tma_store else " ptr-store")
+        name = (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}" + ("" if cfg.tma else " ptr") + ("" if cfg.tma_store else " ptr-store")
+                + (" gluon" if cfg.gluon else ""))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
     return "\n".join(lines)
@@ -241,6 +248,8 @@ def main() -> int:
                         help="only these of the --shapes set, comma-separated indices (default all)")
     parser.add_argument("--no-peer", action="store_true", help="skip the torchao peer (balanced routing only)")
     parser.add_argument("--sweep", action="store_true", help="blockwise tile configs at the first shape instead")
+    parser.add_argument("--sweep-rows", default=None,
+                        help="with --sweep: the indices of the configs to time, comma-separated (default all)")
     parser.add_argument("--sweep-shapes", default="0",
                         help="with --sweep: the indices of the shapes to sweep, comma-separated (default 0)")
     args = parser.parse_args()
@@ -257,7 +266,8 @@ def main() -> int:
         peer = f"no peer: deep_gemm does not import ({type(exc).__name__}: {exc})"
     print(peer)
     if args.sweep:
-        tables = [sweep_shape(*SHAPES[args.shapes][int(i)]) for i in args.sweep_shapes.split(",")]
+        rows = None if args.sweep_rows is None else {int(r) for r in args.sweep_rows.split(",")}
+        tables = [sweep_shape(*SHAPES[args.shapes][int(i)], rows=rows) for i in args.sweep_shapes.split(",")]
     else:
         shapes = SHAPES[args.shapes]
         if args.shape_index is not None:
