@@ -65,12 +65,15 @@ def case_casts():
                 q, s = BC.block_cast_rows(src, recipe, fp8, fmax, emax)
                 q0, s0 = Q.quantize_rows(src, recipe, fp8)
                 assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0), (recipe, fp8)
-            lens = [5, 0, 140, 1, 64]
-            xt, offs = _exact_tokens(lens, recipe, fp8, gen)
-            q, s = BC.block_cast_tokens(xt, offs, recipe, fp8, fmax, emax)
-            q0, s0 = Q.quantize_tokens(xt, offs, recipe, fp8)
-            used = Q.token_slot_mask(offs, sum(lens), recipe.block)
-            assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s[:, used], s0[:, used])
+            # one program a group, then a skewed set: a long group's blocks over several programs
+            # (_token_splits gives 2 for blockwise, 4 for MXFP8's 32-token blocks there)
+            for lens in ([5, 0, 140, 1, 64], [700, 3, 0, 260, 130]):
+                xt, offs = _exact_tokens(lens, recipe, fp8, gen)
+                q, s = BC.block_cast_tokens(xt, offs, recipe, fp8, fmax, emax)
+                q0, s0 = Q.quantize_tokens(xt, offs, recipe, fp8)
+                used = Q.token_slot_mask(offs, sum(lens), recipe.block)
+                assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s[:, used], s0[:, used])
+            assert BC._token_splits(sum(lens), len(lens), recipe.block) == (4 if recipe.e8m0 else 2)
             checked.append(f"{'mx' if recipe.e8m0 else 'pow2' if recipe.pow2 else 'block'}/{fp8}".replace("torch.float8_", ""))
         if not recipe.e8m0:
             e = torch.randint(-6, 7, (3, 1, 1), generator=gen).float()
@@ -115,8 +118,28 @@ def case_casts_aligned():
         _, _, got = BC.block_cast_tokens_aligned(torch.randn(300, 24, generator=gen), bad, recipe, E4M3, fmax, 8, 0, 16,
                                                  cols_bad)
         assert torch.equal(got, Q.aligned_token_offsets(bad, 16, cols_bad)) and got.tolist() == [0, 304, 304, 352]
+        # skewed groups, the kernel's split count (up to more programs than blocks) and column
+        # tile forced: the same bits
+        lens = [700, 3, 0, 260, 130]
+        xt, offs = _exact_tokens(lens, recipe, E4M3, gen)
+        cols = Q.aligned_token_columns(sum(lens), len(lens), 16)
+        q0, s0, aligned0 = Q.quantize_tokens_aligned(xt, offs, recipe, E4M3)
+        end = int(aligned0[-1])
+        used = Q.token_slot_mask(aligned0, end, recipe.block)
+        default_splits, default_tile = BC._token_splits, BC._TOKEN_TILE
+        try:
+            for splits, tile in ((None, default_tile), (1, (64, 4)), (3, (32, 4)), (64, (128, 4))):
+                BC._TOKEN_TILE = tile
+                if splits is not None:
+                    BC._token_splits = lambda tokens, groups, block, n=splits: n
+                q, s, aligned = BC.block_cast_tokens_aligned(xt, offs, recipe, E4M3, fmax, 8, 0, 16, cols)
+                assert torch.equal(aligned, aligned0), (splits, aligned.tolist())
+                assert torch.equal(q[:, :end].view(torch.uint8), q0[:, :end].view(torch.uint8)), splits
+                assert torch.equal(s[:, :used.numel()][:, used], s0[:, :used.numel()][:, used]), splits
+        finally:
+            BC._token_splits, BC._TOKEN_TILE = default_splits, default_tile
         checked.append("mx" if recipe.e8m0 else "block")
-    return "bitwise: " + ", ".join(checked)
+    return "bitwise: " + ", ".join(checked) + " (skewed groups, 1-64 programs a group, 32-128 columns a program)"
 
 
 def _problem(kind, recipe, lens, n, k, a_fp8, gen, accumulate=False, aligned=False):

@@ -137,8 +137,11 @@ def block_cast_tokens_kernel(
     FP8_MAX: tl.constexpr, EMAX: tl.constexpr, MARGIN: tl.constexpr, MARGIN_FACTOR: tl.constexpr, E8M0: tl.constexpr, POW2: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, TOKEN_ALIGN: tl.constexpr, WRITE_OFFS: tl.constexpr,
 ):
-    """Program (c, g): columns [c*BLOCK_C, ...) of group g's tokens, BLOCK tokens at a time from
-    the group's first token. TOKEN_ALIGN 1: token t at column t of ``out_t`` ([C, cols_t]), block
+    """Program (c, g, k) of a (C / BLOCK_C, G, S) grid: columns [c*BLOCK_C, ...) of group g's
+    token blocks k, k + S, k + 2S, ... (block j: BLOCK tokens from the group's token j*BLOCK).
+    S splits a group's blocks over programs, so that one long group (a skewed router) is not one
+    program's serial loop while the rest of the GPU idles; S is the host's choice
+    (``_token_splits``), the bits do not depend on it. TOKEN_ALIGN 1: token t at column t of ``out_t`` ([C, cols_t]), block
     j's scales in slot offs[g] // BLOCK + g + j. TOKEN_ALIGN > 1: group g starts at column
     ``start = _aligned_group_start`` and runs to ``end = start + round_up(len, TOKEN_ALIGN)``, the
     columns past its tokens written as zeros, its scales in slot start // BLOCK + g + j; with
@@ -146,6 +149,8 @@ def block_cast_tokens_kernel(
     first)."""
     pid_c = tl.program_id(0)
     group = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    splits = tl.num_programs(2)
     lo = tl.load(group_offs_ptr + group)
     hi = tl.load(group_offs_ptr + group + 1)
     cols = pid_c.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -154,15 +159,15 @@ def block_cast_tokens_kernel(
         start = _aligned_group_start(group_offs_ptr, group, TOKEN_ALIGN)
         end = start + (tl.maximum(hi - lo, 0) + TOKEN_ALIGN - 1) // TOKEN_ALIGN * TOKEN_ALIGN
         if WRITE_OFFS:
-            if pid_c == 0:  # within the columns whatever the offsets (the layer's are checked and clamped)
+            if (pid_c == 0) & (pid_k == 0):  # within the columns whatever the offsets (the layer's are checked and clamped)
                 tl.store(aligned_offs_ptr + group + 1, tl.minimum(end, cols_t))
                 if group == 0:
                     tl.store(aligned_offs_ptr, start)
     else:
         start = lo
         end = hi
-    slot = start // BLOCK + group
-    for t0 in range(lo, hi, BLOCK):
+    slot = start // BLOCK + group + pid_k
+    for t0 in range(lo + pid_k * BLOCK, hi, BLOCK * splits):
         tokens = t0 + tl.arange(0, BLOCK)
         mask = (tokens[:, None] < hi) & col_ok[None, :]
         x = tl.load(x_ptr + tokens[:, None] * stride_xm + cols[None, :] * stride_xc, mask=mask, other=0.0)
@@ -171,7 +176,8 @@ def block_cast_tokens_kernel(
         # in bounds whatever the offsets, as the offsets written above
         slot_ok = (cols * 0 + slot) < slots
         tl.store(scale_ptr + slot * stride_ss + cols * stride_sc, stored, mask=col_ok & slot_ok)
-        # the cast reads the block again, transposed (fp8_cast's module docstring)
+        # the cast reads the block again, transposed (fp8_cast's module docstring; here casting the
+        # first load through transposed store addresses measured 1-4% slower, H100)
         mask_t = col_ok[:, None] & (tokens[None, :] < hi)
         x_t = tl.load(x_ptr + tokens[None, :] * stride_xm + cols[:, None] * stride_xc, mask=mask_t, other=0.0)
         q_t = _cast(x_t.to(tl.float32), quant[:, None], FP8_MAX, out_t_ptr.dtype.element_ty)
@@ -179,7 +185,7 @@ def block_cast_tokens_kernel(
         dest = start + (tokens - lo)
         keep = col_ok[:, None] & (dest[None, :] < end) & (dest[None, :] < cols_t)
         tl.store(out_t_ptr + cols[:, None] * cols_t + dest[None, :], q_t, mask=keep)
-        slot += 1
+        slot += splits
 
 
 def _check_fp8_max(fp8_max: float, emax: int) -> None:
@@ -249,6 +255,22 @@ def block_cast_tokens_aligned(x, group_offs, recipe, fp8_dtype, fp8_max: float, 
     return _cast_tokens(x, group_offs, recipe, fp8_dtype, fp8_max, emax, margin, token_align, columns, aligned_offs)
 
 
+# block_cast_tokens_kernel's (BLOCK_C, num_warps): scripts/probe_token_cast.py on an H100 (64 x 1536
+# tokens, C 1024 / 4096; 32 x 512, C 7168; balanced) 0.175 / 0.66 / 0.22 ms at (32, 4) and about
+# the same at (128, 4), against 0.27 / 1.03 / 0.32 at (64, 4) and 0.37 / 1.45 / 0.45 at (64, 8).
+_TOKEN_TILE = (32, 4)
+
+
+def _token_splits(tokens: int, groups: int, block: int) -> int:
+    """Programs per (column block, group) of ``block_cast_tokens_kernel``: the balanced share of
+    ``block``-token blocks a group would have, a power of two, at most 4. Under skew a long group's
+    blocks spread over that many programs (the short groups' extra programs find no block and
+    exit): H100, Zipf routing, 64 x 1536 tokens, C 1024: 0.63 ms with one program a group, 0.35
+    with 4; balanced routing loses 0-12% to the extra programs (scripts/probe_token_cast.py)."""
+    share = _cdiv(tokens, block * groups)
+    return min(4, 1 << (share - 1).bit_length())
+
+
 def _cast_tokens(x, group_offs, recipe, fp8_dtype, fp8_max, emax, margin, token_align, cols_t, aligned_offs):
     import torch
 
@@ -265,17 +287,18 @@ def _cast_tokens(x, group_offs, recipe, fp8_dtype, fp8_max, emax, margin, token_
             raise ValueError("x has no columns to cast: pass aligned_offs (the kernel writes them as it casts)")
         aligned_offs = torch.empty_like(group_offs) if launch else torch.zeros_like(group_offs)  # no tokens: 0s
     if launch:
-        block_c = 64
+        block_c, warps = _TOKEN_TILE
+        splits = _token_splits(m, groups, recipe.block)
         strides = x.stride()
-        key = (x.dtype, m, c, strides, group_offs.dtype, groups, fp8_dtype, recipe, margin, token_align, write_offs,
+        key = (x.dtype, m, c, strides, group_offs.dtype, groups, fp8_dtype, recipe, margin, token_align, write_offs, block_c, warps,
                x.data_ptr() % 16 == 0, group_offs.data_ptr() % 16 == 0, out_t.data_ptr() % 16 == 0,
                storage.data_ptr() % 16 == 0, aligned_offs is not None and aligned_offs.data_ptr() % 16 == 0)
         _lean["block_cast_tokens_kernel"].launch_keyed(
-            (_cdiv(c, block_c), groups), key,
+            (_cdiv(c, block_c), groups, splits), key,
             x, group_offs, out_t, storage, aligned_offs if write_offs else group_offs, m, c, strides[0], strides[1],
             storage.stride(0), storage.stride(1), cols_t, slots,
             FP8_MAX=fp8_max, EMAX=emax, MARGIN=margin, MARGIN_FACTOR=2.0 ** -margin, E8M0=recipe.e8m0, POW2=recipe.pow2,
-            BLOCK=recipe.block, BLOCK_C=block_c, TOKEN_ALIGN=token_align, WRITE_OFFS=write_offs, num_warps=4,
+            BLOCK=recipe.block, BLOCK_C=block_c, TOKEN_ALIGN=token_align, WRITE_OFFS=write_offs, num_warps=warps,
         )
     return out_t, storage.T, aligned_offs
 

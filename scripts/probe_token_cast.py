@@ -1,0 +1,99 @@
+"""Time the blockwise wgrad-operand cast (``block_cast_tokens_kernel``, the aligned token layout the
+autograd writes on a GPU) under its variants, beside the rows cast of the same tensor.
+
+The training step's profile (``docs/results/h100_fine_grained.md``, 2026-11-27) had this cast at
+about a third of the bandwidth the rows cast reaches. Variants, in one process on the same data:
+
+* ``1 program a group, BLOCK_C 64``: the kernel as it was before 2026-11-27: a (C / 64, G) grid
+  of 4-warp programs, each walking its group's token blocks serially, so a long group is one
+  program's loop;
+* ``the library's default``: ``_TOKEN_TILE`` columns a program, a (C / BLOCK_C, G, S) grid,
+  S = ``_token_splits``;
+* with ``--tiles`` / ``--splits``: other column tiles, warps and split counts.
+
+Every variant's FP8 values, scales and offsets are checked equal to the first's (the bits must
+not depend on the variant). Times: ``triton.testing.do_bench`` medians; GB/s counts the bf16 read
+once and the FP8 write.
+
+Usage: ``python scripts/probe_token_cast.py [--routings balanced,zipf] [--shapes all|N,...] [--tiles 32x4,128x4]
+[--splits 1,2,4|default]``
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+# (experts, tokens per expert, columns): the expert-dominated training config's four wgrad
+# operands per micro-batch (64 experts top-8 of 12288 tokens; hidden 1024, FFN 2048, SwiGLU), and
+# DeepSeek-V3 fc1's x at 32 x 512.
+SHAPES = [(64, 1536, 1024), (64, 1536, 2048), (64, 1536, 4096), (32, 512, 7168)]
+
+
+def main() -> int:
+    import triton.testing
+
+    from turbo_moe.bench.shapes import make_group_sizes
+    from turbo_moe.fine_grained import quantize as Q
+    from turbo_moe.kernels.triton import blockwise_cast as BC
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--routings", default="balanced,zipf")
+    parser.add_argument("--shapes", default="all")
+    parser.add_argument("--tiles", default="", help="extra variants: BLOCK_CxWARPS,... each with every --splits")
+    parser.add_argument("--splits", default="1", help="with --tiles: split counts, or 'default'")
+    args = parser.parse_args()
+    shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    e4m3 = torch.float8_e4m3fn
+    fmax = torch.finfo(e4m3).max
+    recipe = Q.BLOCKWISE
+    default_splits = BC._token_splits
+    default_tile = BC._TOKEN_TILE
+    # (name, splits rule, (BLOCK_C, num_warps))
+    variants = [("1 program a group, BLOCK_C 64", lambda tokens, groups, block: 1, (64, 4)),
+                ("the library's default", default_splits, default_tile)]
+    for tile in (tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",") if t):
+        for s in args.splits.split(","):
+            rule = default_splits if s == "default" else (lambda tokens, groups, block, n=int(s): n)
+            variants.append((f"BLOCK_C {tile[0]}, {tile[1]} warps, S {s}", rule, tile))
+    print(f"device: {torch.cuda.get_device_name()}")
+    print("| experts x tokens, C | routing | variant | S | ms | GB/s | bits vs first | rows cast ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for G, T, C in shapes:
+        for routing in args.routings.split(","):
+            lens = make_group_sizes(G, T, routing, seed=0, align=1)
+            M = sum(lens)
+            offs = torch.tensor([0] + lens, device="cuda").cumsum(0)
+            x = torch.randn(M, C, device="cuda", dtype=torch.bfloat16)
+            cols = Q.aligned_token_columns(M, G, 16)
+            rows_ms = triton.testing.do_bench(lambda: BC.block_cast_rows(x, recipe, e4m3, fmax, 8), warmup=10, rep=100)
+            first = None
+            for name, splits_fn, tile in variants:
+                BC._token_splits, BC._TOKEN_TILE = splits_fn, tile
+                try:
+                    def run():
+                        return BC.block_cast_tokens_aligned(x, offs, recipe, e4m3, fmax, 8, 0, 16, cols)
+
+                    q, s, aligned = run()
+                    torch.cuda.synchronize()
+                    end = int(aligned[-1])
+                    got = (q[:, :end].view(torch.uint8).clone(), s.clone(), aligned.clone())
+                    ms = triton.testing.do_bench(run, warmup=10, rep=100)
+                finally:
+                    BC._token_splits, BC._TOKEN_TILE = default_splits, default_tile
+                if first is None:
+                    first, same = got, "-"
+                else:
+                    used = Q.token_slot_mask(got[2], end, recipe.block)
+                    same = "equal" if (torch.equal(got[0], first[0]) and torch.equal(got[2], first[2])
+                                       and torch.equal(got[1][:, :used.numel()][:, used],
+                                                       first[1][:, :used.numel()][:, used])) else "DIFFER"
+                gbs = (2 * M * C + C * cols) / ms / 1e6
+                print(f"| {G}x{T}, {C} | {routing} | {name} | {splits_fn(M, G, recipe.block)} | {ms:.4f} | {gbs:.0f} "
+                      f"| {same} | {rows_ms:.4f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
