@@ -67,6 +67,21 @@ def test_casts_bitwise_equal_torch_reference_on_random_data(name, fp8):
     assert torch.equal(_cpu(q)[:, :end].view(torch.uint8), q0[:, :end].view(torch.uint8))
     used = Q.token_slot_mask(aligned0, end, recipe.block)
     assert torch.equal(_cpu(s)[:, :used.numel()][:, used], s0[:, :used.numel()][:, used])
+    # a skewed set: the hot group's blocks spread over several programs of the token cast
+    # (blockwise_cast._token_splits: 4 here), both layouts
+    xs = torch.randn(1500, 200, generator=gen) * 10 ** (4 * torch.rand(1500, 1, generator=gen))
+    offs = torch.tensor([0, 1300, 1301, 1301, 1500])
+    q, s = Q.quantize_tokens(xs.cuda(), offs.cuda(), recipe, fp8)
+    q0, s0 = Q.quantize_tokens(xs, offs, recipe, fp8)
+    used = Q.token_slot_mask(offs, 1500, recipe.block)
+    assert torch.equal(_cpu(q).view(torch.uint8), q0.view(torch.uint8)) and torch.equal(_cpu(s)[:, used], s0[:, used])
+    q, s, aligned = Q.quantize_tokens_aligned(xs.cuda(), offs.cuda(), recipe, fp8)
+    q0, s0, aligned0 = Q.quantize_tokens_aligned(xs, offs, recipe, fp8)
+    end = int(aligned0[-1])
+    assert torch.equal(_cpu(aligned), aligned0)
+    assert torch.equal(_cpu(q)[:, :end].view(torch.uint8), q0[:, :end].view(torch.uint8))
+    used = Q.token_slot_mask(aligned0, end, recipe.block)
+    assert torch.equal(_cpu(s)[:, :used.numel()][:, used], s0[:, :used.numel()][:, used])
     if not recipe.e8m0 and fp8 == E4M3:
         w = torch.randn(3, 300, 260, generator=gen)
         got = Q.quantize_weight_blocks(w.cuda(), recipe, fp8)
