@@ -54,9 +54,9 @@ def main() -> int:
     variants = [("1 program a group, BLOCK_C 64", lambda tokens, groups, block: 1, (64, 4)),
                 ("the library's default", default_splits, default_tile)]
     for tile in (tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",") if t):
-        for s in args.splits.split(","):
-            rule = default_splits if s == "default" else (lambda tokens, groups, block, n=int(s): n)
-            variants.append((f"BLOCK_C {tile[0]}, {tile[1]} warps, S {s}", rule, tile))
+        for split in args.splits.split(","):
+            rule = default_splits if split == "default" else (lambda tokens, groups, block, n=int(split): n)
+            variants.append((f"BLOCK_C {tile[0]}, {tile[1]} warps, S {split}", rule, tile))
     print(f"device: {torch.cuda.get_device_name()}")
     print("| experts x tokens, C | routing | variant | S | ms | GB/s | bits vs first | rows cast ms |")
     print("|---|---|---|---|---|---|---|---|")

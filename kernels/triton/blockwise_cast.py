@@ -141,12 +141,14 @@ def block_cast_tokens_kernel(
     token blocks k, k + S, k + 2S, ... (block j: BLOCK tokens from the group's token j*BLOCK).
     S splits a group's blocks over programs, so that one long group (a skewed router) is not one
     program's serial loop while the rest of the GPU idles; S is the host's choice
-    (``_token_splits``), the bits do not depend on it. TOKEN_ALIGN 1: token t at column t of ``out_t`` ([C, cols_t]), block
-    j's scales in slot offs[g] // BLOCK + g + j. TOKEN_ALIGN > 1: group g starts at column
-    ``start = _aligned_group_start`` and runs to ``end = start + round_up(len, TOKEN_ALIGN)``, the
-    columns past its tokens written as zeros, its scales in slot start // BLOCK + g + j; with
-    WRITE_OFFS the programs of column block 0 store ``aligned_offs[g + 1] = min(end, cols_t)`` (and 0
-    first)."""
+    (``_token_splits``), the bits do not depend on it.
+
+    TOKEN_ALIGN 1: token t at column t of ``out_t`` ([C, cols_t]), block j's scales in slot
+    offs[g] // BLOCK + g + j. TOKEN_ALIGN > 1: group g starts at column ``start =
+    _aligned_group_start`` and runs to ``end = start + round_up(len, TOKEN_ALIGN)``, the columns
+    past its tokens written as zeros, its scales in slot start // BLOCK + g + j; with WRITE_OFFS
+    program (0, g, 0) stores ``aligned_offs[g + 1] = min(end, cols_t)`` (and program (0, 0, 0) the
+    0 first)."""
     pid_c = tl.program_id(0)
     group = tl.program_id(1)
     pid_k = tl.program_id(2)
