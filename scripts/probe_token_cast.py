@@ -1,8 +1,9 @@
 """Time the blockwise wgrad-operand cast (``block_cast_tokens_kernel``, the aligned token layout the
 autograd writes on a GPU) under its variants, beside the rows cast of the same tensor.
 
-The training step's profile (``docs/results/h100_fine_grained.md``, 2026-11-27) had this cast at
-about a third of the bandwidth the rows cast reaches. Variants, in one process on the same data:
+The training step's profile (``docs/results/h100_fine_grained.md``, 2026-11-27) had this cast
+taking 2.6 times as long as the rows cast of the same tensors. Variants, in one process on the
+same data:
 
 * ``1 program a group, BLOCK_C 64``: the kernel as it was before 2026-11-27: a (C / 64, G) grid
   of 4-warp programs, each walking its group's token blocks serially, so a long group is one
