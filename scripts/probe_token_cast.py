@@ -10,6 +10,8 @@ same data:
   program's loop;
 * ``the library's default``: ``_TOKEN_TILE`` columns a program, a (C / BLOCK_C, G, S) grid,
   S = ``_token_splits``;
+* ``split grid`` / ``one block a program``: the (C / BLOCK_C, G, S) grid, and the (slots, C /
+  BLOCK_C) grid whose programs find their group from the offsets (``_TOKEN_FLAT``);
 * with ``--tiles`` / ``--splits``: other column tiles, warps and split counts.
 
 Every variant's FP8 values, scales and offsets are checked equal to the first's (the bits must
@@ -40,7 +42,7 @@ def main() -> int:
     from turbo_moe.kernels.triton import blockwise_cast as BC
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--routings", default="balanced,zipf")
+    parser.add_argument("--routings", default="balanced,zipf,skewed")
     parser.add_argument("--shapes", default="all")
     parser.add_argument("--tiles", default="", help="extra variants: BLOCK_CxWARPS,... each with every --splits")
     parser.add_argument("--splits", default="1", help="with --tiles: split counts, or 'default'")
@@ -50,14 +52,16 @@ def main() -> int:
     fmax = torch.finfo(e4m3).max
     recipe = Q.BLOCKWISE
     default_splits = BC._token_splits
-    default_tile = BC._TOKEN_TILE
+    default_tile, default_flat = BC._TOKEN_TILE, BC._TOKEN_FLAT
     # (name, splits rule, (BLOCK_C, num_warps))
-    variants = [("1 program a group, BLOCK_C 64", lambda tokens, groups, block: 1, (64, 4)),
-                ("the library's default", default_splits, default_tile)]
+    variants = [("1 program a group, BLOCK_C 64", lambda tokens, groups, block: 1, (64, 4), False),
+                ("the library's default", default_splits, default_tile, BC._TOKEN_FLAT),
+                ("split grid", default_splits, default_tile, False),
+                ("one block a program", default_splits, default_tile, True)]
     for tile in (tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",") if t):
         for split in args.splits.split(","):
             rule = default_splits if split == "default" else (lambda tokens, groups, block, n=int(split): n)
-            variants.append((f"BLOCK_C {tile[0]}, {tile[1]} warps, S {split}", rule, tile))
+            variants.append((f"BLOCK_C {tile[0]}, {tile[1]} warps, S {split}", rule, tile, False))
     print(f"device: {torch.cuda.get_device_name()}")
     print("| experts x tokens, C | routing | variant | S | ms | GB/s | bits vs first | rows cast ms |")
     print("|---|---|---|---|---|---|---|---|")
@@ -70,8 +74,8 @@ def main() -> int:
             cols = Q.aligned_token_columns(M, G, 16)
             rows_ms = triton.testing.do_bench(lambda: BC.block_cast_rows(x, recipe, e4m3, fmax, 8), warmup=10, rep=100)
             first = None
-            for name, splits_fn, tile in variants:
-                BC._token_splits, BC._TOKEN_TILE = splits_fn, tile
+            for name, splits_fn, tile, flat in variants:
+                BC._token_splits, BC._TOKEN_TILE, BC._TOKEN_FLAT = splits_fn, tile, flat
                 try:
                     def run():
                         return BC.block_cast_tokens_aligned(x, offs, recipe, e4m3, fmax, 8, 0, 16, cols)
@@ -82,7 +86,7 @@ def main() -> int:
                     got = (q[:, :end].view(torch.uint8).clone(), s.clone(), aligned.clone())
                     ms = triton.testing.do_bench(run, warmup=10, rep=100)
                 finally:
-                    BC._token_splits, BC._TOKEN_TILE = default_splits, default_tile
+                    BC._token_splits, BC._TOKEN_TILE, BC._TOKEN_FLAT = default_splits, default_tile, default_flat
                 if first is None:
                     first, same = got, "-"
                 else:

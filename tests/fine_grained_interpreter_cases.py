@@ -69,10 +69,15 @@ def case_casts():
             # (_token_splits gives 2 for blockwise, 4 for MXFP8's 32-token blocks there)
             for lens in ([5, 0, 140, 1, 64], [700, 3, 0, 260, 130]):
                 xt, offs = _exact_tokens(lens, recipe, fp8, gen)
-                q, s = BC.block_cast_tokens(xt, offs, recipe, fp8, fmax, emax)
                 q0, s0 = Q.quantize_tokens(xt, offs, recipe, fp8)
                 used = Q.token_slot_mask(offs, sum(lens), recipe.block)
-                assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s[:, used], s0[:, used])
+                for flat in (False, True):  # the grid of a group's blocks, or of one block a program
+                    BC._TOKEN_FLAT = flat
+                    try:
+                        q, s = BC.block_cast_tokens(xt, offs, recipe, fp8, fmax, emax)
+                    finally:
+                        BC._TOKEN_FLAT = False
+                    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s[:, used], s0[:, used]), flat
             assert BC._token_splits(sum(lens), len(lens), recipe.block) == (4 if recipe.e8m0 else 2)
             checked.append(f"{'mx' if recipe.e8m0 else 'pow2' if recipe.pow2 else 'block'}/{fp8}".replace("torch.float8_", ""))
         if not recipe.e8m0:
@@ -115,9 +120,14 @@ def case_casts_aligned():
         # decreasing offsets (never the layer's: checked and clamped) still give offsets within the columns
         bad = torch.tensor([0, 300, 0, 300])
         cols_bad = Q.aligned_token_columns(300, 3, 16)
-        _, _, got = BC.block_cast_tokens_aligned(torch.randn(300, 24, generator=gen), bad, recipe, E4M3, fmax, 8, 0, 16,
-                                                 cols_bad)
-        assert torch.equal(got, Q.aligned_token_offsets(bad, 16, cols_bad)) and got.tolist() == [0, 304, 304, 352]
+        for flat in (False, True):
+            BC._TOKEN_FLAT = flat
+            try:
+                _, _, got = BC.block_cast_tokens_aligned(torch.randn(300, 24, generator=gen), bad, recipe, E4M3, fmax, 8, 0,
+                                                         16, cols_bad)
+            finally:
+                BC._TOKEN_FLAT = False
+            assert torch.equal(got, Q.aligned_token_offsets(bad, 16, cols_bad)) and got.tolist() == [0, 304, 304, 352], flat
         # skewed groups, the kernel's split count (up to more programs than blocks) and column
         # tile forced: the same bits
         lens = [700, 3, 0, 260, 130]
@@ -128,8 +138,9 @@ def case_casts_aligned():
         used = Q.token_slot_mask(aligned0, end, recipe.block)
         default_splits, default_tile = BC._token_splits, BC._TOKEN_TILE
         try:
-            for splits, tile in ((None, default_tile), (1, (64, 4)), (3, (32, 4)), (64, (128, 4))):
-                BC._TOKEN_TILE = tile
+            for splits, tile, flat in ((None, default_tile, False), (1, (64, 4), False), (3, (32, 4), False),
+                                       (64, (128, 4), False), (None, default_tile, True), (None, (64, 4), True)):
+                BC._TOKEN_TILE, BC._TOKEN_FLAT = tile, flat
                 if splits is not None:
                     BC._token_splits = lambda tokens, groups, block, n=splits: n
                 q, s, aligned = BC.block_cast_tokens_aligned(xt, offs, recipe, E4M3, fmax, 8, 0, 16, cols)
@@ -137,7 +148,7 @@ def case_casts_aligned():
                 assert torch.equal(q[:, :end].view(torch.uint8), q0[:, :end].view(torch.uint8)), splits
                 assert torch.equal(s[:, :used.numel()][:, used], s0[:, :used.numel()][:, used]), splits
         finally:
-            BC._token_splits, BC._TOKEN_TILE = default_splits, default_tile
+            BC._token_splits, BC._TOKEN_TILE, BC._TOKEN_FLAT = default_splits, default_tile, False
         checked.append("mx" if recipe.e8m0 else "block")
     return "bitwise: " + ", ".join(checked) + " (skewed groups, 1-64 programs a group, 32-128 columns a program)"
 

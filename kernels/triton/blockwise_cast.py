@@ -131,45 +131,101 @@ def _aligned_group_start(group_offs_ptr, group, TOKEN_ALIGN: tl.constexpr):
 
 
 @triton.jit
+def _slot_group(group_offs_ptr, G, slot, BLOCK: tl.constexpr, TOKEN_ALIGN: tl.constexpr):
+    """The group whose scale slots hold ``slot``: group g's slots begin at ``start_g // BLOCK + g``
+    (strictly increasing in g for valid offsets), so it is the number of groups whose begin is <=
+    slot, less one (-1 at most for invalid offsets). One pass over the offsets, as vectors of 128."""
+    count = 0
+    carry = 0
+    for h0 in range(0, G, 128):
+        h = h0 + tl.arange(0, 128)
+        here = h < G
+        lo_h = tl.load(group_offs_ptr + h, mask=here, other=0).to(tl.int64)
+        if TOKEN_ALIGN > 1:
+            hi_h = tl.load(group_offs_ptr + h + 1, mask=here, other=0).to(tl.int64)
+            padded = (tl.maximum(hi_h - lo_h, 0) + TOKEN_ALIGN - 1) // TOKEN_ALIGN * TOKEN_ALIGN
+            start_h = carry + tl.cumsum(padded, 0) - padded
+            carry += tl.sum(padded, 0)
+        else:
+            start_h = lo_h
+        count += tl.sum((here & (start_h // BLOCK + h <= slot)).to(tl.int32), 0)
+    return count - 1
+
+
+@triton.jit
 def block_cast_tokens_kernel(
     x_ptr, group_offs_ptr, out_t_ptr, scale_ptr, aligned_offs_ptr,
-    M, C, stride_xm, stride_xc, stride_ss, stride_sc, cols_t, slots,
+    M, C, G, stride_xm, stride_xc, stride_ss, stride_sc, cols_t, slots,
     FP8_MAX: tl.constexpr, EMAX: tl.constexpr, MARGIN: tl.constexpr, MARGIN_FACTOR: tl.constexpr, E8M0: tl.constexpr, POW2: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, TOKEN_ALIGN: tl.constexpr, WRITE_OFFS: tl.constexpr,
+    FLAT: tl.constexpr = False,
 ):
     """Program (c, g, k) of a (C / BLOCK_C, G, S) grid: columns [c*BLOCK_C, ...) of group g's
     token blocks k, k + S, k + 2S, ... (block j: BLOCK tokens from the group's token j*BLOCK).
     S splits a group's blocks over programs, so that one long group (a skewed router) is not one
     program's serial loop while the rest of the GPU idles; S is the host's choice
-    (``_token_splits``), the bits do not depend on it.
+    (``_token_splits``), the bits do not depend on it. FLAT: a (slots, C / BLOCK_C) grid instead,
+    program (s, c) casting the one block whose scales go in slot s (``_slot_group``).
 
     TOKEN_ALIGN 1: token t at column t of ``out_t`` ([C, cols_t]), block j's scales in slot
     offs[g] // BLOCK + g + j. TOKEN_ALIGN > 1: group g starts at column ``start =
     _aligned_group_start`` and runs to ``end = start + round_up(len, TOKEN_ALIGN)``, the columns
     past its tokens written as zeros, its scales in slot start // BLOCK + g + j; with WRITE_OFFS
-    program (0, g, 0) stores ``aligned_offs[g + 1] = min(end, cols_t)`` (and program (0, 0, 0) the
-    0 first)."""
-    pid_c = tl.program_id(0)
-    group = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    splits = tl.num_programs(2)
-    lo = tl.load(group_offs_ptr + group)
-    hi = tl.load(group_offs_ptr + group + 1)
+    program (0, g, 0) (FLAT: (g, 0)) stores ``aligned_offs[g + 1] = min(end, cols_t)`` (and group
+    0's the 0 first)."""
+    if FLAT:
+        # a (slots, C / BLOCK_C) grid: program (s, c) casts the one block whose scales go in slot s
+        # (none where s is a group's unused last slot), so every program has one block's work
+        slot = tl.program_id(0).to(tl.int64)
+        pid_c = tl.program_id(1)
+        if WRITE_OFFS:
+            # group s's aligned offsets, by program (s, 0) (slots >= G): every group's, whatever the
+            # offsets, as the grid of groups writes them
+            if (pid_c == 0) & (slot < G):
+                g_lo = tl.load(group_offs_ptr + slot)
+                g_hi = tl.load(group_offs_ptr + slot + 1)
+                g_start = _aligned_group_start(group_offs_ptr, slot, TOKEN_ALIGN)
+                g_end = g_start + (tl.maximum(g_hi - g_lo, 0) + TOKEN_ALIGN - 1) // TOKEN_ALIGN * TOKEN_ALIGN
+                tl.store(aligned_offs_ptr + slot + 1, tl.minimum(g_end, cols_t))
+                if slot == 0:
+                    tl.store(aligned_offs_ptr, g_start)
+        group = tl.maximum(_slot_group(group_offs_ptr, G, slot, BLOCK, TOKEN_ALIGN), 0)
+        lo = tl.load(group_offs_ptr + group)
+        hi = tl.load(group_offs_ptr + group + 1)
+        if TOKEN_ALIGN > 1:
+            start = _aligned_group_start(group_offs_ptr, group, TOKEN_ALIGN)
+        else:
+            start = lo
+        pid_k = slot - (start // BLOCK + group)
+        first = lo + tl.maximum(pid_k, 0) * BLOCK
+        stop = tl.where(pid_k >= 0, tl.minimum(hi, first + BLOCK), first)  # invalid offsets: no block
+        step = BLOCK
+    else:
+        pid_c = tl.program_id(0)
+        group = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        lo = tl.load(group_offs_ptr + group)
+        hi = tl.load(group_offs_ptr + group + 1)
+        if TOKEN_ALIGN > 1:
+            start = _aligned_group_start(group_offs_ptr, group, TOKEN_ALIGN)
+        else:
+            start = lo
+        slot = start // BLOCK + group + pid_k
+        first = lo + pid_k * BLOCK
+        stop = hi
+        step = BLOCK * tl.num_programs(2)
     cols = pid_c.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < C
     if TOKEN_ALIGN > 1:
-        start = _aligned_group_start(group_offs_ptr, group, TOKEN_ALIGN)
         end = start + (tl.maximum(hi - lo, 0) + TOKEN_ALIGN - 1) // TOKEN_ALIGN * TOKEN_ALIGN
-        if WRITE_OFFS:
+        if WRITE_OFFS and not FLAT:
             if (pid_c == 0) & (pid_k == 0):  # within the columns whatever the offsets (the layer's are checked and clamped)
                 tl.store(aligned_offs_ptr + group + 1, tl.minimum(end, cols_t))
                 if group == 0:
                     tl.store(aligned_offs_ptr, start)
     else:
-        start = lo
         end = hi
-    slot = start // BLOCK + group + pid_k
-    for t0 in range(lo + pid_k * BLOCK, hi, BLOCK * splits):
+    for t0 in range(first, stop, step):
         tokens = t0 + tl.arange(0, BLOCK)
         mask = (tokens[:, None] < hi) & col_ok[None, :]
         x = tl.load(x_ptr + tokens[:, None] * stride_xm + cols[None, :] * stride_xc, mask=mask, other=0.0)
@@ -187,7 +243,7 @@ def block_cast_tokens_kernel(
         dest = start + (tokens - lo)
         keep = col_ok[:, None] & (dest[None, :] < end) & (dest[None, :] < cols_t)
         tl.store(out_t_ptr + cols[:, None] * cols_t + dest[None, :], q_t, mask=keep)
-        slot += splits
+        slot += step // BLOCK
 
 
 def _check_fp8_max(fp8_max: float, emax: int) -> None:
@@ -261,6 +317,7 @@ def block_cast_tokens_aligned(x, group_offs, recipe, fp8_dtype, fp8_max: float, 
 # tokens, C 1024 / 4096; 32 x 512, C 7168; balanced) 0.175 / 0.66 / 0.22 ms at (32, 4) and about
 # the same at (128, 4), against 0.27 / 1.03 / 0.32 at (64, 4) and 0.37 / 1.45 / 0.45 at (64, 8).
 _TOKEN_TILE = (32, 4)
+_TOKEN_FLAT = False  # a (slots, C / BLOCK_C) grid of one block a program (_slot_group) instead
 
 
 def _token_splits(tokens: int, groups: int, block: int) -> int:
@@ -292,15 +349,16 @@ def _cast_tokens(x, group_offs, recipe, fp8_dtype, fp8_max, emax, margin, token_
         block_c, warps = _TOKEN_TILE
         splits = _token_splits(m, groups, recipe.block)
         strides = x.stride()
-        key = (x.dtype, m, c, strides, group_offs.dtype, groups, fp8_dtype, recipe, margin, token_align, write_offs, block_c, warps,
+        key = (x.dtype, m, c, strides, group_offs.dtype, groups, fp8_dtype, recipe, margin, token_align, write_offs, block_c, warps, _TOKEN_FLAT,
                x.data_ptr() % 16 == 0, group_offs.data_ptr() % 16 == 0, out_t.data_ptr() % 16 == 0,
                storage.data_ptr() % 16 == 0, aligned_offs is not None and aligned_offs.data_ptr() % 16 == 0)
+        grid = (slots, _cdiv(c, block_c), 1) if _TOKEN_FLAT else (_cdiv(c, block_c), groups, splits)
         _lean["block_cast_tokens_kernel"].launch_keyed(
-            (_cdiv(c, block_c), groups, splits), key,
-            x, group_offs, out_t, storage, aligned_offs if write_offs else group_offs, m, c, strides[0], strides[1],
+            grid, key,
+            x, group_offs, out_t, storage, aligned_offs if write_offs else group_offs, m, c, groups, strides[0], strides[1],
             storage.stride(0), storage.stride(1), cols_t, slots,
             FP8_MAX=fp8_max, EMAX=emax, MARGIN=margin, MARGIN_FACTOR=2.0 ** -margin, E8M0=recipe.e8m0, POW2=recipe.pow2,
-            BLOCK=recipe.block, BLOCK_C=block_c, TOKEN_ALIGN=token_align, WRITE_OFFS=write_offs, num_warps=warps,
+            BLOCK=recipe.block, BLOCK_C=block_c, TOKEN_ALIGN=token_align, WRITE_OFFS=write_offs, FLAT=_TOKEN_FLAT, num_warps=warps,
         )
     return out_t, storage.T, aligned_offs
 
