@@ -367,7 +367,7 @@ def test_rocm_block_scaled_defaults(monkeypatch):
             assert config is triton_gemm._HIP_DEFAULTS[(block, e8m0, kind)] and not config.tma
 
 
-def test_wgrad_aligned_token_cast_compiles_for_gfx950():
+def test_wgrad_aligned_token_cast_compiles_for_gfx950(monkeypatch):
     """The fine-grained wgrad's token cast into the aligned layout (``quantize_tokens_aligned``:
     each group's first column a prefix sum over the groups before it, read in the kernel; the
     offsets written once, then reused), blockwise and MXFP8, e4m3 and e5m2: no scratch, FP8 stores
@@ -376,18 +376,22 @@ def test_wgrad_aligned_token_cast_compiles_for_gfx950():
     from turbo_moe.kernels.triton import blockwise_cast as BC
 
     def key_of(fn, args, kwargs):
-        return fn.__name__, kwargs["E8M0"], str(args[2].dtype), kwargs["TOKEN_ALIGN"], kwargs["WRITE_OFFS"]
+        return fn.__name__, kwargs["E8M0"], str(args[2].dtype), kwargs["TOKEN_ALIGN"], kwargs["WRITE_OFFS"], kwargs["FLAT"]
 
     offs = torch.tensor([0, 5, 5, 300, 333])
     x = torch.empty(333, 256, dtype=torch.bfloat16)
     cols = Q.aligned_token_columns(333, 4, 16)
     with _first_launches(key_of) as recorded:
-        for recipe in (Q.BLOCKWISE, Q.MXFP8):
-            for fp8, emax in ((torch.float8_e4m3fn, 8), (torch.float8_e5m2, 15)):
-                fp8_max = torch.finfo(fp8).max
-                _, _, aligned = BC.block_cast_tokens_aligned(x, offs, recipe, fp8, fp8_max, emax, 0, 16, cols)
-                BC.block_cast_tokens_aligned(x, offs, recipe, fp8, fp8_max, emax, 0, 16, cols, aligned)
-    assert len(recorded) == 8 and {key[3] for key in recorded} == {16}, sorted(recorded)
+        # both grids: the frontend's type checks (a loop-carried variable changing type) run only
+        # in a compile, never in the interpreter
+        for flat in (False, True):
+            monkeypatch.setattr(BC, "_TOKEN_FLAT", flat)
+            for recipe in (Q.BLOCKWISE, Q.MXFP8):
+                for fp8, emax in ((torch.float8_e4m3fn, 8), (torch.float8_e5m2, 15)):
+                    fp8_max = torch.finfo(fp8).max
+                    _, _, aligned = BC.block_cast_tokens_aligned(x, offs, recipe, fp8, fp8_max, emax, 0, 16, cols)
+                    BC.block_cast_tokens_aligned(x, offs, recipe, fp8, fp8_max, emax, 0, 16, cols, aligned)
+    assert len(recorded) == 16 and {key[3] for key in recorded} == {16}, sorted(recorded)
     for key, (fn, args, kwargs) in recorded.items():
         isa, _, _ = _gfx950_isa(fn, args, kwargs, str(key))
         conversion = r"v_cvt_\w*pk_fp8_f32" if key[2] == "torch.float8_e4m3fn" else r"v_cvt_\w*pk_bf8_f32"

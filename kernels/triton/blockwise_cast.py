@@ -136,7 +136,7 @@ def _slot_group(group_offs_ptr, G, slot, BLOCK: tl.constexpr, TOKEN_ALIGN: tl.co
     (strictly increasing in g for valid offsets), so it is the number of groups whose begin is <=
     slot, less one (-1 at most for invalid offsets). One pass over the offsets, as vectors of 128."""
     count = 0
-    carry = 0
+    carry = tl.full((), 0, tl.int64)  # int64 from the start: the loop adds int64 sums to it
     for h0 in range(0, G, 128):
         h = h0 + tl.arange(0, 128)
         here = h < G
