@@ -10,8 +10,9 @@ same data:
   program's loop;
 * ``the library's default``: ``_TOKEN_TILE`` columns a program, a (C / BLOCK_C, G, S) grid,
   S = ``_token_splits``;
-* ``split grid`` / ``one block a program``: the (C / BLOCK_C, G, S) grid, and the (slots, C /
-  BLOCK_C) grid whose programs find their group from the offsets (``_TOKEN_FLAT``);
+* ``split grid`` / ``n slots a program``: the (C / BLOCK_C, G, S) grid, and the (slots / n,
+  C / BLOCK_C) grid whose programs find their blocks' groups from the offsets (``_TOKEN_FLAT``
+  = n; ``--flat``, ``--flat-tiles``);
 * with ``--tiles`` / ``--splits``: other column tiles, warps and split counts.
 
 Every variant's FP8 values, scales and offsets are checked equal to the first's (the bits must
@@ -19,7 +20,7 @@ not depend on the variant). Times: ``triton.testing.do_bench`` medians; GB/s cou
 once and the FP8 write.
 
 Usage: ``python scripts/probe_token_cast.py [--routings balanced,zipf] [--shapes all|N,...] [--tiles 32x4,128x4]
-[--splits 1,2,4|default]``
+[--splits 1,2,4|default] [--flat 1,2,4] [--flat-tiles 64x4]``
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main() -> int:
     parser.add_argument("--shapes", default="all")
     parser.add_argument("--tiles", default="", help="extra variants: BLOCK_CxWARPS,... each with every --splits")
     parser.add_argument("--splits", default="1", help="with --tiles: split counts, or 'default'")
+    parser.add_argument("--flat", default="1,2,4", help="the flat grid's slots a program (FLAT), each a variant")
+    parser.add_argument("--flat-tiles", default="", help="the flat variants under these BLOCK_CxWARPS too")
     args = parser.parse_args()
     shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
     e4m3 = torch.float8_e4m3fn
@@ -54,14 +57,16 @@ def main() -> int:
     default_splits = BC._token_splits
     default_tile, default_flat = BC._TOKEN_TILE, BC._TOKEN_FLAT
     # (name, splits rule, (BLOCK_C, num_warps))
-    variants = [("1 program a group, BLOCK_C 64", lambda tokens, groups, block: 1, (64, 4), False),
+    variants = [("1 program a group, BLOCK_C 64", lambda tokens, groups, block: 1, (64, 4), 0),
                 ("the library's default", default_splits, default_tile, BC._TOKEN_FLAT),
-                ("split grid", default_splits, default_tile, False),
-                ("one block a program", default_splits, default_tile, True)]
+                ("split grid", default_splits, default_tile, 0)]
+    for flat in (int(v) for v in args.flat.split(",") if v):
+        for tile in [default_tile] + [tuple(int(v) for v in t.split("x")) for t in args.flat_tiles.split(",") if t]:
+            variants.append((f"{flat} slots a program, BLOCK_C {tile[0]}, {tile[1]} warps", default_splits, tile, flat))
     for tile in (tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",") if t):
         for split in args.splits.split(","):
             rule = default_splits if split == "default" else (lambda tokens, groups, block, n=int(split): n)
-            variants.append((f"BLOCK_C {tile[0]}, {tile[1]} warps, S {split}", rule, tile, False))
+            variants.append((f"BLOCK_C {tile[0]}, {tile[1]} warps, S {split}", rule, tile, 0))
     print(f"device: {torch.cuda.get_device_name()}")
     print("| experts x tokens, C | routing | variant | S | ms | GB/s | bits vs first | rows cast ms |")
     print("|---|---|---|---|---|---|---|---|")
@@ -95,7 +100,7 @@ def main() -> int:
                                        and torch.equal(got[1][:, :used.numel()][:, used],
                                                        first[1][:, :used.numel()][:, used])) else "DIFFER"
                 gbs = (2 * M * C + C * cols) / ms / 1e6
-                print(f"| {G}x{T}, {C} | {routing} | {name} | {splits_fn(M, G, recipe.block)} | {ms:.4f} | {gbs:.0f} "
+                print(f"| {G}x{T}, {C} | {routing} | {name} | {'-' if flat else splits_fn(M, G, recipe.block)} | {ms:.4f} | {gbs:.0f} "
                       f"| {same} | {rows_ms:.4f} |", flush=True)
     return 0
 

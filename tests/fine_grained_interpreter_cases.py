@@ -71,12 +71,12 @@ def case_casts():
                 xt, offs = _exact_tokens(lens, recipe, fp8, gen)
                 q0, s0 = Q.quantize_tokens(xt, offs, recipe, fp8)
                 used = Q.token_slot_mask(offs, sum(lens), recipe.block)
-                for flat in (False, True):  # the grid of a group's blocks, or of one block a program
+                for flat in (0, 1, 4):  # the grid of a group's blocks, or of 1 or 4 blocks a program
                     BC._TOKEN_FLAT = flat
                     try:
                         q, s = BC.block_cast_tokens(xt, offs, recipe, fp8, fmax, emax)
                     finally:
-                        BC._TOKEN_FLAT = False
+                        BC._TOKEN_FLAT = 0
                     assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s[:, used], s0[:, used]), flat
             assert BC._token_splits(sum(lens), len(lens), recipe.block) == (4 if recipe.e8m0 else 2)
             checked.append(f"{'mx' if recipe.e8m0 else 'pow2' if recipe.pow2 else 'block'}/{fp8}".replace("torch.float8_", ""))
@@ -120,13 +120,13 @@ def case_casts_aligned():
         # decreasing offsets (never the layer's: checked and clamped) still give offsets within the columns
         bad = torch.tensor([0, 300, 0, 300])
         cols_bad = Q.aligned_token_columns(300, 3, 16)
-        for flat in (False, True):
+        for flat in (0, 1, 2):
             BC._TOKEN_FLAT = flat
             try:
                 _, _, got = BC.block_cast_tokens_aligned(torch.randn(300, 24, generator=gen), bad, recipe, E4M3, fmax, 8, 0,
                                                          16, cols_bad)
             finally:
-                BC._TOKEN_FLAT = False
+                BC._TOKEN_FLAT = 0
             assert torch.equal(got, Q.aligned_token_offsets(bad, 16, cols_bad)) and got.tolist() == [0, 304, 304, 352], flat
         # skewed groups, the kernel's split count (up to more programs than blocks) and column
         # tile forced: the same bits
@@ -138,8 +138,9 @@ def case_casts_aligned():
         used = Q.token_slot_mask(aligned0, end, recipe.block)
         default_splits, default_tile = BC._token_splits, BC._TOKEN_TILE
         try:
-            for splits, tile, flat in ((None, default_tile, False), (1, (64, 4), False), (3, (32, 4), False),
-                                       (64, (128, 4), False), (None, default_tile, True), (None, (64, 4), True)):
+            for splits, tile, flat in ((None, default_tile, 0), (1, (64, 4), 0), (3, (32, 4), 0), (64, (128, 4), 0),
+                                       (None, default_tile, 1), (None, (64, 4), 1), (None, default_tile, 4),
+                                       (None, (128, 4), 8)):
                 BC._TOKEN_TILE, BC._TOKEN_FLAT = tile, flat
                 if splits is not None:
                     BC._token_splits = lambda tokens, groups, block, n=splits: n
@@ -148,9 +149,27 @@ def case_casts_aligned():
                 assert torch.equal(q[:, :end].view(torch.uint8), q0[:, :end].view(torch.uint8)), splits
                 assert torch.equal(s[:, :used.numel()][:, used], s0[:, :used.numel()][:, used]), splits
         finally:
-            BC._token_splits, BC._TOKEN_TILE, BC._TOKEN_FLAT = default_splits, default_tile, False
+            BC._token_splits, BC._TOKEN_TILE, BC._TOKEN_FLAT = default_splits, default_tile, 0
+        if not recipe.e8m0:
+            # 300 groups, a third of them empty: the flat grid's group search runs over the offsets
+            # 128 at a time, so a slot's group and start come from a later vector than its first
+            lens = (torch.randint(0, 9, (300,), generator=gen) * (torch.rand(300, generator=gen) > 0.33)).tolist()
+            lens[-1] = 200  # a last group of several blocks
+            xt, offs = _exact_tokens(lens, recipe, E4M3, gen)
+            cols = Q.aligned_token_columns(sum(lens), len(lens), 16)
+            q0, s0, aligned0 = Q.quantize_tokens_aligned(xt, offs, recipe, E4M3)
+            end = int(aligned0[-1])
+            used = Q.token_slot_mask(aligned0, end, recipe.block)
+            for flat in (0, 4):
+                BC._TOKEN_FLAT = flat
+                try:
+                    q, s, aligned = BC.block_cast_tokens_aligned(xt, offs, recipe, E4M3, fmax, 8, 0, 16, cols)
+                finally:
+                    BC._TOKEN_FLAT = 0
+                assert torch.equal(aligned, aligned0) and torch.equal(q[:, :end].view(torch.uint8), q0[:, :end].view(torch.uint8)), flat
+                assert torch.equal(s[:, :used.numel()][:, used], s0[:, :used.numel()][:, used]), flat
         checked.append("mx" if recipe.e8m0 else "block")
-    return "bitwise: " + ", ".join(checked) + " (skewed groups, 1-64 programs a group, 32-128 columns a program)"
+    return "bitwise: " + ", ".join(checked) + " (skewed groups, 300 groups, 1-64 programs a group or 1-8 blocks a program, 32-128 columns a program)"
 
 
 def _problem(kind, recipe, lens, n, k, a_fp8, gen, accumulate=False, aligned=False):

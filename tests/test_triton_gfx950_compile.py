@@ -384,14 +384,14 @@ def test_wgrad_aligned_token_cast_compiles_for_gfx950(monkeypatch):
     with _first_launches(key_of) as recorded:
         # both grids: the frontend's type checks (a loop-carried variable changing type) run only
         # in a compile, never in the interpreter
-        for flat in (False, True):
+        for flat in (0, 1, 4):
             monkeypatch.setattr(BC, "_TOKEN_FLAT", flat)
             for recipe in (Q.BLOCKWISE, Q.MXFP8):
                 for fp8, emax in ((torch.float8_e4m3fn, 8), (torch.float8_e5m2, 15)):
                     fp8_max = torch.finfo(fp8).max
                     _, _, aligned = BC.block_cast_tokens_aligned(x, offs, recipe, fp8, fp8_max, emax, 0, 16, cols)
                     BC.block_cast_tokens_aligned(x, offs, recipe, fp8, fp8_max, emax, 0, 16, cols, aligned)
-    assert len(recorded) == 16 and {key[3] for key in recorded} == {16}, sorted(recorded)
+    assert len(recorded) == 24 and {key[3] for key in recorded} == {16}, sorted(recorded)
     for key, (fn, args, kwargs) in recorded.items():
         isa, _, _ = _gfx950_isa(fn, args, kwargs, str(key))
         conversion = r"v_cvt_\w*pk_fp8_f32" if key[2] == "torch.float8_e4m3fn" else r"v_cvt_\w*pk_bf8_f32"

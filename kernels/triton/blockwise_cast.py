@@ -131,11 +131,15 @@ def _aligned_group_start(group_offs_ptr, group, TOKEN_ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _slot_group(group_offs_ptr, G, slot, BLOCK: tl.constexpr, TOKEN_ALIGN: tl.constexpr):
-    """The group whose scale slots hold ``slot``: group g's slots begin at ``start_g // BLOCK + g``
-    (strictly increasing in g for valid offsets), so it is the number of groups whose begin is <=
-    slot, less one (-1 at most for invalid offsets). One pass over the offsets, as vectors of 128."""
-    count = 0
+def _slot_groups(group_offs_ptr, G, slots_v, BLOCK: tl.constexpr, TOKEN_ALIGN: tl.constexpr):
+    """For a vector of scale slots: (the count of groups whose slots begin at or before each, and
+    TOKEN_ALIGN > 1: the aligned first column of the last such group). Group g's slots begin at
+    ``start_g // BLOCK + g``, strictly increasing in g for valid offsets, so a slot belongs to
+    group count - 1 (-1 at most for invalid offsets), and as the aligned starts never decrease
+    whatever the offsets, that group's start is the largest start among them. One pass over the
+    offsets, as vectors of 128, for all the slots at once."""
+    count = tl.zeros(slots_v.shape, tl.int32)
+    start_v = tl.zeros(slots_v.shape, tl.int64)
     carry = tl.full((), 0, tl.int64)  # int64 from the start: the loop adds int64 sums to it
     for h0 in range(0, G, 128):
         h = h0 + tl.arange(0, 128)
@@ -148,8 +152,50 @@ def _slot_group(group_offs_ptr, G, slot, BLOCK: tl.constexpr, TOKEN_ALIGN: tl.co
             carry += tl.sum(padded, 0)
         else:
             start_h = lo_h
-        count += tl.sum((here & (start_h // BLOCK + h <= slot)).to(tl.int32), 0)
-    return count - 1
+        begun = here[:, None] & ((start_h // BLOCK + h)[:, None] <= slots_v[None, :])
+        count += tl.sum(begun.to(tl.int32), 0)
+        if TOKEN_ALIGN > 1:
+            start_v = tl.maximum(start_v, tl.max(tl.where(begun, start_h[:, None], 0), 0))
+    return count, start_v
+
+
+@triton.jit
+def _cast_token_block(x_ptr, out_t_ptr, scale_ptr, t0, lo, hi, start, end, slot, slots, col0, C,
+                      stride_xm, stride_xc, stride_ss, stride_sc, cols_t,
+                      FP8_MAX: tl.constexpr, EMAX: tl.constexpr, MARGIN: tl.constexpr, MARGIN_FACTOR: tl.constexpr,
+                      E8M0: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
+                      WIDE: tl.constexpr):
+    """Tokens [t0, t0 + BLOCK) of the group [lo, hi), columns [col0, col0 + BLOCK_C): their scales
+    into ``slot``, their FP8 values transposed into columns from ``start + t0 - lo`` (below ``end``).
+    Addresses are a block's int64 base plus offsets within the block, int32 unless WIDE (the host's
+    choice: a block's offsets past 2**31), which halves the registers the two tiles' addresses take."""
+    if WIDE:
+        r = tl.arange(0, BLOCK).to(tl.int64)
+        c = tl.arange(0, BLOCK_C).to(tl.int64)
+    else:
+        r = tl.arange(0, BLOCK)
+        c = tl.arange(0, BLOCK_C)
+    t0 = tl.cast(t0, tl.int64)  # a Python int under the interpreter's range()
+    x_blk = x_ptr + t0 * stride_xm + col0 * stride_xc
+    row_ok = r < hi - t0
+    col_ok = c < C - col0
+    x = tl.load(x_blk + r[:, None] * stride_xm + c[None, :] * stride_xc, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    quant, stored = _block_scales(_nan_max(tl.abs(x.to(tl.float32)), 0), FP8_MAX, EMAX, MARGIN, MARGIN_FACTOR, E8M0, POW2)
+    # in bounds whatever the offsets, as the offsets the kernel writes
+    tl.store(scale_ptr + slot * stride_ss + col0 * stride_sc + c * stride_sc, stored, mask=col_ok & ((c * 0 + slot) < slots))  # a vector: the interpreter's mask
+    # the cast reads the block again, transposed (fp8_cast's module docstring; here casting the
+    # first load through transposed store addresses measured 1-4% slower, H100)
+    x_t = tl.load(x_blk + r[None, :] * stride_xm + c[:, None] * stride_xc, mask=col_ok[:, None] & row_ok[None, :], other=0.0)
+    q_t = _cast(x_t.to(tl.float32), quant[:, None], FP8_MAX, out_t_ptr.dtype.element_ty)
+    # aligned: the group's padding (tokens past hi) written as the zeros x_t holds there
+    dest0 = start + (t0 - lo)
+    keep = col_ok[:, None] & (r[None, :] < tl.minimum(end, cols_t) - dest0)
+    tl.store(out_t_ptr + col0 * cols_t + dest0 + c[:, None] * cols_t + r[None, :], q_t, mask=keep)
+
+
+@triton.jit
+def _group_end(start, lo, hi, TOKEN_ALIGN: tl.constexpr):
+    return start + (tl.maximum(hi - lo, 0) + TOKEN_ALIGN - 1) // TOKEN_ALIGN * TOKEN_ALIGN
 
 
 @triton.jit
@@ -158,92 +204,80 @@ def block_cast_tokens_kernel(
     M, C, G, stride_xm, stride_xc, stride_ss, stride_sc, cols_t, slots,
     FP8_MAX: tl.constexpr, EMAX: tl.constexpr, MARGIN: tl.constexpr, MARGIN_FACTOR: tl.constexpr, E8M0: tl.constexpr, POW2: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, TOKEN_ALIGN: tl.constexpr, WRITE_OFFS: tl.constexpr,
-    FLAT: tl.constexpr = False,
+    FLAT: tl.constexpr = 0, WIDE: tl.constexpr = True,
 ):
     """Program (c, g, k) of a (C / BLOCK_C, G, S) grid: columns [c*BLOCK_C, ...) of group g's
     token blocks k, k + S, k + 2S, ... (block j: BLOCK tokens from the group's token j*BLOCK).
     S splits a group's blocks over programs, so that one long group (a skewed router) is not one
     program's serial loop while the rest of the GPU idles; S is the host's choice
-    (``_token_splits``), the bits do not depend on it. FLAT: a (slots, C / BLOCK_C) grid instead,
-    program (s, c) casting the one block whose scales go in slot s (``_slot_group``).
+    (``_token_splits``), the bits do not depend on it. FLAT > 0 (a power of two): a
+    (slots / FLAT, C / BLOCK_C) grid instead, program (p, c) casting the blocks whose scales go in
+    slots [p * FLAT, (p + 1) * FLAT), each finding its group from the offsets (``_slot_groups``):
+    every program has at most FLAT blocks whatever the routing.
 
     TOKEN_ALIGN 1: token t at column t of ``out_t`` ([C, cols_t]), block j's scales in slot
     offs[g] // BLOCK + g + j. TOKEN_ALIGN > 1: group g starts at column ``start =
     _aligned_group_start`` and runs to ``end = start + round_up(len, TOKEN_ALIGN)``, the columns
     past its tokens written as zeros, its scales in slot start // BLOCK + g + j; with WRITE_OFFS
-    program (0, g, 0) (FLAT: (g, 0)) stores ``aligned_offs[g + 1] = min(end, cols_t)`` (and group
-    0's the 0 first)."""
-    if FLAT:
-        # a (slots, C / BLOCK_C) grid: program (s, c) casts the one block whose scales go in slot s
-        # (none where s is a group's unused last slot), so every program has one block's work
-        slot = tl.program_id(0).to(tl.int64)
+    program (0, g, 0) (FLAT: the program (p, 0) whose slots hold g) stores ``aligned_offs[g + 1] =
+    min(end, cols_t)`` (and group 0's the 0 first): every group's, whatever the offsets."""
+    if FLAT > 0:
         pid_c = tl.program_id(1)
+        col0 = pid_c.to(tl.int64) * BLOCK_C
+        slot0 = tl.program_id(0).to(tl.int64) * FLAT
         if WRITE_OFFS:
-            # group s's aligned offsets, by program (s, 0) (slots >= G): every group's, whatever the
-            # offsets, as the grid of groups writes them
-            if (pid_c == 0) & (slot < G):
-                g_lo = tl.load(group_offs_ptr + slot)
-                g_hi = tl.load(group_offs_ptr + slot + 1)
-                g_start = _aligned_group_start(group_offs_ptr, slot, TOKEN_ALIGN)
-                g_end = g_start + (tl.maximum(g_hi - g_lo, 0) + TOKEN_ALIGN - 1) // TOKEN_ALIGN * TOKEN_ALIGN
-                tl.store(aligned_offs_ptr + slot + 1, tl.minimum(g_end, cols_t))
-                if slot == 0:
-                    tl.store(aligned_offs_ptr, g_start)
-        group = tl.maximum(_slot_group(group_offs_ptr, G, slot, BLOCK, TOKEN_ALIGN), 0)
-        lo = tl.load(group_offs_ptr + group)
-        hi = tl.load(group_offs_ptr + group + 1)
-        if TOKEN_ALIGN > 1:
-            start = _aligned_group_start(group_offs_ptr, group, TOKEN_ALIGN)
-        else:
-            start = lo
-        pid_k = slot - (start // BLOCK + group)
-        first = lo + tl.maximum(pid_k, 0) * BLOCK
-        stop = tl.where(pid_k >= 0, tl.minimum(hi, first + BLOCK), first)  # invalid offsets: no block
-        step = BLOCK
+            if pid_c == 0:
+                for g in range(slot0, tl.minimum(slot0 + FLAT, G)):
+                    g_start = _aligned_group_start(group_offs_ptr, g, TOKEN_ALIGN)
+                    g_end = _group_end(g_start, tl.load(group_offs_ptr + g), tl.load(group_offs_ptr + g + 1), TOKEN_ALIGN)
+                    tl.store(aligned_offs_ptr + g + 1, tl.minimum(g_end, cols_t))
+                    if g == 0:
+                        tl.store(aligned_offs_ptr, g_start)
+        js = tl.arange(0, FLAT)
+        count, start_v = _slot_groups(group_offs_ptr, G, slot0 + js, BLOCK, TOKEN_ALIGN)
+        for j in tl.static_range(FLAT):
+            picked = js == j
+            slot = slot0 + j
+            group = tl.maximum(tl.sum(tl.where(picked, count, 0), 0) - 1, 0)
+            lo = tl.load(group_offs_ptr + group)
+            hi = tl.load(group_offs_ptr + group + 1)
+            if TOKEN_ALIGN > 1:
+                start = tl.sum(tl.where(picked, start_v, 0), 0)
+                end = _group_end(start, lo, hi, TOKEN_ALIGN)
+            else:
+                start = lo
+                end = hi
+            pid_k = slot - (start // BLOCK + group)
+            first = lo + pid_k * BLOCK
+            if (pid_k >= 0) & (first < hi):  # none in a group's unused last slot, or for invalid offsets
+                _cast_token_block(x_ptr, out_t_ptr, scale_ptr, first, lo, hi, start, end, slot, slots, col0, C,
+                                  stride_xm, stride_xc, stride_ss, stride_sc, cols_t,
+                                  FP8_MAX, EMAX, MARGIN, MARGIN_FACTOR, E8M0, POW2, BLOCK, BLOCK_C, WIDE)
     else:
         pid_c = tl.program_id(0)
         group = tl.program_id(1)
         pid_k = tl.program_id(2)
+        col0 = pid_c.to(tl.int64) * BLOCK_C
         lo = tl.load(group_offs_ptr + group)
         hi = tl.load(group_offs_ptr + group + 1)
         if TOKEN_ALIGN > 1:
             start = _aligned_group_start(group_offs_ptr, group, TOKEN_ALIGN)
+            end = _group_end(start, lo, hi, TOKEN_ALIGN)
+            if WRITE_OFFS:
+                if (pid_c == 0) & (pid_k == 0):  # within the columns whatever the offsets (the layer's are checked and clamped)
+                    tl.store(aligned_offs_ptr + group + 1, tl.minimum(end, cols_t))
+                    if group == 0:
+                        tl.store(aligned_offs_ptr, start)
         else:
             start = lo
+            end = hi
         slot = start // BLOCK + group + pid_k
-        first = lo + pid_k * BLOCK
-        stop = hi
         step = BLOCK * tl.num_programs(2)
-    cols = pid_c.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < C
-    if TOKEN_ALIGN > 1:
-        end = start + (tl.maximum(hi - lo, 0) + TOKEN_ALIGN - 1) // TOKEN_ALIGN * TOKEN_ALIGN
-        if WRITE_OFFS and not FLAT:
-            if (pid_c == 0) & (pid_k == 0):  # within the columns whatever the offsets (the layer's are checked and clamped)
-                tl.store(aligned_offs_ptr + group + 1, tl.minimum(end, cols_t))
-                if group == 0:
-                    tl.store(aligned_offs_ptr, start)
-    else:
-        end = hi
-    for t0 in range(first, stop, step):
-        tokens = t0 + tl.arange(0, BLOCK)
-        mask = (tokens[:, None] < hi) & col_ok[None, :]
-        x = tl.load(x_ptr + tokens[:, None] * stride_xm + cols[None, :] * stride_xc, mask=mask, other=0.0)
-        x = x.to(tl.float32)
-        quant, stored = _block_scales(_nan_max(tl.abs(x), 0), FP8_MAX, EMAX, MARGIN, MARGIN_FACTOR, E8M0, POW2)
-        # in bounds whatever the offsets, as the offsets written above
-        slot_ok = (cols * 0 + slot) < slots
-        tl.store(scale_ptr + slot * stride_ss + cols * stride_sc, stored, mask=col_ok & slot_ok)
-        # the cast reads the block again, transposed (fp8_cast's module docstring; here casting the
-        # first load through transposed store addresses measured 1-4% slower, H100)
-        mask_t = col_ok[:, None] & (tokens[None, :] < hi)
-        x_t = tl.load(x_ptr + tokens[None, :] * stride_xm + cols[:, None] * stride_xc, mask=mask_t, other=0.0)
-        q_t = _cast(x_t.to(tl.float32), quant[:, None], FP8_MAX, out_t_ptr.dtype.element_ty)
-        # aligned: the group's padding (tokens past hi) written as the zeros x_t holds there
-        dest = start + (tokens - lo)
-        keep = col_ok[:, None] & (dest[None, :] < end) & (dest[None, :] < cols_t)
-        tl.store(out_t_ptr + cols[:, None] * cols_t + dest[None, :], q_t, mask=keep)
-        slot += step // BLOCK
+        for t0 in range(lo + pid_k * BLOCK, hi, step):
+            _cast_token_block(x_ptr, out_t_ptr, scale_ptr, t0, lo, hi, start, end, slot, slots, col0, C,
+                              stride_xm, stride_xc, stride_ss, stride_sc, cols_t,
+                              FP8_MAX, EMAX, MARGIN, MARGIN_FACTOR, E8M0, POW2, BLOCK, BLOCK_C, WIDE)
+            slot += step // BLOCK
 
 
 def _check_fp8_max(fp8_max: float, emax: int) -> None:
@@ -317,7 +351,8 @@ def block_cast_tokens_aligned(x, group_offs, recipe, fp8_dtype, fp8_max: float, 
 # tokens, C 1024 / 4096; 32 x 512, C 7168; balanced) 0.175 / 0.66 / 0.22 ms at (32, 4) and about
 # the same at (128, 4), against 0.27 / 1.03 / 0.32 at (64, 4) and 0.37 / 1.45 / 0.45 at (64, 8).
 _TOKEN_TILE = (32, 4)
-_TOKEN_FLAT = False  # a (slots, C / BLOCK_C) grid of one block a program (_slot_group) instead
+# 0: the split grid; n > 0 (a power of two): a grid of n scale slots a program (the kernel's FLAT)
+_TOKEN_FLAT = 0
 
 
 def _token_splits(tokens: int, groups: int, block: int) -> int:
@@ -349,16 +384,19 @@ def _cast_tokens(x, group_offs, recipe, fp8_dtype, fp8_max, emax, margin, token_
         block_c, warps = _TOKEN_TILE
         splits = _token_splits(m, groups, recipe.block)
         strides = x.stride()
-        key = (x.dtype, m, c, strides, group_offs.dtype, groups, fp8_dtype, recipe, margin, token_align, write_offs, block_c, warps, _TOKEN_FLAT,
+        # int32 offsets within a block (the kernel's WIDE off) where its largest fits
+        wide = max((recipe.block - 1) * strides[0] + (block_c - 1) * strides[1], (block_c - 1) * cols_t + recipe.block,
+                   (block_c - 1) * storage.stride(1)) >= 2**31
+        key = (x.dtype, m, c, strides, group_offs.dtype, groups, fp8_dtype, recipe, margin, token_align, write_offs, block_c, warps, int(_TOKEN_FLAT), wide,
                x.data_ptr() % 16 == 0, group_offs.data_ptr() % 16 == 0, out_t.data_ptr() % 16 == 0,
                storage.data_ptr() % 16 == 0, aligned_offs is not None and aligned_offs.data_ptr() % 16 == 0)
-        grid = (slots, _cdiv(c, block_c), 1) if _TOKEN_FLAT else (_cdiv(c, block_c), groups, splits)
+        grid = (_cdiv(slots, int(_TOKEN_FLAT)), _cdiv(c, block_c), 1) if _TOKEN_FLAT else (_cdiv(c, block_c), groups, splits)
         _lean["block_cast_tokens_kernel"].launch_keyed(
             grid, key,
             x, group_offs, out_t, storage, aligned_offs if write_offs else group_offs, m, c, groups, strides[0], strides[1],
             storage.stride(0), storage.stride(1), cols_t, slots,
             FP8_MAX=fp8_max, EMAX=emax, MARGIN=margin, MARGIN_FACTOR=2.0 ** -margin, E8M0=recipe.e8m0, POW2=recipe.pow2,
-            BLOCK=recipe.block, BLOCK_C=block_c, TOKEN_ALIGN=token_align, WRITE_OFFS=write_offs, FLAT=_TOKEN_FLAT, num_warps=warps,
+            BLOCK=recipe.block, BLOCK_C=block_c, TOKEN_ALIGN=token_align, WRITE_OFFS=write_offs, FLAT=int(_TOKEN_FLAT), WIDE=wide, num_warps=warps,
         )
     return out_t, storage.T, aligned_offs
 
