@@ -55,6 +55,7 @@ def case_casts():
     from turbo_moe.fine_grained import quantize as Q
     from turbo_moe.kernels.triton import blockwise_cast as BC
 
+    default_flat = BC._TOKEN_FLAT
     gen = torch.Generator().manual_seed(0)
     checked = []
     for recipe in (Q.BLOCKWISE, Q.BLOCKWISE._replace(pow2=True), Q.MXFP8):
@@ -76,7 +77,7 @@ def case_casts():
                     try:
                         q, s = BC.block_cast_tokens(xt, offs, recipe, fp8, fmax, emax)
                     finally:
-                        BC._TOKEN_FLAT = 0
+                        BC._TOKEN_FLAT = default_flat
                     assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s[:, used], s0[:, used]), flat
             assert BC._token_splits(sum(lens), len(lens), recipe.block) == (4 if recipe.e8m0 else 2)
             checked.append(f"{'mx' if recipe.e8m0 else 'pow2' if recipe.pow2 else 'block'}/{fp8}".replace("torch.float8_", ""))
@@ -97,6 +98,7 @@ def case_casts_aligned():
     from turbo_moe.fine_grained import quantize as Q
     from turbo_moe.kernels.triton import blockwise_cast as BC
 
+    default_flat = BC._TOKEN_FLAT
     gen = torch.Generator().manual_seed(3)
     checked = []
     for recipe in (Q.BLOCKWISE, Q.MXFP8):
@@ -126,7 +128,7 @@ def case_casts_aligned():
                 _, _, got = BC.block_cast_tokens_aligned(torch.randn(300, 24, generator=gen), bad, recipe, E4M3, fmax, 8, 0,
                                                          16, cols_bad)
             finally:
-                BC._TOKEN_FLAT = 0
+                BC._TOKEN_FLAT = default_flat
             assert torch.equal(got, Q.aligned_token_offsets(bad, 16, cols_bad)) and got.tolist() == [0, 304, 304, 352], flat
         # skewed groups, the kernel's split count (up to more programs than blocks) and column
         # tile forced: the same bits
@@ -149,7 +151,7 @@ def case_casts_aligned():
                 assert torch.equal(q[:, :end].view(torch.uint8), q0[:, :end].view(torch.uint8)), splits
                 assert torch.equal(s[:, :used.numel()][:, used], s0[:, :used.numel()][:, used]), splits
         finally:
-            BC._token_splits, BC._TOKEN_TILE, BC._TOKEN_FLAT = default_splits, default_tile, 0
+            BC._token_splits, BC._TOKEN_TILE, BC._TOKEN_FLAT = default_splits, default_tile, default_flat
         if not recipe.e8m0:
             # 300 groups, a third of them empty: the flat grid's group search runs over the offsets
             # 128 at a time, so a slot's group and start come from a later vector than its first
@@ -165,7 +167,7 @@ def case_casts_aligned():
                 try:
                     q, s, aligned = BC.block_cast_tokens_aligned(xt, offs, recipe, E4M3, fmax, 8, 0, 16, cols)
                 finally:
-                    BC._TOKEN_FLAT = 0
+                    BC._TOKEN_FLAT = default_flat
                 assert torch.equal(aligned, aligned0) and torch.equal(q[:, :end].view(torch.uint8), q0[:, :end].view(torch.uint8)), flat
                 assert torch.equal(s[:, :used.numel()][:, used], s0[:, :used.numel()][:, used]), flat
         checked.append("mx" if recipe.e8m0 else "block")
