@@ -164,7 +164,7 @@ def _cast_token_block(x_ptr, out_t_ptr, scale_ptr, t0, lo, hi, start, end, slot,
                       stride_xm, stride_xc, stride_ss, stride_sc, cols_t,
                       FP8_MAX: tl.constexpr, EMAX: tl.constexpr, MARGIN: tl.constexpr, MARGIN_FACTOR: tl.constexpr,
                       E8M0: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
-                      WIDE: tl.constexpr):
+                      TOKEN_ALIGN: tl.constexpr, WIDE: tl.constexpr):
     """Tokens [t0, t0 + BLOCK) of the group [lo, hi), columns [col0, col0 + BLOCK_C): their scales
     into ``slot``, their FP8 values transposed into columns from ``start + t0 - lo`` (below ``end``).
     Addresses are a block's int64 base plus offsets within the block, int32 unless WIDE (the host's
@@ -189,7 +189,15 @@ def _cast_token_block(x_ptr, out_t_ptr, scale_ptr, t0, lo, hi, start, end, slot,
     q_t = _cast(x_t.to(tl.float32), quant[:, None], FP8_MAX, out_t_ptr.dtype.element_ty)
     # aligned: the group's padding (tokens past hi) written as the zeros x_t holds there
     dest0 = start + (t0 - lo)
-    keep = col_ok[:, None] & (r[None, :] < tl.minimum(end, cols_t) - dest0)
+    room = tl.minimum(end, cols_t) - dest0
+    if TOKEN_ALIGN % 16 == 0:
+        # dest0, end and cols_t are multiples of 16 here (whatever the offsets): said so, the
+        # stores become 16-byte vectors instead of single bytes (Triton cannot know a runtime
+        # scalar's divisibility, nor a mask's constancy along the tokens)
+        dest0 = dest0 // 16 * 16
+        keep = col_ok[:, None] & ((r // 16)[None, :] < room // 16)
+    else:
+        keep = col_ok[:, None] & (r[None, :] < room)
     tl.store(out_t_ptr + col0 * cols_t + dest0 + c[:, None] * cols_t + r[None, :], q_t, mask=keep)
 
 
@@ -252,7 +260,7 @@ def block_cast_tokens_kernel(
             if (pid_k >= 0) & (first < hi):  # none in a group's unused last slot, or for invalid offsets
                 _cast_token_block(x_ptr, out_t_ptr, scale_ptr, first, lo, hi, start, end, slot, slots, col0, C,
                                   stride_xm, stride_xc, stride_ss, stride_sc, cols_t,
-                                  FP8_MAX, EMAX, MARGIN, MARGIN_FACTOR, E8M0, POW2, BLOCK, BLOCK_C, WIDE)
+                                  FP8_MAX, EMAX, MARGIN, MARGIN_FACTOR, E8M0, POW2, BLOCK, BLOCK_C, TOKEN_ALIGN, WIDE)
     else:
         pid_c = tl.program_id(0)
         group = tl.program_id(1)
@@ -276,7 +284,7 @@ def block_cast_tokens_kernel(
         for t0 in range(lo + pid_k * BLOCK, hi, step):
             _cast_token_block(x_ptr, out_t_ptr, scale_ptr, t0, lo, hi, start, end, slot, slots, col0, C,
                               stride_xm, stride_xc, stride_ss, stride_sc, cols_t,
-                              FP8_MAX, EMAX, MARGIN, MARGIN_FACTOR, E8M0, POW2, BLOCK, BLOCK_C, WIDE)
+                              FP8_MAX, EMAX, MARGIN, MARGIN_FACTOR, E8M0, POW2, BLOCK, BLOCK_C, TOKEN_ALIGN, WIDE)
             slot += step // BLOCK
 
 
