@@ -174,6 +174,43 @@ def case_casts_aligned():
     return "bitwise: " + ", ".join(checked) + " (skewed groups, 300 groups, 1-64 programs a group or 1-8 blocks a program, 32-128 columns a program)"
 
 
+def case_swiglu_rows():
+    """fc2's fused input cast (``swiglu_block_cast_rows``): ``a`` within an ulp of h's dtype of
+    ``weighted_swiglu`` (float32 exp may differ by an ulp from torch's) and its rows copy bit for
+    bit ``block_cast_rows`` of that ``a``; F off the block (a short last block), rows off the
+    row tile, bf16 and float32 h, a NaN and a zero row kept as the rows cast keeps them."""
+    from turbo_moe.fine_grained import quantize as Q
+    from turbo_moe.kernels.triton import blockwise_cast as BC
+    from turbo_moe.swiglu import weighted_swiglu
+
+    gen = torch.Generator().manual_seed(11)
+    checked = []
+    for recipe in (Q.BLOCKWISE, Q.MXFP8):
+        for dtype, f in ((torch.bfloat16, 200), (torch.float32, 96)):
+            fmax = torch.finfo(E4M3).max
+            h = (torch.randn(45, 2 * f, generator=gen) * 3).to(dtype)
+            h[7] = 0.0
+            h[9, 3] = float("nan")
+            probs = torch.rand(45, generator=gen)
+            a, q, s = BC.swiglu_block_cast_rows(h, probs, recipe, E4M3, fmax, 8)
+            ref = weighted_swiglu(h, probs).to(dtype)
+            assert a.dtype == dtype and a.shape == (45, f) and torch.isnan(a[9, 3]) and torch.equal(a[7], ref[7])
+            ok = ~torch.isnan(ref)
+            err = (a[ok].float() - ref[ok].float()).abs()
+            if dtype == torch.float32:  # four float32 roundings and exp: a few ulps
+                assert (err <= 4 * torch.finfo(dtype).eps * ref[ok].abs()).all()
+            else:  # an ulp at most: the interpreter's float32 -> bf16 conversion truncates, whatever
+                # the rounding asked for (a GPU rounds to nearest even: test_fine_grained_gpu bounds
+                # how often it differs from torch there)
+                assert (err <= 1.01 * torch.finfo(dtype).eps * ref[ok].float().abs()).all()
+            q0, s0 = BC.block_cast_rows(a, recipe, E4M3, fmax, 8)
+            assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)), (recipe, dtype)
+            assert torch.equal(s.reshape(-1).view(torch.uint8), s0.reshape(-1).view(torch.uint8))  # NaN's bits too
+            assert torch.isnan(s[9, 0].float()) or recipe.e8m0  # the NaN's block: a NaN scale (e8m0: 0xFF)
+            checked.append(f"{'mx' if recipe.e8m0 else 'block'}/{str(dtype).replace('torch.', '')}")
+    return "bitwise rows copy of the returned a: " + ", ".join(checked)
+
+
 def _problem(kind, recipe, lens, n, k, a_fp8, gen, accumulate=False, aligned=False):
     from turbo_moe.backends.base import GemmKind
     from turbo_moe.fine_grained import BlockScaledProblem
@@ -258,6 +295,7 @@ def case_gemm(kind, recipe_name, lens, n, k, a_fp8=E4M3, accumulate=False, dot_s
 CASES = {
     "casts_bitwise": case_casts,
     "casts_aligned_token_layout": case_casts_aligned,
+    "casts_swiglu_rows": case_swiglu_rows,
     # The wgrad over the aligned token layout (groups off 16 tokens moved onto boundaries, zeros
     # between): the TMA kernel's aligned walk against the float64 reference of that problem.
     "k_blockwise_aligned_layout": lambda: case_gemm("k", "blockwise", [5, 0, 140, 1, 16, 77], 40, 48, tma=True,

@@ -202,6 +202,48 @@ def test_autograd_triton_matches_torch_backend_and_captures(granularity):
     assert torch.allclose(y.float(), grads["triton"][0]) and torch.allclose(ww.grad.float(), grads["triton"][2])
 
 
+@pytest.mark.parametrize("granularity", ["blockwise", "mxfp8"])
+@pytest.mark.parametrize("f", [384, 208])
+def test_fused_swiglu_fc2_on_the_gpu(granularity, f):
+    """fc2 with the weighted SwiGLU fused into its rows cast (turbo_moe.fine_grained.swiglu) on the
+    GPU: ``a`` within an ulp of torch's bf16 rounding of ``weighted_swiglu`` (rarely off: both round
+    to nearest even), its rows copy bit for bit ``quantize_rows(a)``, y and dW2 bit for bit
+    ``grouped_gemm_fp8`` on that ``a``; dh and dprobs (one backward kernel) within FP8's bounds of
+    float64; F = 208: a short last block; ragged groups, empty ones."""
+    from turbo_moe.autograd import grouped_wgrad_fp8
+    from turbo_moe.swiglu import grouped_gemm_fp8_swiglu, weighted_swiglu
+
+    cfg = Float8Config(granularity=granularity)
+    recipe = Q.recipe_of(cfg)
+    gen = torch.Generator().manual_seed(5)
+    lens = [300, 0, 700, 24, 0]
+    m = sum(lens)
+    offs = torch.tensor([0] + lens).cumsum(0).cuda()
+    h = (torch.randn(m, 2 * f, generator=gen) * 2).cuda().bfloat16()
+    p = torch.rand(m, generator=gen).cuda()
+    w = (torch.randn(len(lens), 256, f, generator=gen) / f ** 0.5).cuda().bfloat16()
+    dy = torch.randn(m, 256, generator=gen).cuda().bfloat16()
+    a, a_q, a_s = Q.quantize_swiglu_rows(h, p, recipe, E4M3)
+    ref = weighted_swiglu(h, p).to(torch.bfloat16).float()
+    err = (a.float() - ref).abs()
+    assert (err <= 1.01 * torch.finfo(torch.bfloat16).eps * ref.abs()).all() and (err > 0).float().mean() < 0.02
+    q0, s0 = Q.quantize_rows(a, recipe, E4M3)
+    assert torch.equal(a_q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(a_s, s0)
+    hh, pp, ww = (t.detach().clone().requires_grad_() for t in (h, p, w))
+    y = grouped_gemm_fp8_swiglu(hh, pp, ww, offs, config=cfg)
+    assert torch.equal(y, grouped_gemm_fp8(a, w, group_offs=offs, config=cfg))
+    y.backward(dy)
+    assert torch.equal(ww.grad, grouped_wgrad_fp8(dy, a, offs, config=cfg, out_dtype=w.dtype))
+    assert all(torch.count_nonzero(ww.grad[e]) == 0 for e, n in enumerate(lens) if n == 0)
+    hd, pd, wd = (t.detach().double().requires_grad_() for t in (h, p, w))
+    gate, lin = hd[:, :f], hd[:, f:]
+    ad = gate * torch.sigmoid(gate) * lin * pd[:, None]
+    bounds = [0] + torch.tensor(lens).cumsum(0).tolist()
+    torch.cat([ad[lo:hi] @ wd[e].T for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]).backward(dy.double())
+    for got, want in ((hh.grad, hd.grad), (pp.grad, pd.grad), (ww.grad, wd.grad)):
+        assert float((got.double() - want).norm() / want.norm()) < 0.06  # e4m3 operands, bf16 dh
+
+
 @pytest.mark.parametrize("cooperative", [True, False], ids=["cooperative", "single-stream"])
 @pytest.mark.parametrize("out", ["fp32", "bf16", "main_grad"])
 @pytest.mark.parametrize("lens", [[16, 0, 300, 4, 0, 128, 512], [1024], [0, 131, 77, 1, 0, 259, 0, 60, 0]])

@@ -19,7 +19,7 @@ from interpreter_child import assert_prints_ok, run_on_gpu
 from turbo_moe import Float8Config
 from turbo_moe.autograd import grouped_gemm_fp8_with_offs, grouped_wgrad_fp8
 from turbo_moe.config import ScalingGranularity
-from turbo_moe.swiglu import fuses_swiglu, grouped_gemm_fp8_swiglu, weighted_swiglu
+from turbo_moe.swiglu import fuses_swiglu, grouped_gemm_fp8_swiglu, swiglu_gemm_supports, weighted_swiglu
 
 KERNEL_CHECK = textwrap.dedent(
     """
@@ -475,6 +475,31 @@ def test_fused_matches_unfused_bits_and_float64(lens, f, n, fmt, granularity):
         assert torch.equal(w.grad[e], torch.zeros_like(w.grad[e]))
 
 
+@pytest.mark.parametrize("lens,f,n", CASES)
+@pytest.mark.parametrize("granularity", ["blockwise", "mxfp8"])
+def test_fine_grained_fused_matches_unfused_bits_and_float64(lens, f, n, granularity):
+    """Blockwise and MXFP8 (turbo_moe.fine_grained.swiglu): y and dW bit for bit grouped_gemm_fp8 on
+    the activation rounded to h's dtype (the rows copy is quantize_rows of that a, the token copy
+    cast from it), dh and dprobs from the fused backward kernel's float32 math, all within FP8's
+    bounds of float64; empty groups get dW = 0."""
+    cfg = Float8Config(granularity=granularity)
+    h, p, w, offs, dy = _problem(lens, f, n)
+    h.requires_grad_(), p.requires_grad_(), w.requires_grad_()
+    y = grouped_gemm_fp8_swiglu(h, p, w, offs, config=cfg)
+    assert y.dtype == h.dtype and y.shape == (sum(lens), n)
+    a = weighted_swiglu(h.detach(), p.detach().reshape(-1)).to(h.dtype)
+    assert torch.equal(y, grouped_gemm_fp8_with_offs(a, w.detach(), offs, config=cfg, out_dtype=h.dtype))
+    y.backward(dy)
+    assert torch.equal(w.grad, grouped_wgrad_fp8(dy, a, offs, config=cfg, out_dtype=w.dtype))
+    assert h.grad.dtype == h.dtype and p.grad.shape == p.shape and p.grad.dtype == p.dtype
+    y64, dh64, dp64, dw64 = _float64_grads(h, p, w, offs, dy)
+    # e4m3 everywhere (the fine-grained recipes' default format); bf16 h and a add < 1%
+    assert _rel(y, y64) < 0.06
+    assert _rel(h.grad, dh64) < 0.06 and _rel(p.grad, dp64) < 0.06 and _rel(w.grad, dw64) < 0.06
+    for e in (e for e, n_e in enumerate(lens) if n_e == 0):
+        assert torch.equal(w.grad[e], torch.zeros_like(w.grad[e]))
+
+
 def test_fused_only_what_is_asked():
     cfg = Float8Config()
     h, p, w, offs, dy = _problem([5, 7], 16, 8)
@@ -491,10 +516,15 @@ def test_fused_only_what_is_asked():
 
 def test_fused_recipe_and_bad_input_errors():
     h, p, w, offs, _ = _problem([5, 7], 16, 8)
+    from turbo_moe.autograd import QuantizedGradHandoff
+
     assert fuses_swiglu(Float8Config()) and fuses_swiglu(Float8Config(granularity=ScalingGranularity.ROWWISE))
     assert not fuses_swiglu(None) and not fuses_swiglu(Float8Config(granularity=ScalingGranularity.BLOCKWISE))
-    with pytest.raises(ValueError, match="tensorwise and rowwise"):
-        grouped_gemm_fp8_swiglu(h, p, w, offs, config=Float8Config(granularity=ScalingGranularity.BLOCKWISE))
+    blockwise = Float8Config(granularity=ScalingGranularity.BLOCKWISE)
+    assert swiglu_gemm_supports(blockwise) and swiglu_gemm_supports(Float8Config(granularity="mxfp8"))
+    assert not swiglu_gemm_supports(None)
+    with pytest.raises(ValueError, match="h_grad_handoff needs a tensorwise or rowwise recipe"):
+        grouped_gemm_fp8_swiglu(h, p, w, offs, config=blockwise, h_grad_handoff=QuantizedGradHandoff())
     with pytest.raises(ValueError, match="h must be 2-D"):
         grouped_gemm_fp8_swiglu(h[:, :-1], p, w, offs)
     with pytest.raises(ValueError, match="w must be"):

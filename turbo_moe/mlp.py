@@ -21,7 +21,7 @@ from .autograd import QuantizedGradHandoff, _grouped_gemm_fp8_resolved
 from .checks import check_operands, resolve_group_offs
 from .config import Float8Config
 from .module import GroupedLinearFP8
-from .swiglu import fuses_swiglu, grouped_gemm_fp8_swiglu, weighted_swiglu
+from .swiglu import fuses_swiglu, grouped_gemm_fp8_swiglu, swiglu_gemm_supports, weighted_swiglu
 
 __all__ = ["GroupedSwiGLUMLPFP8"]
 
@@ -71,15 +71,16 @@ class GroupedSwiGLUMLPFP8(planned_layer.KeepsPlannedLayers, nn.Module):
         offs = resolve_group_offs(group_lens, group_offs, fc1.num_groups, x.shape[0], x.device)
         if probs is None:
             probs = self._unit_probs(x)
-        if not fuses_swiglu(self.config):
+        if not swiglu_gemm_supports(self.config):
             h = fc1(x, group_offs=offs)
             weights = probs.reshape(-1) if probs.dim() == 2 and probs.shape[1] == 1 else probs
             if weights.dim() != 1 or weights.shape[0] != x.shape[0]:
                 raise ValueError(f"probs must be [M] or [M, 1] with M = {x.shape[0]}, got {tuple(probs.shape)}")
             return fc2(weighted_swiglu(h, weights).to(h.dtype), group_offs=offs)
         # fc1's output feeds the fused fc2 alone: its gradient can come back in FP8, and (tensorwise,
-        # on the ping-pong) fc1's epilogue can reduce the activation's amax for fc2's cast.
-        handoff = QuantizedGradHandoff(swiglu_probs=probs.reshape(-1))
+        # on the ping-pong) fc1's epilogue can reduce the activation's amax for fc2's cast. Not under
+        # the fine-grained recipes: dh goes to fc1 in h's dtype there (turbo_moe.fine_grained.swiglu).
+        handoff = QuantizedGradHandoff(swiglu_probs=probs.reshape(-1)) if fuses_swiglu(self.config) else None
         h = _grouped_gemm_fp8_resolved(
             x, fc1.weight, offs, config=self.config, num_cu=fc1.num_cu, backend=fc1.backend,
             w_fp8=fc1._cached_fp8_weight() if fc1.cache_fp8_weight else None, grad_handoff=handoff,
@@ -136,4 +137,4 @@ class GroupedSwiGLUMLPFP8(planned_layer.KeepsPlannedLayers, nn.Module):
         super().__setstate__(state)
 
     def extra_repr(self) -> str:
-        return f"fused_swiglu={fuses_swiglu(self.config)}"
+        return f"fused_swiglu={swiglu_gemm_supports(self.config)}"

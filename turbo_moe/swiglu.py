@@ -23,8 +23,11 @@ Under delayed scaling (``turbo_moe.delayed_scaling``) each of these is one pass:
 Tensorwise scaling (one scale for ``a``: the amax pass sees the whole tensor before the cast) and
 rowwise (``kernels/triton/rowwise_layouts.py``: a stats pass finds ``a``'s row and (group, column)
 amaxes, a cast pass writes both layouts; ``dh`` the same way, its two scales handed to fc1 packed in
-one tensor); :func:`fuses_swiglu` says whether a recipe is supported, and callers fall back to the
-activation followed by ``grouped_gemm_fp8`` otherwise (the fine-grained recipes). The activation's
+one tensor); :func:`fuses_swiglu` says whether a recipe gets this module's fusion and the ``dh``
+handoff. The fine-grained recipes (blockwise, MXFP8) go to ``turbo_moe.fine_grained.swiglu``: the
+activation fused with ``a``'s rows cast, ``dh`` and ``dprobs`` from one backward kernel, no
+handoff; :func:`swiglu_gemm_supports` says whether :func:`grouped_gemm_fp8_swiglu` takes a recipe
+at all (every FP8 one). The activation's
 arithmetic is float32 from ``h`` (Megatron's rounds ``silu(gate) * linear`` to bf16 first); the
 quantization is ``turbo_moe.quantize``'s. On a GPU with Triton the kernels run; elsewhere torch
 ops with the same math (to an ulp of float32 ``exp``) do.
@@ -61,15 +64,22 @@ from .delayed_scaling import AmaxHistory, DelayedScalingState
 from .quantize import (pack_scales, quantize_rowwise, quantize_rowwise_layouts, quantize_tensorwise_layouts,
                        rowwise_layout_kernels)
 
-__all__ = ["fuses_swiglu", "grouped_gemm_fp8_swiglu", "weighted_swiglu", "quantize_weighted_swiglu",
+__all__ = ["fuses_swiglu", "swiglu_gemm_supports", "grouped_gemm_fp8_swiglu", "weighted_swiglu", "quantize_weighted_swiglu",
            "quantize_weighted_swiglu_rowwise", "weighted_swiglu_backward", "quantize_weighted_swiglu_backward"]
 
 
 def fuses_swiglu(config: Optional[Float8Config]) -> bool:
-    """Whether :func:`grouped_gemm_fp8_swiglu` supports this FP8 recipe (per-tensor scaling,
-    current or delayed, or rowwise)."""
+    """Whether this recipe gets this module's fusion (the activation inside both FP8 layouts'
+    quantization) and can hand ``dh`` to fc1 in FP8 (``autograd.QuantizedGradHandoff``): per-tensor
+    scaling, current or delayed, or rowwise."""
     return config is not None and not config.fine_grained and config.granularity in (ScalingGranularity.TENSORWISE,
                                                                                       ScalingGranularity.ROWWISE)
+
+
+def swiglu_gemm_supports(config: Optional[Float8Config]) -> bool:
+    """Whether :func:`grouped_gemm_fp8_swiglu` takes this recipe: every FP8 one (the fine-grained
+    recipes through ``turbo_moe.fine_grained.swiglu``, without the ``dh`` handoff)."""
+    return config is not None and (fuses_swiglu(config) or config.fine_grained)
 
 
 
@@ -286,22 +296,24 @@ def grouped_gemm_fp8_swiglu(h: torch.Tensor, probs: torch.Tensor, w: torch.Tenso
         w: ``[G, N, F]`` (fc2's weight, ``trans_b=True`` layout).
         group_offs: int64 ``[G+1]`` offsets on h's device, checked (and on a GPU clamped) as
             ``grouped_gemm_fp8`` checks its ``group_offs``.
-        config: a tensorwise or rowwise ``Float8Config`` (see :func:`fuses_swiglu`); default
-            ``Float8Config()``.
+        config: an FP8 ``Float8Config`` (:func:`swiglu_gemm_supports`); default ``Float8Config()``.
         num_cu, backend, out_dtype, w_fp8, wgrad_target: as ``grouped_gemm_fp8`` and
             ``autograd._grouped_gemm_fp8_resolved``.
         h_grad_handoff: the ``QuantizedGradHandoff`` that the FP8 GEMM producing ``h`` (fc1) was
             given as its ``grad_handoff``: ``dh`` then goes to fc1's backward in FP8 and autograd
-            carries a placeholder; only where ``h`` feeds nothing else (see the class).
+            carries a placeholder; only where ``h`` feeds nothing else (see the class), and only
+            under a tensorwise or rowwise recipe (:func:`fuses_swiglu`).
         delayed_state: with ``config.strategy="delayed"``, fc2's ``DelayedScalingState``: its
             ``input`` history scales ``a``, its ``grad_output`` history fc2's ``dy`` (``dh`` takes
             fc1's, through ``h_grad_handoff``).
     """
     config = resolve_call_options(config, num_cu, out_dtype, delayed_state)
-    if not fuses_swiglu(config):
-        raise ValueError(f"grouped_gemm_fp8_swiglu supports tensorwise and rowwise scaling, got "
-                         f"{'fine-grained ' if config.fine_grained else ''}{config.granularity.value}; "
+    if not swiglu_gemm_supports(config):  # resolve_call_options took a Float8Config: today every one passes
+        raise ValueError(f"grouped_gemm_fp8_swiglu does not support {config.granularity.value} scaling; "
                          "apply the activation, then grouped_gemm_fp8")
+    if h_grad_handoff is not None and not fuses_swiglu(config):
+        raise ValueError(f"h_grad_handoff needs a tensorwise or rowwise recipe (dh goes to fc1 in FP8), got "
+                         f"{config.granularity.value}: pass none, dh then goes to fc1 in h's dtype")
     for name, t in (("h", h), ("w", w), ("probs", probs)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -324,5 +336,10 @@ def grouped_gemm_fp8_swiglu(h: torch.Tensor, probs: torch.Tensor, w: torch.Tenso
     p = probs.reshape(-1)
     p = p if p.is_contiguous() else p.contiguous()
     out_dtype = _autocast_out_dtype(h, out_dtype)
+    if config.fine_grained:
+        from .fine_grained.swiglu import grouped_gemm_fine_swiglu
+
+        return grouped_gemm_fine_swiglu(h, p, w, offs, config=config, num_cu=num_cu, backend=backend, out_dtype=out_dtype,
+                                        w_fp8=w_fp8, wgrad_target=wgrad_target)
     return GroupedSwiGLUGemmFP8Function.apply(h, p, w, offs, config, num_cu, backend, out_dtype, w_fp8, wgrad_target,
                                               h_grad_handoff, delayed_state)

@@ -27,7 +27,8 @@ from ..config import Float8Config
 from .gemm import BlockScaledProblem, run_block_scaled
 from .quantize import quantize_rows, quantize_tokens_for_wgrad, quantize_weight_blocks, recipe_of
 
-__all__ = ["FineGrainedFP8Function", "grouped_gemm_fine", "grouped_wgrad_fine", "quantize_weight_fine"]
+__all__ = ["FineGrainedFP8Function", "grouped_gemm_fine", "grouped_wgrad_fine", "quantize_weight_fine", "fine_forward",
+           "fine_backward"]
 
 
 def quantize_weight_fine(w_nk: torch.Tensor, config: Float8Config, transposed: bool = True):
@@ -48,59 +49,76 @@ def _gemm(kind, a, b, sa, sb, offs, out_dtype, recipe, num_cu, backend, role, ou
     return run_block_scaled(problem, backend)
 
 
+def fine_forward(ctx, x, x_rows, w_nk, group_offs, config: Float8Config, num_cu, backend, out_dtype, w_fp8,
+                 wgrad_target, need_dx: bool, need_dw: bool):
+    """The forward GEMM of ``x`` (its rows copy ``x_rows = (fp8, scales)`` when the caller made it,
+    else made here) with what :func:`fine_backward` needs stashed on ``ctx``: ``(y, (x^T in FP8,
+    its scales, the wgrad's aligned offsets))``, the tensors for the caller to save."""
+    recipe, dtype, margin = recipe_of(config), config.forward_dtype, config.margin
+    if w_fp8 is None or (need_dx and w_fp8.data_t is None):
+        w_fp8 = quantize_weight_fine(w_nk, config, transposed=need_dx)
+    x_q, x_scale = quantize_rows(x, recipe, dtype, margin) if x_rows is None else x_rows
+    del x_rows
+    y = _gemm(GemmKind.M_GROUPED, x_q, w_fp8.data, x_scale, w_fp8.scale, group_offs, out_dtype, recipe,
+              num_cu, backend, "fwd")
+    del x_q  # the token-major copy (its own pass anyway) is made once the rows copy is freed
+    x_t = x_t_scale = wgrad_offs = None
+    if need_dw:
+        x_t, x_t_scale, wgrad_offs = quantize_tokens_for_wgrad(x, group_offs, recipe, dtype, margin)
+    ctx.w_kn = (w_fp8.data_t, w_fp8.scale_t) if need_dx else None  # dgrad's alone: dropped before wgrad
+    ctx.config, ctx.num_cu, ctx.backend = config, num_cu, backend
+    ctx.x_dtype, ctx.w_dtype = x.dtype, w_nk.dtype
+    ctx.wgrad_target = wgrad_target  # turbo_moe.autograd.WgradTarget
+    return y, (x_t, x_t_scale, wgrad_offs)
+
+
+def fine_backward(ctx, dy, w_nk, x_t, x_t_scale, group_offs, wgrad_offs, need_dx: bool, need_dw: bool):
+    """``(dx or None, dW or None)`` of :func:`fine_forward`'s GEMM (``w_nk`` saved where ``need_dx``)."""
+    config = ctx.config
+    recipe, gdtype, margin = recipe_of(config), config.grad_dtype, config.margin
+    w_kn, ctx.w_kn = ctx.w_kn, None
+    if w_kn is None and need_dx:  # a second backward (retain_graph): re-derive W^T
+        requantized = quantize_weight_fine(w_nk, config, transposed=True)
+        w_kn = (requantized.data_t, requantized.scale_t)
+    dy = dy.contiguous()
+    dx = dw = None
+    if need_dx:
+        dy_q, dy_scale = quantize_rows(dy, recipe, gdtype, margin)
+        dx = _gemm(GemmKind.M_GROUPED, dy_q, w_kn[0], dy_scale, w_kn[1], group_offs, ctx.x_dtype, recipe,
+                   ctx.num_cu, ctx.backend, "dgrad")
+        del dy_q, w_kn
+    if need_dw:
+        dy_t, dy_t_scale, _ = quantize_tokens_for_wgrad(dy, group_offs, recipe, gdtype, margin, wgrad_offs)
+        if ctx.wgrad_target is None:
+            dw = _gemm(GemmKind.K_GROUPED, dy_t, x_t, dy_t_scale, x_t_scale, wgrad_offs, ctx.w_dtype, recipe,
+                       ctx.num_cu, ctx.backend, "wgrad")
+        else:  # into the caller's buffer, or deferred (turbo_moe.autograd.WgradTarget)
+            from ..autograd import DeferredWgrad, finish_wgrad
+
+            dw = finish_wgrad(ctx.wgrad_target, DeferredWgrad(functools.partial(
+                _gemm, GemmKind.K_GROUPED, dy_t, x_t, dy_t_scale, x_t_scale, wgrad_offs, recipe=recipe,
+                num_cu=ctx.num_cu, backend=ctx.backend, role="wgrad")))
+    return dx, dw
+
+
 class FineGrainedFP8Function(torch.autograd.Function):
     """Blockwise / MXFP8 grouped GEMM; ``w`` is passed as ``[G, N, K]``."""
 
     @staticmethod
     def forward(ctx, x, w_nk, group_offs, config: Float8Config, num_cu, backend, out_dtype, w_fp8=None,
                 wgrad_target=None):
-        recipe, dtype, margin = recipe_of(config), config.forward_dtype, config.margin
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if w_fp8 is None or (need_dx and w_fp8.data_t is None):
-            w_fp8 = quantize_weight_fine(w_nk, config, transposed=need_dx)
-        x_q, x_scale = quantize_rows(x, recipe, dtype, margin)
-        y = _gemm(GemmKind.M_GROUPED, x_q, w_fp8.data, x_scale, w_fp8.scale, group_offs, out_dtype, recipe,
-                  num_cu, backend, "fwd")
-        del x_q  # the token-major copy (its own pass anyway) is made once the rows copy is freed
-        x_t = x_t_scale = wgrad_offs = None
-        if need_dw:
-            x_t, x_t_scale, wgrad_offs = quantize_tokens_for_wgrad(x, group_offs, recipe, dtype, margin)
-        ctx.w_kn = (w_fp8.data_t, w_fp8.scale_t) if need_dx else None  # dgrad's alone: dropped before wgrad
+        y, (x_t, x_t_scale, wgrad_offs) = fine_forward(ctx, x, None, w_nk, group_offs, config, num_cu, backend,
+                                                       out_dtype, w_fp8, wgrad_target, need_dx, need_dw)
         ctx.save_for_backward(w_nk if need_dx else None, x_t, x_t_scale, group_offs, wgrad_offs)
-        ctx.config, ctx.num_cu, ctx.backend = config, num_cu, backend
-        ctx.x_dtype, ctx.w_dtype = x.dtype, w_nk.dtype
-        ctx.wgrad_target = wgrad_target  # turbo_moe.autograd.WgradTarget
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         w_nk, x_t, x_t_scale, group_offs, wgrad_offs = ctx.saved_tensors
-        config = ctx.config
-        recipe, gdtype, margin = recipe_of(config), config.grad_dtype, config.margin
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        w_kn, ctx.w_kn = ctx.w_kn, None
-        if w_kn is None and need_dx:  # a second backward (retain_graph): re-derive W^T
-            requantized = quantize_weight_fine(w_nk, config, transposed=True)
-            w_kn = (requantized.data_t, requantized.scale_t)
-        dy = dy.contiguous()
-        dx = dw = None
-        if need_dx:
-            dy_q, dy_scale = quantize_rows(dy, recipe, gdtype, margin)
-            dx = _gemm(GemmKind.M_GROUPED, dy_q, w_kn[0], dy_scale, w_kn[1], group_offs, ctx.x_dtype, recipe,
-                       ctx.num_cu, ctx.backend, "dgrad")
-            del dy_q, w_kn
-        if need_dw:
-            dy_t, dy_t_scale, _ = quantize_tokens_for_wgrad(dy, group_offs, recipe, gdtype, margin, wgrad_offs)
-            if ctx.wgrad_target is None:
-                dw = _gemm(GemmKind.K_GROUPED, dy_t, x_t, dy_t_scale, x_t_scale, wgrad_offs, ctx.w_dtype, recipe,
-                           ctx.num_cu, ctx.backend, "wgrad")
-            else:  # into the caller's buffer, or deferred (turbo_moe.autograd.WgradTarget)
-                from ..autograd import DeferredWgrad, finish_wgrad
-
-                dw = finish_wgrad(ctx.wgrad_target, DeferredWgrad(functools.partial(
-                    _gemm, GemmKind.K_GROUPED, dy_t, x_t, dy_t_scale, x_t_scale, wgrad_offs, recipe=recipe,
-                    num_cu=ctx.num_cu, backend=ctx.backend, role="wgrad")))
+        dx, dw = fine_backward(ctx, dy, w_nk, x_t, x_t_scale, group_offs, wgrad_offs, ctx.needs_input_grad[0],
+                               ctx.needs_input_grad[1])
         return dx, dw, None, None, None, None, None, None, None
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "FineRecipe", "recipe_of", "quantize_rows", "quantize_weight_blocks", "quantize_tokens",
     "token_slots", "token_slot_mask", "dequantize_scales", "num_token_slots", "quantize_tokens_aligned",
     "aligned_token_offsets", "aligned_token_columns", "quantize_tokens_for_wgrad", "WGRAD_TOKEN_ALIGN",
+    "quantize_swiglu_rows",
 ]
 
 # Largest e8m0 exponent a scale takes (and minus the smallest): 2**X and 2**-X stay normal float32.
@@ -136,6 +137,23 @@ def quantize_rows(t: torch.Tensor, recipe: FineRecipe, fp8_dtype: torch.dtype, m
     quant, stored = block_scales(amax, recipe, fp8_dtype, margin)
     q = _cast(blocks, quant[..., None], fp8_dtype).reshape(*lead, rows, nb * recipe.block)[..., :cols].contiguous()
     return q, stored.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def quantize_swiglu_rows(h: torch.Tensor, probs: torch.Tensor, recipe: FineRecipe, fp8_dtype: torch.dtype,
+                         margin: int = 0):
+    """fc2's input ``a = silu(h[:, :F]) * h[:, F:] * probs[:, None]`` (``turbo_moe.swiglu.weighted_swiglu``,
+    float32, rounded to h's dtype) and its rows copy: ``(a [M, F], fp8 [M, F], stored scales)``, the
+    copy bit for bit ``quantize_rows(a)``. On a GPU one launch computes ``a`` from ``h [M, 2F]``
+    (unit column stride) and ``probs [M]`` and casts it (``block_cast_rows`` of a stored ``a``
+    needs a launch and a read of ``a`` more)."""
+    kernels = _kernels(h)
+    if kernels is not None:
+        return kernels.swiglu_block_cast_rows(h, probs, recipe, fp8_dtype, fp8_max(fp8_dtype), _FP8_EMAX[fp8_dtype],
+                                              margin)
+    from ..swiglu import weighted_swiglu
+
+    a = weighted_swiglu(h, probs).to(h.dtype)
+    return (a, *quantize_rows(a, recipe, fp8_dtype, margin))
 
 
 def quantize_weight_blocks(w: torch.Tensor, recipe: FineRecipe, fp8_dtype: torch.dtype, margin: int = 0,

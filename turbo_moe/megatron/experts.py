@@ -174,9 +174,10 @@ class TurboMoEGroupedMLP(planned_layer.KeepsPlannedLayers, TEGroupedMLP):
 
     def _fuses_activation(self) -> bool:
         """Whether fc2 takes fc1's output and fuses the activation into its FP8 quantization:
-        SwiGLU with nothing around it (no clamp, offset, interleaving), an FP8 tensorwise or
-        rowwise fc2, and no activation option the fused path would ignore (recompute, FP8 input
-        store: there the activation runs unfused, as configured)."""
+        SwiGLU with nothing around it (no clamp, offset, interleaving), an FP8 fc2 (any recipe:
+        the fine-grained ones through ``turbo_moe.fine_grained.swiglu``), and no activation
+        option the fused path would ignore (recompute, FP8 input store: there the activation runs
+        unfused, as configured)."""
         fc2 = self.linear_fc2
         cfg = self.config
         return (isinstance(fc2, TurboGroupedLinear) and fc2.fuses_swiglu_input()

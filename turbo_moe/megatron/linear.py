@@ -21,7 +21,7 @@ from ..autograd import (
 )
 from ..checks import resolve_group_offs
 from ..delayed_scaling import delayed_state_for
-from ..swiglu import fuses_swiglu, grouped_gemm_fp8_swiglu
+from ..swiglu import fuses_swiglu, grouped_gemm_fp8_swiglu, swiglu_gemm_supports
 from .checkpoint import GroupedLinearCheckpointMixin
 from .main_grad import (
     _AccumulateWgradIntoMainGrad,
@@ -226,8 +226,8 @@ class TurboGroupedLinear(planned_layer.KeepsPlannedLayers, GroupedLinearCheckpoi
 
     def fuses_swiglu_input(self) -> bool:
         """Whether ``forward(h, swiglu_probs=probs)`` can take fc1's output and fuse the weighted
-        SwiGLU into this layer's FP8 input quantization (``turbo_moe.swiglu``)."""
-        return fuses_swiglu(self.fp8_config)
+        SwiGLU into this layer's FP8 input quantization (``turbo_moe.swiglu``): every FP8 recipe."""
+        return swiglu_gemm_supports(self.fp8_config)
 
     def _gemm(self, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
               wgrad_target: Optional[WgradTarget] = None, swiglu_probs: Optional[torch.Tensor] = None,
@@ -327,7 +327,8 @@ class TurboGroupedLinear(planned_layer.KeepsPlannedLayers, GroupedLinearCheckpoi
         ``[E+1]`` on x's device) instead.
         ``swiglu_probs``: ``[tokens]`` or ``[tokens, 1]`` routing weights; then ``x`` is fc1's output
         ``[tokens, 2 * in]`` and the layer computes ``(silu(x[:, :in]) * x[:, in:] * probs) @ W^T``
-        with the activation fused into its FP8 quantization (only where ``fuses_swiglu_input()``).
+        with the activation fused into its FP8 quantization (only where ``fuses_swiglu_input()``: an
+        FP8 recipe).
         ``grad_handoff``: a ``turbo_moe.autograd.QuantizedGradHandoff`` shared by fc1 and the fused
         fc2 of one expert MLP: given to fc1 (``hands_off_output_grad()``), fc1's output gradient
         arrives through it in FP8; given to fc2 with ``swiglu_probs``, fc2's backward hands
@@ -335,7 +336,7 @@ class TurboGroupedLinear(planned_layer.KeepsPlannedLayers, GroupedLinearCheckpoi
         """
         width = self.in_features if swiglu_probs is None else 2 * self.in_features
         if swiglu_probs is not None and not self.fuses_swiglu_input():
-            raise ValueError("swiglu_probs needs an FP8 tensorwise or rowwise recipe (fuses_swiglu_input() is False): "
+            raise ValueError("swiglu_probs needs an FP8 recipe (fuses_swiglu_input() is False): "
                              "apply the activation and pass its output instead")
         if grad_handoff is not None and swiglu_probs is None and not self.hands_off_output_grad():
             raise ValueError("grad_handoff needs an FP8 tensorwise or rowwise recipe and no bias added by this layer "
