@@ -51,14 +51,18 @@ def _gemm(kind, a, b, sa, sb, offs, out_dtype, recipe, num_cu, backend, role, ou
 
 def fine_forward(ctx, x, x_rows, w_nk, group_offs, config: Float8Config, num_cu, backend, out_dtype, w_fp8,
                  wgrad_target, need_dx: bool, need_dw: bool):
-    """The forward GEMM of ``x`` (its rows copy ``x_rows = (fp8, scales)`` when the caller made it,
-    else made here) with what :func:`fine_backward` needs stashed on ``ctx``: ``(y, (x^T in FP8,
-    its scales, the wgrad's aligned offsets))``, the tensors for the caller to save."""
+    """The forward GEMM of ``x`` (its rows copy when the caller made it: ``x_rows = [fp8, scales]``,
+    a list emptied here, so that the copy is freed after the GEMM; else made here) with what
+    :func:`fine_backward` needs stashed on ``ctx``: ``(y, (x^T in FP8, its scales, the wgrad's
+    aligned offsets))``, the tensors for the caller to save."""
     recipe, dtype, margin = recipe_of(config), config.forward_dtype, config.margin
     if w_fp8 is None or (need_dx and w_fp8.data_t is None):
         w_fp8 = quantize_weight_fine(w_nk, config, transposed=need_dx)
-    x_q, x_scale = quantize_rows(x, recipe, dtype, margin) if x_rows is None else x_rows
-    del x_rows
+    if x_rows is None:
+        x_q, x_scale = quantize_rows(x, recipe, dtype, margin)
+    else:
+        x_q, x_scale = x_rows
+        x_rows.clear()
     y = _gemm(GemmKind.M_GROUPED, x_q, w_fp8.data, x_scale, w_fp8.scale, group_offs, out_dtype, recipe,
               num_cu, backend, "fwd")
     del x_q  # the token-major copy (its own pass anyway) is made once the rows copy is freed

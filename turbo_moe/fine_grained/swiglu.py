@@ -16,7 +16,9 @@ rounded once to h's dtype), what Megatron's grouped experts compute between fc1 
   reduces ``dprobs`` in a second pass.
 
 Saved for backward: ``h`` and ``probs`` (the activation saves them too), ``a``'s token copy in FP8,
-and W^T in FP8 on ctx. ``dh`` goes to fc1 in h's dtype (fc1 quantizes it as any output gradient:
+and W^T in FP8 on ctx. Memory: fc2's output gradient stays alive through the activation's backward
+(autograd holds it until this backward returns; unfused, it is freed before the activation's
+backward runs): one ``[M, N]`` tensor more at that point. ``dh`` goes to fc1 in h's dtype (fc1 quantizes it as any output gradient:
 no FP8 handoff under these recipes). The rows copy of ``a`` is bit for bit ``quantize_rows`` of
 the ``a`` it comes with, so this equals the activation followed by ``grouped_gemm_fine`` where
 the activation computes ``weighted_swiglu``.
@@ -41,9 +43,12 @@ class FineGrainedSwiGLUGemmFunction(torch.autograd.Function):
                 wgrad_target=None):
         need_da = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         need_dw = ctx.needs_input_grad[2]
-        a, a_q, a_scale = quantize_swiglu_rows(h, probs, recipe_of(config), config.forward_dtype, config.margin)
-        y, (a_t, a_t_scale, wgrad_offs) = fine_forward(ctx, a, (a_q, a_scale), w_nk, group_offs, config, num_cu,
-                                                       backend, out_dtype, w_fp8, wgrad_target, need_da, need_dw)
+        a, *rows = quantize_swiglu_rows(h, probs, recipe_of(config), config.forward_dtype, config.margin)
+        # rows: a's FP8 rows copy, its last reference handed over (freed once the GEMM has read it,
+        # before a's token copy is made)
+        y, (a_t, a_t_scale, wgrad_offs) = fine_forward(ctx, a, rows, w_nk, group_offs, config, num_cu, backend,
+                                                       out_dtype, w_fp8, wgrad_target, need_da, need_dw)
+        del a
         ctx.save_for_backward(h if need_da else None, probs if need_da else None, w_nk if need_da else None,
                               a_t, a_t_scale, group_offs, wgrad_offs)
         return y
