@@ -500,6 +500,25 @@ def test_fine_grained_fused_matches_unfused_bits_and_float64(lens, f, n, granula
         assert torch.equal(w.grad[e], torch.zeros_like(w.grad[e]))
 
 
+def test_fine_grained_activation_backward_runs_after_fc2s_gradient_is_freed(monkeypatch):
+    """The fine-grained fused fc2 is two autograd nodes, as unfused: fc2's output gradient ([M, N])
+    is freed before the activation's backward allocates dh ([M, 2F]), so the fusion adds no peak."""
+    import weakref
+
+    import turbo_moe.swiglu as sw
+
+    h, p, w, offs, dy = _problem([5, 0, 7], 16, 8)
+    h.requires_grad_(), p.requires_grad_(), w.requires_grad_()
+    y = grouped_gemm_fp8_swiglu(h, p, w, offs, config=Float8Config(granularity=ScalingGranularity.BLOCKWISE))
+    refs, seen = [], []
+    y.register_hook(lambda g: refs.append(weakref.ref(g)))  # fc2's output gradient, not kept alive
+    backward = sw.weighted_swiglu_backward
+    monkeypatch.setattr(sw, "weighted_swiglu_backward",
+                        lambda *args: (seen.append(refs[0]() is None), backward(*args))[1])
+    (y.float() * dy.float()).sum().backward()  # y's gradient an intermediate, as in a model
+    assert seen == [True] and h.grad is not None and p.grad is not None
+
+
 def test_fused_only_what_is_asked():
     cfg = Float8Config()
     h, p, w, offs, dy = _problem([5, 7], 16, 8)

@@ -27,8 +27,7 @@ from ..config import Float8Config
 from .gemm import BlockScaledProblem, run_block_scaled
 from .quantize import quantize_rows, quantize_tokens_for_wgrad, quantize_weight_blocks, recipe_of
 
-__all__ = ["FineGrainedFP8Function", "grouped_gemm_fine", "grouped_wgrad_fine", "quantize_weight_fine", "fine_forward",
-           "fine_backward"]
+__all__ = ["FineGrainedFP8Function", "grouped_gemm_fine", "grouped_wgrad_fine", "quantize_weight_fine"]
 
 
 def quantize_weight_fine(w_nk: torch.Tensor, config: Float8Config, transposed: bool = True):
@@ -49,88 +48,75 @@ def _gemm(kind, a, b, sa, sb, offs, out_dtype, recipe, num_cu, backend, role, ou
     return run_block_scaled(problem, backend)
 
 
-def fine_forward(ctx, x, x_rows, w_nk, group_offs, config: Float8Config, num_cu, backend, out_dtype, w_fp8,
-                 wgrad_target, need_dx: bool, need_dw: bool):
-    """The forward GEMM of ``x`` (its rows copy when the caller made it: ``x_rows = [fp8, scales]``,
-    a list emptied here, so that the copy is freed after the GEMM; else made here) with what
-    :func:`fine_backward` needs stashed on ``ctx``: ``(y, (x^T in FP8, its scales, the wgrad's
-    aligned offsets))``, the tensors for the caller to save."""
-    recipe, dtype, margin = recipe_of(config), config.forward_dtype, config.margin
-    if w_fp8 is None or (need_dx and w_fp8.data_t is None):
-        w_fp8 = quantize_weight_fine(w_nk, config, transposed=need_dx)
-    if x_rows is None:
-        x_q, x_scale = quantize_rows(x, recipe, dtype, margin)
-    else:
-        x_q, x_scale = x_rows
-        x_rows.clear()
-    y = _gemm(GemmKind.M_GROUPED, x_q, w_fp8.data, x_scale, w_fp8.scale, group_offs, out_dtype, recipe,
-              num_cu, backend, "fwd")
-    del x_q  # the token-major copy (its own pass anyway) is made once the rows copy is freed
-    x_t = x_t_scale = wgrad_offs = None
-    if need_dw:
-        x_t, x_t_scale, wgrad_offs = quantize_tokens_for_wgrad(x, group_offs, recipe, dtype, margin)
-    ctx.w_kn = (w_fp8.data_t, w_fp8.scale_t) if need_dx else None  # dgrad's alone: dropped before wgrad
-    ctx.config, ctx.num_cu, ctx.backend = config, num_cu, backend
-    ctx.x_dtype, ctx.w_dtype = x.dtype, w_nk.dtype
-    ctx.wgrad_target = wgrad_target  # turbo_moe.autograd.WgradTarget
-    return y, (x_t, x_t_scale, wgrad_offs)
-
-
-def fine_backward(ctx, dy, w_nk, x_t, x_t_scale, group_offs, wgrad_offs, need_dx: bool, need_dw: bool):
-    """``(dx or None, dW or None)`` of :func:`fine_forward`'s GEMM (``w_nk`` saved where ``need_dx``)."""
-    config = ctx.config
-    recipe, gdtype, margin = recipe_of(config), config.grad_dtype, config.margin
-    w_kn, ctx.w_kn = ctx.w_kn, None
-    if w_kn is None and need_dx:  # a second backward (retain_graph): re-derive W^T
-        requantized = quantize_weight_fine(w_nk, config, transposed=True)
-        w_kn = (requantized.data_t, requantized.scale_t)
-    dy = dy.contiguous()
-    dx = dw = None
-    if need_dx:
-        dy_q, dy_scale = quantize_rows(dy, recipe, gdtype, margin)
-        dx = _gemm(GemmKind.M_GROUPED, dy_q, w_kn[0], dy_scale, w_kn[1], group_offs, ctx.x_dtype, recipe,
-                   ctx.num_cu, ctx.backend, "dgrad")
-        del dy_q, w_kn
-    if need_dw:
-        dy_t, dy_t_scale, _ = quantize_tokens_for_wgrad(dy, group_offs, recipe, gdtype, margin, wgrad_offs)
-        if ctx.wgrad_target is None:
-            dw = _gemm(GemmKind.K_GROUPED, dy_t, x_t, dy_t_scale, x_t_scale, wgrad_offs, ctx.w_dtype, recipe,
-                       ctx.num_cu, ctx.backend, "wgrad")
-        else:  # into the caller's buffer, or deferred (turbo_moe.autograd.WgradTarget)
-            from ..autograd import DeferredWgrad, finish_wgrad
-
-            dw = finish_wgrad(ctx.wgrad_target, DeferredWgrad(functools.partial(
-                _gemm, GemmKind.K_GROUPED, dy_t, x_t, dy_t_scale, x_t_scale, wgrad_offs, recipe=recipe,
-                num_cu=ctx.num_cu, backend=ctx.backend, role="wgrad")))
-    return dx, dw
-
-
 class FineGrainedFP8Function(torch.autograd.Function):
     """Blockwise / MXFP8 grouped GEMM; ``w`` is passed as ``[G, N, K]``."""
 
     @staticmethod
     def forward(ctx, x, w_nk, group_offs, config: Float8Config, num_cu, backend, out_dtype, w_fp8=None,
-                wgrad_target=None):
+                wgrad_target=None, x_rows=None):
+        # x_rows: x's rows copy when the caller made it (``[fp8, scales]``, a list emptied here:
+        # its last reference, so that the copy is freed once the GEMM has read it)
+        recipe, dtype, margin = recipe_of(config), config.forward_dtype, config.margin
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        y, (x_t, x_t_scale, wgrad_offs) = fine_forward(ctx, x, None, w_nk, group_offs, config, num_cu, backend,
-                                                       out_dtype, w_fp8, wgrad_target, need_dx, need_dw)
+        if w_fp8 is None or (need_dx and w_fp8.data_t is None):
+            w_fp8 = quantize_weight_fine(w_nk, config, transposed=need_dx)
+        if x_rows is None:
+            x_q, x_scale = quantize_rows(x, recipe, dtype, margin)
+        else:
+            x_q, x_scale = x_rows
+            x_rows.clear()
+        y = _gemm(GemmKind.M_GROUPED, x_q, w_fp8.data, x_scale, w_fp8.scale, group_offs, out_dtype, recipe,
+                  num_cu, backend, "fwd")
+        del x_q  # the token-major copy (its own pass anyway) is made once the rows copy is freed
+        x_t = x_t_scale = wgrad_offs = None
+        if need_dw:
+            x_t, x_t_scale, wgrad_offs = quantize_tokens_for_wgrad(x, group_offs, recipe, dtype, margin)
+        ctx.w_kn = (w_fp8.data_t, w_fp8.scale_t) if need_dx else None  # dgrad's alone: dropped before wgrad
         ctx.save_for_backward(w_nk if need_dx else None, x_t, x_t_scale, group_offs, wgrad_offs)
+        ctx.config, ctx.num_cu, ctx.backend = config, num_cu, backend
+        ctx.x_dtype, ctx.w_dtype = x.dtype, w_nk.dtype
+        ctx.wgrad_target = wgrad_target  # turbo_moe.autograd.WgradTarget
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         w_nk, x_t, x_t_scale, group_offs, wgrad_offs = ctx.saved_tensors
-        dx, dw = fine_backward(ctx, dy, w_nk, x_t, x_t_scale, group_offs, wgrad_offs, ctx.needs_input_grad[0],
-                               ctx.needs_input_grad[1])
-        return dx, dw, None, None, None, None, None, None, None
+        config = ctx.config
+        recipe, gdtype, margin = recipe_of(config), config.grad_dtype, config.margin
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        w_kn, ctx.w_kn = ctx.w_kn, None
+        if w_kn is None and need_dx:  # a second backward (retain_graph): re-derive W^T
+            requantized = quantize_weight_fine(w_nk, config, transposed=True)
+            w_kn = (requantized.data_t, requantized.scale_t)
+        dy = dy.contiguous()
+        dx = dw = None
+        if need_dx:
+            dy_q, dy_scale = quantize_rows(dy, recipe, gdtype, margin)
+            dx = _gemm(GemmKind.M_GROUPED, dy_q, w_kn[0], dy_scale, w_kn[1], group_offs, ctx.x_dtype, recipe,
+                       ctx.num_cu, ctx.backend, "dgrad")
+            del dy_q, w_kn
+        if need_dw:
+            dy_t, dy_t_scale, _ = quantize_tokens_for_wgrad(dy, group_offs, recipe, gdtype, margin, wgrad_offs)
+            if ctx.wgrad_target is None:
+                dw = _gemm(GemmKind.K_GROUPED, dy_t, x_t, dy_t_scale, x_t_scale, wgrad_offs, ctx.w_dtype, recipe,
+                           ctx.num_cu, ctx.backend, "wgrad")
+            else:  # into the caller's buffer, or deferred (turbo_moe.autograd.WgradTarget)
+                from ..autograd import DeferredWgrad, finish_wgrad
+
+                dw = finish_wgrad(ctx.wgrad_target, DeferredWgrad(functools.partial(
+                    _gemm, GemmKind.K_GROUPED, dy_t, x_t, dy_t_scale, x_t_scale, wgrad_offs, recipe=recipe,
+                    num_cu=ctx.num_cu, backend=ctx.backend, role="wgrad")))
+        return dx, dw, None, None, None, None, None, None, None, None
 
 
 def grouped_gemm_fine(x, w_nk, offs, *, config: Float8Config, num_cu=None, backend="auto", out_dtype=None,
-                      w_fp8=None, wgrad_target=None) -> torch.Tensor:
+                      w_fp8=None, wgrad_target=None, x_rows=None) -> torch.Tensor:
     """``turbo_moe.autograd._grouped_gemm_fp8_resolved`` for the fine-grained recipes (operands,
-    offsets, config and out_dtype already checked and resolved there)."""
-    return FineGrainedFP8Function.apply(x, w_nk, offs, config, num_cu, backend, out_dtype, w_fp8, wgrad_target)
+    offsets, config and out_dtype already checked and resolved there). ``x_rows``: see
+    ``FineGrainedFP8Function.forward``."""
+    return FineGrainedFP8Function.apply(x, w_nk, offs, config, num_cu, backend, out_dtype, w_fp8, wgrad_target,
+                                        x_rows)
 
 
 def grouped_wgrad_fine(dy, x, group_offs, *, config: Float8Config, num_cu=None, backend="auto",
