@@ -181,6 +181,7 @@ def case_swiglu_rows():
     row tile, bf16 and float32 h, a NaN and a zero row kept as the rows cast keeps them."""
     from turbo_moe.fine_grained import quantize as Q
     from turbo_moe.kernels.triton import blockwise_cast as BC
+    from turbo_moe.kernels.triton import swiglu_fp8 as SW
     from turbo_moe.swiglu import weighted_swiglu
 
     gen = torch.Generator().manual_seed(11)
@@ -192,7 +193,7 @@ def case_swiglu_rows():
             h[7] = 0.0
             h[9, 3] = float("nan")
             probs = torch.rand(45, generator=gen)
-            a, q, s = BC.swiglu_block_cast_rows(h, probs, recipe, E4M3, fmax, 8)
+            a, q, s = SW.swiglu_block_cast_rows(h, probs, recipe, E4M3, fmax, 8)
             ref = weighted_swiglu(h, probs).to(dtype)
             assert a.dtype == dtype and a.shape == (45, f) and torch.isnan(a[9, 3]) and torch.equal(a[7], ref[7])
             ok = ~torch.isnan(ref)

@@ -342,8 +342,10 @@ def test_megatron_fused_main_grad_bits_equal_fp32_accumulation(world, fp8, granu
         def pre_hook(module, args, kwargs):
             x = args[0].detach()
             if kwargs.get("swiglu_probs") is not None:  # fc2 fusing the activation: its input is fc1's
-                # output, and the GEMMs read the float32 activation (turbo_moe.swiglu)
-                x = weighted_swiglu(x, kwargs["swiglu_probs"].detach().reshape(-1))
+                # output, and the GEMMs read the float32 activation (turbo_moe.swiglu), rounded to
+                # h's dtype under the fine-grained recipes (turbo_moe.fine_grained.swiglu)
+                a = weighted_swiglu(x, kwargs["swiglu_probs"].detach().reshape(-1))
+                x = a.to(x.dtype) if fp8_config.fine_grained else a
             seen.setdefault(name, []).append([x, kwargs["group_offs"], None])
 
         def hook(module, args, kwargs, output):

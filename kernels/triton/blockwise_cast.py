@@ -6,9 +6,6 @@ MXFP8 exponents come from the amax's float32 bits (``_block_scales`` below). Thr
 
 * ``block_cast_rows_kernel``: 1xB blocks along the last dim of ``x [B, R, C]`` (any strides) ->
   contiguous FP8 and block-major scales (activations, gradients, MXFP8 weights both ways);
-* ``swiglu_block_cast_rows_kernel``: the same for fc2's input ``a = silu(gate) * linear * probs``
-  computed from fc1's output ``h = [gate | linear]``, writing ``a`` beside its rows copy (the
-  wgrad's token copy is cast from that ``a``), so the activation is no launch of its own;
 * ``block_cast_weight_kernel``: 128x128 blocks of ``w [G, N, K]`` -> FP8 ``[G, N, K]`` and its
   transpose ``[G, K, N]`` from one read (they share the scales);
 * ``block_cast_tokens_kernel``: the wgrad operand: ``x [M, C]`` in blocks of B tokens restarting
@@ -89,37 +86,6 @@ def block_cast_rows_kernel(
     tl.store(scale_ptr + batch * stride_sb + rows * stride_sr + kb * stride_sk, stored, mask=rows < R)
     q = _cast(x, quant[:, None], FP8_MAX, out_ptr.dtype.element_ty)
     tl.store(out_ptr + batch * R * C + rows[:, None] * C + cols[None, :], q, mask=mask)
-
-
-@triton.jit
-def swiglu_block_cast_rows_kernel(
-    h_ptr, probs_ptr, a_ptr, out_ptr, scale_ptr,
-    R, F, stride_h, stride_sr, stride_sk,
-    FP8_MAX: tl.constexpr, EMAX: tl.constexpr, MARGIN: tl.constexpr, MARGIN_FACTOR: tl.constexpr, E8M0: tl.constexpr, POW2: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    """Program (r, kb): ``a = silu(gate) * linear * probs`` (float32, in ``swiglu_fp8``'s order)
-    for rows [r*BLOCK_R, ...) and the columns of block kb, from ``h = [gate | linear]`` ([R, 2F],
-    unit column stride); stores ``a`` rounded to a's dtype, then casts those rounded values as
-    ``block_cast_rows_kernel`` casts a stored ``a``: the rows copy is that of the ``a`` returned."""
-    pid_r = tl.program_id(0)
-    kb = tl.program_id(1)
-    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = kb.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = (rows[:, None] < R) & (cols[None, :] < F)
-    at = rows[:, None] * stride_h + cols[None, :]
-    gate = tl.load(h_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    linear = tl.load(h_ptr + at + F, mask=mask, other=0.0).to(tl.float32)
-    p = tl.load(probs_ptr + rows, mask=rows < R, other=0.0).to(tl.float32)[:, None]
-    a = gate * tl.sigmoid(gate) * linear * p
-    if a_ptr.dtype.element_ty != tl.float32:
-        a = a.to(a_ptr.dtype.element_ty, fp_downcast_rounding="rtne")  # as torch's .to() rounds
-    tl.store(a_ptr + rows[:, None] * F + cols[None, :], a, mask=mask)
-    x = a.to(tl.float32)
-    quant, stored = _block_scales(_nan_max(tl.abs(x), 1), FP8_MAX, EMAX, MARGIN, MARGIN_FACTOR, E8M0, POW2)
-    tl.store(scale_ptr + rows * stride_sr + kb * stride_sk, stored, mask=rows < R)
-    q = _cast(x, quant[:, None], FP8_MAX, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows[:, None] * F + cols[None, :], q, mask=mask)
 
 
 @triton.jit
@@ -352,32 +318,6 @@ def block_cast_rows(x, recipe, fp8_dtype, fp8_max: float, emax: int, margin: int
     return (out[0], scale[0]) if squeeze else (out, scale)
 
 
-def swiglu_block_cast_rows(h, probs, recipe, fp8_dtype, fp8_max: float, emax: int, margin: int = 0):
-    """``turbo_moe.fine_grained.quantize.quantize_swiglu_rows`` on the device: one launch,
-    ``(a [M, F] in h's dtype, FP8 rows copy of a, its scales)``."""
-    import torch
-
-    _check_fp8_max(fp8_max, emax)
-    r, f = h.shape[0], h.shape[1] // 2
-    nb = _cdiv(f, recipe.block)
-    a = torch.empty((r, f), dtype=h.dtype, device=h.device)
-    out = torch.empty((r, f), dtype=fp8_dtype, device=h.device)
-    storage = torch.empty((nb, r), dtype=recipe.scale_dtype, device=h.device)
-    scale = storage.T  # [R, nb] view of block-major storage, as block_cast_rows returns
-    if r * nb:
-        block_r = 32 if recipe.block == 128 else 128
-        key = (h.dtype, probs.dtype, r, f, h.stride(0), fp8_dtype, recipe, margin, h.data_ptr() % 16 == 0,
-               probs.data_ptr() % 16 == 0, a.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
-               storage.data_ptr() % 16 == 0)
-        _lean["swiglu_block_cast_rows_kernel"].launch_keyed(
-            (_cdiv(r, block_r), nb), key,
-            h, probs, a, out, scale, r, f, h.stride(0), scale.stride(0), scale.stride(1),
-            FP8_MAX=fp8_max, EMAX=emax, MARGIN=margin, MARGIN_FACTOR=2.0 ** -margin, E8M0=recipe.e8m0,
-            POW2=recipe.pow2, BLOCK=recipe.block, BLOCK_R=block_r, num_warps=4,
-        )
-    return a, out, scale
-
-
 def block_cast_weight(w, recipe, fp8_dtype, fp8_max: float, margin: int = 0, transposed: bool = True):
     """``turbo_moe.fine_grained.quantize.quantize_weight_blocks`` on the device: one launch."""
     import torch
@@ -473,4 +413,4 @@ def _cast_tokens(x, group_offs, recipe, fp8_dtype, fp8_max, emax, margin, token_
 
 
 _lean = {name: lean(globals()[name]) for name in (
-    "block_cast_rows_kernel", "swiglu_block_cast_rows_kernel", "block_cast_weight_kernel", "block_cast_tokens_kernel")}
+    "block_cast_rows_kernel", "block_cast_weight_kernel", "block_cast_tokens_kernel")}

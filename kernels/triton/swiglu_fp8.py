@@ -24,6 +24,12 @@ forward, token-major for wgrad), so these kernels never write it in high precisi
   element of ``da``, 2 launches instead of 4 with the scale's). ``dh`` is quantized from its
   float32 values (one rounding, not bf16 then FP8).
 
+* forward, the fine-grained recipes (one launch): :func:`swiglu_block_cast_rows_kernel` computes
+  ``a``, writes it in h's dtype and casts those rounded values in 1xB blocks
+  (``blockwise_cast``'s scales and cast), the rows copy fc2's forward GEMM reads; the wgrad's token
+  copy is cast from the stored ``a`` (``blockwise_cast.block_cast_tokens_kernel``: it needs each
+  group's column block maxima first). The backward is :func:`swiglu_backward_kernel`'s.
+
 All arithmetic is float32 from the stored inputs (Megatron's own fusion rounds ``silu(gate) *
 linear`` to bf16 before weighting it; here only FP8 rounds ``a``). The scale math and the cast
 (round to nearest even, NaN kept) are ``fp8_cast``'s, so the quantization is the one
@@ -41,6 +47,8 @@ import triton.language as tl
 from .amax_history import delayed_scales, history_block, record_amax, tile_abs_max, tile_abs_max2
 from .fp8_cast import (MAX_PARTIALS, _amax_from_partials, _cdiv, _first_rows, _quant_scales, abs_max_keep_nan,
                        clamp_keep_nan)
+from .blockwise_cast import _block_scales, _check_fp8_max, _nan_max
+from .blockwise_cast import _cast as _block_cast
 from .launch import arg_fact, lean
 
 
@@ -324,6 +332,37 @@ def swiglu_dprobs_sum_kernel(part_ptr, dprobs_ptr, R, num_parts, BLOCK: tl.const
     for c in range(0, num_parts):
         acc += tl.load(part_ptr + c * R + rows, mask=ok, other=0.0)
     tl.store(dprobs_ptr + rows, acc.to(dprobs_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def swiglu_block_cast_rows_kernel(
+    h_ptr, probs_ptr, a_ptr, out_ptr, scale_ptr,
+    R, F, stride_h, stride_sr, stride_sk,
+    FP8_MAX: tl.constexpr, EMAX: tl.constexpr, MARGIN: tl.constexpr, MARGIN_FACTOR: tl.constexpr, E8M0: tl.constexpr, POW2: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Program (r, kb): ``a = silu(gate) * linear * probs`` (float32, in ``_weighted_swiglu_tile``'s order)
+    for rows [r*BLOCK_R, ...) and the columns of block kb, from ``h = [gate | linear]`` ([R, 2F],
+    unit column stride); stores ``a`` rounded to a's dtype, then casts those rounded values as
+    ``blockwise_cast.block_cast_rows_kernel`` casts a stored ``a``: the rows copy is that of the ``a`` returned."""
+    pid_r = tl.program_id(0)
+    kb = tl.program_id(1)
+    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = kb.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows[:, None] < R) & (cols[None, :] < F)
+    at = rows[:, None] * stride_h + cols[None, :]
+    gate = tl.load(h_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    linear = tl.load(h_ptr + at + F, mask=mask, other=0.0).to(tl.float32)
+    p = tl.load(probs_ptr + rows, mask=rows < R, other=0.0).to(tl.float32)[:, None]
+    a = gate * tl.sigmoid(gate) * linear * p
+    if a_ptr.dtype.element_ty != tl.float32:
+        a = a.to(a_ptr.dtype.element_ty, fp_downcast_rounding="rtne")  # as torch's .to() rounds
+    tl.store(a_ptr + rows[:, None] * F + cols[None, :], a, mask=mask)
+    x = a.to(tl.float32)
+    quant, stored = _block_scales(_nan_max(tl.abs(x), 1), FP8_MAX, EMAX, MARGIN, MARGIN_FACTOR, E8M0, POW2)
+    tl.store(scale_ptr + rows * stride_sr + kb * stride_sk, stored, mask=rows < R)
+    q = _block_cast(x, quant[:, None], FP8_MAX, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * F + cols[None, :], q, mask=mask)
 
 
 # Tiles: the amax and backward passes walk whole rows. The casts take 32 rows x 128 columns of `a`
@@ -628,8 +667,34 @@ def swiglu_backward_dh_amax(h, probs, da):
     return stats[:num_partials].max()
 
 
+def swiglu_block_cast_rows(h, probs, recipe, fp8_dtype, fp8_max: float, emax: int, margin: int = 0):
+    """``turbo_moe.fine_grained.quantize.quantize_swiglu_rows`` on the device: one launch,
+    ``(a [M, F] in h's dtype, FP8 rows copy of a, its scales)``."""
+    import torch
+
+    _check_fp8_max(fp8_max, emax)
+    r, f = h.shape[0], h.shape[1] // 2
+    nb = _cdiv(f, recipe.block)
+    a = torch.empty((r, f), dtype=h.dtype, device=h.device)
+    out = torch.empty((r, f), dtype=fp8_dtype, device=h.device)
+    storage = torch.empty((nb, r), dtype=recipe.scale_dtype, device=h.device)
+    scale = storage.T  # [R, nb] view of block-major storage, as block_cast_rows returns
+    if r * nb:
+        block_r = 32 if recipe.block == 128 else 128
+        key = (h.dtype, probs.dtype, r, f, h.stride(0), fp8_dtype, recipe, margin, h.data_ptr() % 16 == 0,
+               probs.data_ptr() % 16 == 0, a.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
+               storage.data_ptr() % 16 == 0)
+        _block_rows.launch_keyed(
+            (_cdiv(r, block_r), nb), key,
+            h, probs, a, out, scale, r, f, h.stride(0), scale.stride(0), scale.stride(1),
+            FP8_MAX=fp8_max, EMAX=emax, MARGIN=margin, MARGIN_FACTOR=2.0 ** -margin, E8M0=recipe.e8m0,
+            POW2=recipe.pow2, BLOCK=recipe.block, BLOCK_R=block_r, num_warps=4,
+        )
+    return a, out, scale
+
+
 # Host-lean launchers of the kernels above (kernels/triton/launch.py).
-_amax, _cast, _backward, _backward_amax, _backward_cast, _cast_delayed, _backward_delayed, _dprobs_sum = (
+_amax, _cast, _backward, _backward_amax, _backward_cast, _cast_delayed, _backward_delayed, _dprobs_sum, _block_rows = (
     lean(k) for k in (swiglu_amax_partials_kernel, swiglu_fp8_cast_kernel, swiglu_backward_kernel,
                       swiglu_backward_amax_kernel, swiglu_backward_fp8_cast_kernel, swiglu_fp8_cast_delayed_kernel,
-                      swiglu_backward_fp8_delayed_kernel, swiglu_dprobs_sum_kernel))
+                      swiglu_backward_fp8_delayed_kernel, swiglu_dprobs_sum_kernel, swiglu_block_cast_rows_kernel))

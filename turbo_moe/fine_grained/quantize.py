@@ -146,10 +146,11 @@ def quantize_swiglu_rows(h: torch.Tensor, probs: torch.Tensor, recipe: FineRecip
     copy bit for bit ``quantize_rows(a)``. On a GPU one launch computes ``a`` from ``h [M, 2F]``
     (unit column stride) and ``probs [M]`` and casts it (``block_cast_rows`` of a stored ``a``
     needs a launch and a read of ``a`` more)."""
-    kernels = _kernels(h)
-    if kernels is not None:
-        return kernels.swiglu_block_cast_rows(h, probs, recipe, fp8_dtype, fp8_max(fp8_dtype), _FP8_EMAX[fp8_dtype],
-                                              margin)
+    if h.is_cuda:
+        from turbo_moe.kernels.triton import swiglu_fp8
+
+        return swiglu_fp8.swiglu_block_cast_rows(h, probs, recipe, fp8_dtype, fp8_max(fp8_dtype), _FP8_EMAX[fp8_dtype],
+                                                 margin)
     from ..swiglu import weighted_swiglu
 
     a = weighted_swiglu(h, probs).to(h.dtype)
