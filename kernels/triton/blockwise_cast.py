@@ -181,8 +181,10 @@ def _cast_token_block(x_ptr, out_t_ptr, scale_ptr, t0, lo, hi, start, end, slot,
     col_ok = c < C - col0
     x = tl.load(x_blk + r[:, None] * stride_xm + c[None, :] * stride_xc, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
     quant, stored = _block_scales(_nan_max(tl.abs(x.to(tl.float32)), 0), FP8_MAX, EMAX, MARGIN, MARGIN_FACTOR, E8M0, POW2)
-    # in bounds whatever the offsets, as the offsets the kernel writes
-    tl.store(scale_ptr + slot * stride_ss + col0 * stride_sc + c * stride_sc, stored, mask=col_ok & ((c * 0 + slot) < slots))  # a vector: the interpreter's mask
+    # in bounds whatever the offsets, as the offsets the kernel writes (the slot test broadcast to a
+    # vector: the interpreter takes no scalar mask)
+    slot_ok = (c * 0 + slot) < slots
+    tl.store(scale_ptr + slot * stride_ss + col0 * stride_sc + c * stride_sc, stored, mask=col_ok & slot_ok)
     # the cast reads the block again, transposed (fp8_cast's module docstring; here casting the
     # first load through transposed store addresses measured 1-4% slower, H100)
     x_t = tl.load(x_blk + r[None, :] * stride_xm + c[:, None] * stride_xc, mask=col_ok[:, None] & row_ok[None, :], other=0.0)
@@ -361,8 +363,10 @@ def block_cast_tokens_aligned(x, group_offs, recipe, fp8_dtype, fp8_max: float, 
 _TOKEN_TILE = (32, 4)
 # 0: the split grid; n > 0 (a power of two): a grid of n scale slots a program (the kernel's FLAT).
 # scripts/probe_token_cast.py, H100, 64 x 1536 tokens, C 1024, ms balanced / Zipf / one hot expert:
-# the split grid 0.175 / 0.342 / 0.444, one slot a program 0.207 / 0.214 / 0.218 (2, 4 and 8 slots
-# slower, 64 columns slower); the same at C 2048-7168: routing no longer moves its time.
+# the split grid 0.175 / 0.342 / 0.444 (as it was, int64 addresses; 0.240 / 0.358 / 0.449 through
+# _cast_token_block's int32 ones), one slot a program 0.207 / 0.214 / 0.218, 0.199 / 0.206 / 0.208
+# with the vector stores (2, 4 and 8 slots slower, 64 columns slower); the same at C 2048-7168:
+# routing no longer moves its time.
 _TOKEN_FLAT = 1
 
 
