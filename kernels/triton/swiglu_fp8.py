@@ -350,11 +350,7 @@ def swiglu_block_cast_rows_kernel(
     rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = kb.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = (rows[:, None] < R) & (cols[None, :] < F)
-    at = rows[:, None] * stride_h + cols[None, :]
-    gate = tl.load(h_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    linear = tl.load(h_ptr + at + F, mask=mask, other=0.0).to(tl.float32)
-    p = tl.load(probs_ptr + rows, mask=rows < R, other=0.0).to(tl.float32)[:, None]
-    a = gate * tl.sigmoid(gate) * linear * p
+    a = _weighted_swiglu_tile(h_ptr, probs_ptr, rows, cols, R, F, stride_h, True)
     if a_ptr.dtype.element_ty != tl.float32:
         a = a.to(a_ptr.dtype.element_ty, fp_downcast_rounding="rtne")  # as torch's .to() rounds
     tl.store(a_ptr + rows[:, None] * F + cols[None, :], a, mask=mask)
