@@ -212,6 +212,42 @@ def case_swiglu_rows():
     return "bitwise rows copy of the returned a: " + ", ".join(checked)
 
 
+def case_swiglu_backward_rows():
+    """The SwiGLU backward with dh's rows copy (``swiglu_backward_block_rows``): dh and dprobs bit
+    for bit ``swiglu_backward``'s (the same tiles and sums), the copy bit for bit
+    ``block_cast_rows(dh)``; F a multiple of the block but not of the 128-column tile (MXFP8: a
+    chunk's last blocks outside F), rows off the row tile, a NaN row; F off the block refused."""
+    from turbo_moe.fine_grained import quantize as Q
+    from turbo_moe.kernels.triton import blockwise_cast as BC
+    from turbo_moe.kernels.triton import swiglu_fp8 as SW
+
+    gen = torch.Generator().manual_seed(12)
+    checked = []
+    for recipe, f in ((Q.BLOCKWISE, 256), (Q.MXFP8, 96), (Q.BLOCKWISE._replace(pow2=True), 128)):
+        fmax = torch.finfo(E4M3).max
+        h = (torch.randn(21, 2 * f, generator=gen) * 3).bfloat16()
+        da = torch.randn(21, f, generator=gen).bfloat16()
+        da[4, 7] = float("nan")
+        probs = torch.rand(21, generator=gen)
+        dh, dprobs, q, s = SW.swiglu_backward_block_rows(h, probs, da, torch.float32, recipe, E4M3, fmax, 8)
+        dh0, dprobs0 = SW.swiglu_backward(h, probs, da, torch.float32)
+        assert torch.equal(dh.view(torch.int16), dh0.view(torch.int16)) and torch.equal(dprobs.isnan(), dprobs0.isnan())
+        assert torch.equal(dprobs.nan_to_num(0.0), dprobs0.nan_to_num(0.0))
+        q0, s0 = BC.block_cast_rows(dh, recipe, E4M3, fmax, 8)
+        assert q.shape == q0.shape and s.shape == s0.shape, (q.shape, s.shape, s0.shape)
+        assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)), recipe
+        assert torch.equal(s.reshape(-1).view(torch.uint8), s0.reshape(-1).view(torch.uint8)), recipe
+        checked.append(f"{'mx' if recipe.e8m0 else 'pow2' if recipe.pow2 else 'block'}/F={f}")
+    try:
+        SW.swiglu_backward_block_rows(torch.zeros(4, 2 * 100).bfloat16(), torch.ones(4), torch.zeros(4, 100).bfloat16(),
+                                      torch.float32, Q.BLOCKWISE, E4M3, torch.finfo(E4M3).max, 8)
+    except ValueError as e:
+        assert "multiple of the recipe's block" in str(e)
+    else:
+        raise AssertionError("F = 100 under blockwise was not refused")
+    return "bitwise dh, dprobs and rows copy: " + ", ".join(checked)
+
+
 def _problem(kind, recipe, lens, n, k, a_fp8, gen, accumulate=False, aligned=False):
     from turbo_moe.backends.base import GemmKind
     from turbo_moe.fine_grained import BlockScaledProblem
@@ -297,6 +333,7 @@ CASES = {
     "casts_bitwise": case_casts,
     "casts_aligned_token_layout": case_casts_aligned,
     "casts_swiglu_rows": case_swiglu_rows,
+    "casts_swiglu_backward_rows": case_swiglu_backward_rows,
     # The wgrad over the aligned token layout (groups off 16 tokens moved onto boundaries, zeros
     # between): the TMA kernel's aligned walk against the float64 reference of that problem.
     "k_blockwise_aligned_layout": lambda: case_gemm("k", "blockwise", [5, 0, 140, 1, 16, 77], 40, 48, tma=True,

@@ -244,6 +244,35 @@ def test_fused_swiglu_fc2_on_the_gpu(granularity, f):
         assert float((got.double() - want).norm() / want.norm()) < 0.06  # e4m3 operands, bf16 dh
 
 
+@pytest.mark.parametrize("granularity", ["blockwise", "mxfp8"])
+def test_fused_swiglu_dh_rows_handoff_on_the_gpu(granularity):
+    """fc2's backward kernel writes dh's rows copy for fc1's dgrad (GradRowsHandoff,
+    ``swiglu_backward_block_rows``): every gradient bit for bit the run without the handoff (dh
+    and dprobs the same kernel math and sums, the copy ``block_cast_rows(dh)``'s bits)."""
+    from turbo_moe.autograd import _grouped_gemm_fp8_resolved
+    from turbo_moe.fine_grained.autograd import GradRowsHandoff
+    from turbo_moe.swiglu import grouped_gemm_fp8_swiglu
+
+    cfg = Float8Config(granularity=granularity)
+    gen = torch.Generator().manual_seed(6)
+    lens, k, f, n = [300, 0, 700, 24], 512, 384, 256
+    offs = torch.tensor([0] + lens).cumsum(0).cuda()
+    x0 = (torch.randn(sum(lens), k, generator=gen) * 2).cuda().bfloat16()
+    w10 = (torch.randn(len(lens), 2 * f, k, generator=gen) / k ** 0.5).cuda().bfloat16()
+    w20 = (torch.randn(len(lens), n, f, generator=gen) / f ** 0.5).cuda().bfloat16()
+    p0 = torch.rand(sum(lens), generator=gen).cuda()
+    dy = torch.randn(sum(lens), n, generator=gen).cuda().bfloat16()
+    grads = []
+    for handoff in (None, GradRowsHandoff()):
+        x, w1, w2, p = (t.clone().requires_grad_() for t in (x0, w10, w20, p0))
+        h = _grouped_gemm_fp8_resolved(x, w1, offs, config=cfg, grad_handoff=handoff)
+        grouped_gemm_fp8_swiglu(h, p, w2, offs, config=cfg, h_grad_handoff=handoff).backward(dy)
+        grads.append((x.grad, p.grad, w1.grad, w2.grad))
+        assert handoff is None or (handoff.expecting is not None and handoff._held is None)
+    for name, a, b in zip(("dx", "dprobs", "dW1", "dW2"), *grads):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("cooperative", [True, False], ids=["cooperative", "single-stream"])
 @pytest.mark.parametrize("out", ["fp32", "bf16", "main_grad"])
 @pytest.mark.parametrize("lens", [[16, 0, 300, 4, 0, 128, 512], [1024], [0, 131, 77, 1, 0, 259, 0, 60, 0]])

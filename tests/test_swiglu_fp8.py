@@ -519,6 +519,76 @@ def test_fine_grained_activation_backward_runs_after_fc2s_gradient_is_freed(monk
     assert seen == [True] and h.grad is not None and p.grad is not None
 
 
+def _fine_mlp_grads(granularity, handoff, h_also=None, seed=4):
+    """fc1 (FineGrainedFP8Function) -> the fused fine-grained SwiGLU + fc2, with or without a
+    GradRowsHandoff between them; ``h_also``: a second use of fc1's output added to y (its gradient
+    then sums with dh). Returns the gradients of x, probs, W1 and W2, and the handoff."""
+    from turbo_moe.autograd import _grouped_gemm_fp8_resolved
+    from turbo_moe.fine_grained.autograd import GradRowsHandoff
+
+    cfg = Float8Config(granularity=granularity)
+    gen = torch.Generator().manual_seed(seed)
+    lens, k, f, n = [40, 0, 91, 128], 96, 128, 64
+    m = sum(lens)
+    offs = torch.tensor([0] + lens).cumsum(0)
+    x = (torch.randn(m, k, generator=gen) * 2).bfloat16().requires_grad_()
+    w1 = (torch.randn(len(lens), 2 * f, k, generator=gen) / k ** 0.5).bfloat16().requires_grad_()
+    w2 = (torch.randn(len(lens), n, f, generator=gen) / f ** 0.5).bfloat16().requires_grad_()
+    p = torch.rand(m, generator=gen).requires_grad_()
+    dy = torch.randn(m, n, generator=gen).bfloat16()
+    ho = GradRowsHandoff() if handoff else None
+    h = _grouped_gemm_fp8_resolved(x, w1, offs, config=cfg, backend="torch", grad_handoff=ho)
+    y = grouped_gemm_fp8_swiglu(h, p, w2, offs, config=cfg, backend="torch", h_grad_handoff=ho)
+    loss = (y.float() * dy.float()).sum()
+    if h_also is not None:
+        loss = loss + h_also(h)
+    loss.backward()
+    return (x.grad, p.grad, w1.grad, w2.grad), ho
+
+
+@pytest.mark.parametrize("granularity", ["blockwise", "mxfp8"])
+def test_fine_grained_dh_rows_handoff_is_taken_and_changes_no_bit(granularity, monkeypatch):
+    """fc2's backward makes dh's rows copy for fc1's dgrad (GradRowsHandoff): fc1 casts dh once
+    fewer, and every gradient is bit for bit the run without the handoff."""
+    import turbo_moe.fine_grained.autograd as fine_autograd
+
+    plain, _ = _fine_mlp_grads(granularity, handoff=False)
+    casts = []
+    rows = fine_autograd.quantize_rows
+    monkeypatch.setattr(fine_autograd, "quantize_rows", lambda t, *a: (casts.append(tuple(t.shape)), rows(t, *a))[1])
+    handed, ho = _fine_mlp_grads(granularity, handoff=True)
+    assert ho.expecting is not None and ho._held is None  # expected by fc1, put by fc2, taken by fc1
+    assert (259, 256) not in casts, casts  # dh [M, 2F] never cast by fc1
+    for name, a, b in zip(("dx", "dprobs", "dW1", "dW2"), plain, handed):
+        assert torch.equal(a, b), name
+
+
+def test_fine_grained_dh_rows_handoff_steps_aside_for_a_summed_gradient():
+    """fc1's output used twice: its gradient is dh plus the other use's, a tensor the rows copy was
+    not made for, so fc1 casts it itself: the same bits as without the handoff."""
+    also = lambda h: (h.float() * 0.25).sum()  # noqa: E731
+    plain, _ = _fine_mlp_grads("blockwise", handoff=False, h_also=also)
+    handed, ho = _fine_mlp_grads("blockwise", handoff=True, h_also=also)
+    assert ho._held is None
+    for name, a, b in zip(("dx", "dprobs", "dW1", "dW2"), plain, handed):
+        assert torch.equal(a, b), name
+
+
+def test_grad_rows_handoff_matches_only_the_tensor_it_was_made_for():
+    from turbo_moe.fine_grained.autograd import GradRowsHandoff
+
+    ho = GradRowsHandoff()
+    dh, rows, scales = torch.randn(4, 8), torch.zeros(4, 8), torch.ones(4, 1)
+    ho.put(dh, rows, scales)
+    assert ho.take(dh.clone()) is None and ho.take(dh) is None  # a look drops the held copy either way
+    ho.put(dh, rows, scales)
+    dh.add_(1.0)  # written in place since (autograd summing another gradient into it)
+    assert ho.take(dh) is None
+    ho.put(dh, rows, scales)
+    got = ho.take(dh)
+    assert got[0] is rows and got[1] is scales
+
+
 def test_fused_only_what_is_asked():
     cfg = Float8Config()
     h, p, w, offs, dy = _problem([5, 7], 16, 8)
@@ -542,8 +612,12 @@ def test_fused_recipe_and_bad_input_errors():
     blockwise = Float8Config(granularity=ScalingGranularity.BLOCKWISE)
     assert swiglu_gemm_supports(blockwise) and swiglu_gemm_supports(Float8Config(granularity="mxfp8"))
     assert not swiglu_gemm_supports(None)
-    with pytest.raises(ValueError, match="h_grad_handoff needs a tensorwise or rowwise recipe"):
+    from turbo_moe.fine_grained.autograd import GradRowsHandoff
+
+    with pytest.raises(TypeError, match="h_grad_handoff under fine-grained blockwise scaling must be a .*GradRowsHandoff"):
         grouped_gemm_fp8_swiglu(h, p, w, offs, config=blockwise, h_grad_handoff=QuantizedGradHandoff())
+    with pytest.raises(TypeError, match="h_grad_handoff under tensorwise scaling must be a .*QuantizedGradHandoff"):
+        grouped_gemm_fp8_swiglu(h, p, w, offs, h_grad_handoff=GradRowsHandoff())
     with pytest.raises(ValueError, match="h must be 2-D"):
         grouped_gemm_fp8_swiglu(h[:, :-1], p, w, offs)
     with pytest.raises(ValueError, match="w must be"):

@@ -399,21 +399,24 @@ def test_wgrad_aligned_token_cast_compiles_for_gfx950(monkeypatch):
 
 
 def test_fine_grained_swiglu_rows_cast_compiles_for_gfx950():
-    """fc2's fused SwiGLU + rows cast under the fine-grained recipes (``swiglu_block_cast_rows``),
-    blockwise and MXFP8, bf16 ``a``: no scratch, ``a`` stored through the hardware bf16 conversion
-    and the FP8 copy through the FP8 one."""
+    """fc2's fused SwiGLU + rows cast under the fine-grained recipes (``swiglu_block_cast_rows``)
+    and its backward with dh's rows copy (``swiglu_backward_block_rows``), blockwise and MXFP8:
+    no scratch, the FP8 copies through the hardware FP8 conversion."""
     from turbo_moe.fine_grained import quantize as Q
     from turbo_moe.kernels.triton import swiglu_fp8 as SW
 
     def key_of(fn, args, kwargs):
         return fn.__name__, kwargs["E8M0"]
 
-    h = torch.empty(333, 2 * 200, dtype=torch.bfloat16)
+    h = torch.empty(333, 2 * 256, dtype=torch.bfloat16)
     probs = torch.empty(333, dtype=torch.float32)
+    da = torch.empty(333, 256, dtype=torch.bfloat16)
     with _first_launches(key_of) as recorded:
         for recipe in (Q.BLOCKWISE, Q.MXFP8):
             SW.swiglu_block_cast_rows(h, probs, recipe, torch.float8_e4m3fn, 448.0, 8)
-    assert sorted(recorded) == [("swiglu_block_cast_rows_kernel", False), ("swiglu_block_cast_rows_kernel", True)]
+            SW.swiglu_backward_block_rows(h, probs, da, torch.float32, recipe, torch.float8_e4m3fn, 448.0, 8)
+    assert sorted(recorded) == [(name, e8m0) for name in ("swiglu_backward_block_rows_kernel",
+                                                           "swiglu_block_cast_rows_kernel") for e8m0 in (False, True)]
     for key, (fn, args, kwargs) in recorded.items():
         isa, _, _ = _gfx950_isa(fn, args, kwargs, str(key))
         assert re.search(r"v_cvt_\w*pk_fp8_f32", isa), f"{key}: no FP8 conversion"

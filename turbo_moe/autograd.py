@@ -695,15 +695,20 @@ def _grouped_gemm_fp8_resolved(x, w, offs, *, trans_b=True, config=None, num_cu=
                                delayed_state: Optional[DelayedScalingState] = None):
     """``grouped_gemm_fp8_with_offs`` on operands and offsets already checked (by ``check_operands``
     and ``checks.resolve_group_offs``): for callers that resolved them once for several uses.
-    ``wgrad_target``: see ``WgradTarget``; ``grad_handoff``: see ``QuantizedGradHandoff`` (ignored
-    by the fine-grained recipes, which quantize their own gradient)."""
+    ``wgrad_target``: see ``WgradTarget``; ``grad_handoff``: see ``QuantizedGradHandoff``, or under
+    the fine-grained recipes ``fine_grained.autograd.GradRowsHandoff`` (a ``QuantizedGradHandoff``
+    is ignored there: they quantize their own gradient)."""
     config = resolve_call_options(config, num_cu, out_dtype, delayed_state)
     out_dtype = _autocast_out_dtype(x, out_dtype)
     w_nk = w if trans_b else w.transpose(1, 2)
     if config.fine_grained:  # blockwise / mxfp8: turbo_moe.fine_grained
-        from .fine_grained import grouped_gemm_fine
+        from .fine_grained.autograd import GradRowsHandoff, grouped_gemm_fine
         return grouped_gemm_fine(x, w_nk, offs, config=config, num_cu=num_cu, backend=backend, out_dtype=out_dtype,
-                                 w_fp8=w_fp8, wgrad_target=wgrad_target)
+                                 w_fp8=w_fp8, wgrad_target=wgrad_target,
+                                 grad_rows=grad_handoff if isinstance(grad_handoff, GradRowsHandoff) else None)
+    if grad_handoff is not None and not isinstance(grad_handoff, QuantizedGradHandoff):
+        raise TypeError(f"grad_handoff under {config.granularity.value} scaling must be a QuantizedGradHandoff, got "
+                        f"{type(grad_handoff).__name__}")
     return GroupedGemmFP8Function.apply(x, w_nk, offs, config, num_cu, backend, out_dtype, w_fp8, wgrad_target,
                                         grad_handoff, delayed_state)
 

@@ -20,6 +20,7 @@ from . import host_plan, planned_layer, planned_mlp
 from .autograd import QuantizedGradHandoff, _grouped_gemm_fp8_resolved
 from .checks import check_operands, resolve_group_offs
 from .config import Float8Config
+from .fine_grained.autograd import GradRowsHandoff
 from .module import GroupedLinearFP8
 from .swiglu import fuses_swiglu, grouped_gemm_fp8_swiglu, swiglu_gemm_supports, weighted_swiglu
 
@@ -78,9 +79,9 @@ class GroupedSwiGLUMLPFP8(planned_layer.KeepsPlannedLayers, nn.Module):
                 raise ValueError(f"probs must be [M] or [M, 1] with M = {x.shape[0]}, got {tuple(probs.shape)}")
             return fc2(weighted_swiglu(h, weights).to(h.dtype), group_offs=offs)
         # fc1's output feeds the fused fc2 alone: its gradient can come back in FP8, and (tensorwise,
-        # on the ping-pong) fc1's epilogue can reduce the activation's amax for fc2's cast. Not under
-        # the fine-grained recipes: dh goes to fc1 in h's dtype there (turbo_moe.fine_grained.swiglu).
-        handoff = QuantizedGradHandoff(swiglu_probs=probs.reshape(-1)) if fuses_swiglu(self.config) else None
+        # on the ping-pong) fc1's epilogue can reduce the activation's amax for fc2's cast. Under the
+        # fine-grained recipes dh goes to fc1 in h's dtype, its rows copy through the handoff.
+        handoff = QuantizedGradHandoff(swiglu_probs=probs.reshape(-1)) if fuses_swiglu(self.config) else GradRowsHandoff()
         h = _grouped_gemm_fp8_resolved(
             x, fc1.weight, offs, config=self.config, num_cu=fc1.num_cu, backend=fc1.backend,
             w_fp8=fc1._cached_fp8_weight() if fc1.cache_fp8_weight else None, grad_handoff=handoff,

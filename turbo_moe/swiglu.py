@@ -301,8 +301,9 @@ def grouped_gemm_fp8_swiglu(h: torch.Tensor, probs: torch.Tensor, w: torch.Tenso
             ``autograd._grouped_gemm_fp8_resolved``.
         h_grad_handoff: the ``QuantizedGradHandoff`` that the FP8 GEMM producing ``h`` (fc1) was
             given as its ``grad_handoff``: ``dh`` then goes to fc1's backward in FP8 and autograd
-            carries a placeholder; only where ``h`` feeds nothing else (see the class), and only
-            under a tensorwise or rowwise recipe (:func:`fuses_swiglu`).
+            carries a placeholder; only where ``h`` feeds nothing else (see the class). Under the
+            fine-grained recipes a ``fine_grained.autograd.GradRowsHandoff`` instead: ``dh`` goes
+            to fc1 in h's dtype and its rows copy (fc1's dgrad operand) through the handoff.
         delayed_state: with ``config.strategy="delayed"``, fc2's ``DelayedScalingState``: its
             ``input`` history scales ``a``, its ``grad_output`` history fc2's ``dy`` (``dh`` takes
             fc1's, through ``h_grad_handoff``).
@@ -311,9 +312,14 @@ def grouped_gemm_fp8_swiglu(h: torch.Tensor, probs: torch.Tensor, w: torch.Tenso
     if not swiglu_gemm_supports(config):  # resolve_call_options took a Float8Config: today every one passes
         raise ValueError(f"grouped_gemm_fp8_swiglu does not support {config.granularity.value} scaling; "
                          "apply the activation, then grouped_gemm_fp8")
-    if h_grad_handoff is not None and not fuses_swiglu(config):
-        raise ValueError(f"h_grad_handoff needs a tensorwise or rowwise recipe (dh goes to fc1 in FP8), got "
-                         f"{config.granularity.value}: pass none, dh then goes to fc1 in h's dtype")
+    if h_grad_handoff is not None:
+        from .fine_grained.autograd import GradRowsHandoff
+
+        wanted = QuantizedGradHandoff if fuses_swiglu(config) else GradRowsHandoff
+        if not isinstance(h_grad_handoff, wanted):
+            raise TypeError(f"h_grad_handoff under {'fine-grained ' if config.fine_grained else ''}"
+                            f"{config.granularity.value} scaling must be a {wanted.__module__}.{wanted.__name__} "
+                            f"(the one fc1 was given), got {type(h_grad_handoff).__name__}")
     for name, t in (("h", h), ("w", w), ("probs", probs)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -340,6 +346,6 @@ def grouped_gemm_fp8_swiglu(h: torch.Tensor, probs: torch.Tensor, w: torch.Tenso
         from .fine_grained.swiglu import grouped_gemm_fine_swiglu
 
         return grouped_gemm_fine_swiglu(h, p, w, offs, config=config, num_cu=num_cu, backend=backend, out_dtype=out_dtype,
-                                        w_fp8=w_fp8, wgrad_target=wgrad_target)
+                                        w_fp8=w_fp8, wgrad_target=wgrad_target, h_grad_rows=h_grad_handoff)
     return GroupedSwiGLUGemmFP8Function.apply(h, p, w, offs, config, num_cu, backend, out_dtype, w_fp8, wgrad_target,
                                               h_grad_handoff, delayed_state)

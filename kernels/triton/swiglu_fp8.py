@@ -361,6 +361,57 @@ def swiglu_block_cast_rows_kernel(
     tl.store(out_ptr + rows[:, None] * F + cols[None, :], q, mask=mask)
 
 
+@triton.jit
+def _store_block_rows(x_lp, out_ptr, scale_ptr, rows, cols, row_ok, col_ok, c0, first_block, width, stride_sr,
+                      stride_sk, F, FP8_MAX: tl.constexpr, EMAX: tl.constexpr, MARGIN: tl.constexpr,
+                      MARGIN_FACTOR: tl.constexpr, E8M0: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The 1xBLOCK rows copy of ``x_lp`` ([BLOCK_R, BLOCK_C] in the stored dtype, columns ``c0 +``
+    of one half of a ``width``-wide tensor): cast from those rounded values as
+    ``blockwise_cast.block_cast_rows_kernel`` casts a stored tensor; scales in blocks
+    ``first_block + j`` (those inside the half's F columns)."""
+    x3 = tl.reshape(x_lp.to(tl.float32), (BLOCK_R, BLOCK_C // BLOCK, BLOCK))
+    quant, stored = _block_scales(_nan_max(tl.abs(x3), 2), FP8_MAX, EMAX, MARGIN, MARGIN_FACTOR, E8M0, POW2)
+    q = tl.reshape(_block_cast(x3, quant[:, :, None], FP8_MAX, out_ptr.dtype.element_ty), (BLOCK_R, BLOCK_C))
+    tl.store(out_ptr + rows[:, None] * width + cols[None, :], q, mask=row_ok[:, None] & col_ok[None, :])
+    j = tl.arange(0, BLOCK_C // BLOCK)
+    block_ok = c0 + j * BLOCK < F
+    tl.store(scale_ptr + rows[:, None] * stride_sr + (first_block + j)[None, :] * stride_sk, stored,
+             mask=row_ok[:, None] & block_ok[None, :])
+
+
+@triton.jit
+def swiglu_backward_block_rows_kernel(
+    h_ptr, probs_ptr, da_ptr, dh_ptr, dprobs_ptr, q_ptr, scale_ptr, R, F, stride_h, stride_da, stride_sr, stride_sk,
+    FP8_MAX: tl.constexpr, EMAX: tl.constexpr, MARGIN: tl.constexpr, MARGIN_FACTOR: tl.constexpr, E8M0: tl.constexpr,
+    POW2: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """``swiglu_backward_kernel``'s ``dh`` and ``dprobs`` (the same tiles, the same sums), and
+    ``dh``'s 1xBLOCK rows copy, the fine-grained recipes' dgrad operand for fc1, from the stored
+    (rounded) ``dh``: F a multiple of BLOCK, so that no block straddles the gate and linear halves."""
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    dp = tl.zeros((BLOCK_R,), tl.float32)
+    for c0 in range(0, F, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        col_ok = cols < F
+        dgate, dlinear, terms = _swiglu_grad_tile(h_ptr, probs_ptr, da_ptr, rows, cols, R, F, stride_h, stride_da, True)
+        dp += tl.sum(terms, axis=1)
+        mask = row_ok[:, None] & col_ok[None, :]
+        dgate = dgate.to(dh_ptr.dtype.element_ty)
+        dlinear = dlinear.to(dh_ptr.dtype.element_ty)
+        out = dh_ptr + rows[:, None] * (2 * F) + cols[None, :]
+        tl.store(out, dgate, mask=mask)
+        tl.store(out + F, dlinear, mask=mask)
+        _store_block_rows(dgate, q_ptr, scale_ptr, rows, cols, row_ok, col_ok, c0, c0 // BLOCK, 2 * F, stride_sr,
+                          stride_sk, F, FP8_MAX, EMAX, MARGIN, MARGIN_FACTOR, E8M0, POW2, BLOCK, BLOCK_R, BLOCK_C)
+        _store_block_rows(dlinear, q_ptr + F, scale_ptr, rows, cols, row_ok, col_ok, c0, (F + c0) // BLOCK, 2 * F,
+                          stride_sr, stride_sk, F, FP8_MAX, EMAX, MARGIN, MARGIN_FACTOR, E8M0, POW2, BLOCK, BLOCK_R,
+                          BLOCK_C)
+    tl.store(dprobs_ptr + rows, dp.to(dprobs_ptr.dtype.element_ty), mask=row_ok)
+
+
 # Tiles: the amax and backward passes walk whole rows. The casts take 32 rows x 128 columns of `a`
 # (or of each half of `dh`) per program: 11-12% faster than fp8_cast's 64 x 64 for both casts at
 # M = 98304, F = 2048 on the H100 (0.48 / 0.77 ms against 0.54 / 0.88 forward / backward; 16-256
@@ -689,8 +740,44 @@ def swiglu_block_cast_rows(h, probs, recipe, fp8_dtype, fp8_max: float, emax: in
     return a, out, scale
 
 
+def swiglu_backward_block_rows(h, probs, da, dprobs_dtype, recipe, fp8_dtype, fp8_max: float, emax: int,
+                               margin: int = 0):
+    """``swiglu_backward``'s ``(dh, dprobs)`` and ``dh``'s rows copy in 1xB blocks (B =
+    ``recipe.block``, which must divide F): ``(dh, dprobs, fp8 [M, 2F], scales [M, 2F / B] as a view
+    of block-major storage)``, the copy bit for bit ``block_cast_rows(dh)``. One launch."""
+    import torch
+
+    _check_fp8_max(fp8_max, emax)
+    r, two_f = h.shape
+    f = two_f // 2
+    if f % recipe.block:
+        raise ValueError(f"swiglu_backward_block_rows needs F (h.shape[1] / 2 = {f}) a multiple of the recipe's "
+                         f"block ({recipe.block})")
+    dh = torch.empty((r, two_f), dtype=h.dtype, device=h.device)
+    dprobs = torch.empty((r,), dtype=dprobs_dtype, device=h.device)
+    q = torch.empty((r, two_f), dtype=fp8_dtype, device=h.device)
+    storage = torch.empty((two_f // recipe.block, r), dtype=recipe.scale_dtype, device=h.device)
+    scale = storage.T
+    if r == 0:
+        return dh, dprobs, q, scale
+    if f == 0:
+        return dh, dprobs.zero_(), q, scale
+    stride_h, stride_da = h.stride(0), da.stride(0)
+    key = (h.dtype, probs.dtype, da.dtype, dprobs_dtype, fp8_dtype, recipe, margin, arg_fact(r), arg_fact(f),
+           arg_fact(stride_h), arg_fact(stride_da), h.data_ptr() % 16 == 0, probs.data_ptr() % 16 == 0,
+           da.data_ptr() % 16 == 0, dh.data_ptr() % 16 == 0, dprobs.data_ptr() % 16 == 0, q.data_ptr() % 16 == 0,
+           storage.data_ptr() % 16 == 0)
+    _backward_rows.launch_keyed((_cdiv(r, _BWD_BLOCK_R),), key, h, probs, da, dh, dprobs, q, scale, r, f, stride_h,
+                                stride_da, scale.stride(0), scale.stride(1), FP8_MAX=fp8_max, EMAX=emax, MARGIN=margin,
+                                MARGIN_FACTOR=2.0 ** -margin, E8M0=recipe.e8m0, POW2=recipe.pow2, BLOCK=recipe.block,
+                                BLOCK_R=_BWD_BLOCK_R, BLOCK_C=_BWD_BLOCK_C, num_warps=4)
+    return dh, dprobs, q, scale
+
+
 # Host-lean launchers of the kernels above (kernels/triton/launch.py).
-_amax, _cast, _backward, _backward_amax, _backward_cast, _cast_delayed, _backward_delayed, _dprobs_sum, _block_rows = (
+(_amax, _cast, _backward, _backward_amax, _backward_cast, _cast_delayed, _backward_delayed, _dprobs_sum, _block_rows,
+ _backward_rows) = (
     lean(k) for k in (swiglu_amax_partials_kernel, swiglu_fp8_cast_kernel, swiglu_backward_kernel,
                       swiglu_backward_amax_kernel, swiglu_backward_fp8_cast_kernel, swiglu_fp8_cast_delayed_kernel,
-                      swiglu_backward_fp8_delayed_kernel, swiglu_dprobs_sum_kernel, swiglu_block_cast_rows_kernel))
+                      swiglu_backward_fp8_delayed_kernel, swiglu_dprobs_sum_kernel, swiglu_block_cast_rows_kernel,
+                      swiglu_backward_block_rows_kernel))

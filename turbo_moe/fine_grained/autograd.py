@@ -18,6 +18,7 @@ What each GEMM reads (B = 128 blockwise, 32 mxfp8; module doc of ``turbo_moe.fin
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Optional
 
 import torch
@@ -27,7 +28,8 @@ from ..config import Float8Config
 from .gemm import BlockScaledProblem, run_block_scaled
 from .quantize import quantize_rows, quantize_tokens_for_wgrad, quantize_weight_blocks, recipe_of
 
-__all__ = ["FineGrainedFP8Function", "grouped_gemm_fine", "grouped_wgrad_fine", "quantize_weight_fine"]
+__all__ = ["FineGrainedFP8Function", "GradRowsHandoff", "grouped_gemm_fine", "grouped_wgrad_fine",
+           "quantize_weight_fine"]
 
 
 def quantize_weight_fine(w_nk: torch.Tensor, config: Float8Config, transposed: bool = True):
@@ -48,16 +50,52 @@ def _gemm(kind, a, b, sa, sb, offs, out_dtype, recipe, num_cu, backend, role, ou
     return run_block_scaled(problem, backend)
 
 
+class GradRowsHandoff:
+    """An FP8 GEMM's output gradient's rows copy, made by its consumer's backward where that backward
+    computes the gradient anyway: fc1 of an expert MLP and the fused SwiGLU + fc2
+    (``turbo_moe.fine_grained.swiglu``), whose backward computes ``dh`` and can write its rows
+    copy (fc1's dgrad operand) in the same pass, sparing fc1 a cast that reads ``dh`` again.
+
+    fc1's forward says what it will cast its output gradient to (:meth:`expect`); the consumer's
+    backward, given ``expecting``, :meth:`put` s the copy beside ``dh``; fc1's backward
+    :meth:`take` s it only for that very tensor, unwritten since (a gradient summed with another
+    consumer's is a new tensor, or that one written in place: cast as usual). ``dh`` itself still
+    goes to fc1 in h's dtype (its wgrad casts it along tokens). One object per forward of the pair."""
+
+    __slots__ = ("expecting", "_held")
+
+    def __init__(self):
+        self.expecting = None  # (recipe, FP8 dtype, margin), from fc1's forward
+        self._held = None
+
+    def expect(self, recipe, fp8_dtype, margin: int) -> None:
+        self.expecting = (recipe, fp8_dtype, margin)
+
+    def put(self, grad: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor) -> None:
+        self._held = (weakref.ref(grad), grad._version, rows, scales)
+
+    def take(self, grad: torch.Tensor):
+        """``(rows, scales)`` made for ``grad``, or None; held copies are dropped either way."""
+        held, self._held = self._held, None
+        if held is None or held[0]() is not grad or grad._version != held[1]:
+            return None
+        return held[2], held[3]
+
+
 class FineGrainedFP8Function(torch.autograd.Function):
     """Blockwise / MXFP8 grouped GEMM; ``w`` is passed as ``[G, N, K]``."""
 
     @staticmethod
     def forward(ctx, x, w_nk, group_offs, config: Float8Config, num_cu, backend, out_dtype, w_fp8=None,
-                wgrad_target=None, x_rows=None):
+                wgrad_target=None, x_rows=None, grad_rows: Optional[GradRowsHandoff] = None):
         # x_rows: x's rows copy when the caller made it (``[fp8, scales]``, a list emptied here:
-        # its last reference, so that the copy is freed once the GEMM has read it)
+        # its last reference, so that the copy is freed once the GEMM has read it). grad_rows: where
+        # y's consumer may leave dy's rows copy (GradRowsHandoff).
         recipe, dtype, margin = recipe_of(config), config.forward_dtype, config.margin
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if grad_rows is not None and need_dx:
+            grad_rows.expect(recipe, config.grad_dtype, margin)
+        ctx.grad_rows = grad_rows if need_dx else None
         if w_fp8 is None or (need_dx and w_fp8.data_t is None):
             w_fp8 = quantize_weight_fine(w_nk, config, transposed=need_dx)
         if x_rows is None:
@@ -92,7 +130,9 @@ class FineGrainedFP8Function(torch.autograd.Function):
         dy = dy.contiguous()
         dx = dw = None
         if need_dx:
-            dy_q, dy_scale = quantize_rows(dy, recipe, gdtype, margin)
+            handed = ctx.grad_rows.take(dy) if ctx.grad_rows is not None else None
+            dy_q, dy_scale = quantize_rows(dy, recipe, gdtype, margin) if handed is None else handed
+            del handed
             dx = _gemm(GemmKind.M_GROUPED, dy_q, w_kn[0], dy_scale, w_kn[1], group_offs, ctx.x_dtype, recipe,
                        ctx.num_cu, ctx.backend, "dgrad")
             del dy_q, w_kn
@@ -107,16 +147,16 @@ class FineGrainedFP8Function(torch.autograd.Function):
                 dw = finish_wgrad(ctx.wgrad_target, DeferredWgrad(functools.partial(
                     _gemm, GemmKind.K_GROUPED, dy_t, x_t, dy_t_scale, x_t_scale, wgrad_offs, recipe=recipe,
                     num_cu=ctx.num_cu, backend=ctx.backend, role="wgrad")))
-        return dx, dw, None, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None, None
 
 
 def grouped_gemm_fine(x, w_nk, offs, *, config: Float8Config, num_cu=None, backend="auto", out_dtype=None,
-                      w_fp8=None, wgrad_target=None, x_rows=None) -> torch.Tensor:
+                      w_fp8=None, wgrad_target=None, x_rows=None, grad_rows=None) -> torch.Tensor:
     """``turbo_moe.autograd._grouped_gemm_fp8_resolved`` for the fine-grained recipes (operands,
-    offsets, config and out_dtype already checked and resolved there). ``x_rows``: see
-    ``FineGrainedFP8Function.forward``."""
+    offsets, config and out_dtype already checked and resolved there). ``x_rows``, ``grad_rows``:
+    see ``FineGrainedFP8Function.forward``."""
     return FineGrainedFP8Function.apply(x, w_nk, offs, config, num_cu, backend, out_dtype, w_fp8, wgrad_target,
-                                        x_rows)
+                                        x_rows, grad_rows)
 
 
 def grouped_wgrad_fine(dy, x, group_offs, *, config: Float8Config, num_cu=None, backend="auto",

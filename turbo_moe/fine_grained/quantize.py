@@ -23,7 +23,7 @@ __all__ = [
     "FineRecipe", "recipe_of", "quantize_rows", "quantize_weight_blocks", "quantize_tokens",
     "token_slots", "token_slot_mask", "dequantize_scales", "num_token_slots", "quantize_tokens_aligned",
     "aligned_token_offsets", "aligned_token_columns", "quantize_tokens_for_wgrad", "WGRAD_TOKEN_ALIGN",
-    "quantize_swiglu_rows",
+    "quantize_swiglu_rows", "quantize_swiglu_backward_rows",
 ]
 
 # Largest e8m0 exponent a scale takes (and minus the smallest): 2**X and 2**-X stay normal float32.
@@ -155,6 +155,23 @@ def quantize_swiglu_rows(h: torch.Tensor, probs: torch.Tensor, recipe: FineRecip
 
     a = weighted_swiglu(h, probs).to(h.dtype)
     return (a, *quantize_rows(a, recipe, fp8_dtype, margin))
+
+
+def quantize_swiglu_backward_rows(h: torch.Tensor, probs: torch.Tensor, da: torch.Tensor, recipe: FineRecipe,
+                                  fp8_dtype: torch.dtype, margin: int = 0):
+    """``turbo_moe.swiglu.weighted_swiglu_backward``'s ``(dh, dprobs)`` and ``dh``'s rows copy:
+    ``(dh [M, 2F], dprobs [M], fp8 [M, 2F], stored scales)``, the copy bit for bit
+    ``quantize_rows(dh)``; F a multiple of ``recipe.block`` (no block across the two halves). On a
+    GPU one launch (``swiglu_fp8.swiglu_backward_block_rows``)."""
+    if h.is_cuda:
+        from turbo_moe.kernels.triton import swiglu_fp8
+
+        return swiglu_fp8.swiglu_backward_block_rows(h, probs, da, probs.dtype, recipe, fp8_dtype, fp8_max(fp8_dtype),
+                                                     _FP8_EMAX[fp8_dtype], margin)
+    from ..swiglu import weighted_swiglu_backward
+
+    dh, dprobs = weighted_swiglu_backward(h, probs, da)
+    return (dh, dprobs, *quantize_rows(dh, recipe, fp8_dtype, margin))
 
 
 def quantize_weight_blocks(w: torch.Tensor, recipe: FineRecipe, fp8_dtype: torch.dtype, margin: int = 0,

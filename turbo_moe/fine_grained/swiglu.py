@@ -17,19 +17,23 @@ rounded once to h's dtype), what Megatron's grouped experts compute between fc1 
 Two autograd nodes, as unfused (the activation's, :class:`FineGrainedSwiGLUFunction`, then fc2's):
 fc2's output gradient is freed before the activation's backward allocates ``dh``. Saved: ``h`` and
 ``probs`` (the activation saves them too), ``a``'s token copy in FP8 and W^T in FP8 (fc2's).
-``dh`` goes to fc1 in h's dtype (fc1 quantizes it as any output gradient: no FP8 handoff under
-these recipes). The rows copy of ``a`` is bit for bit ``quantize_rows`` of the ``a`` it comes
-with, so this equals the activation followed by ``grouped_gemm_fine`` where the activation
-computes ``weighted_swiglu``.
+``dh`` goes to fc1 in h's dtype (its wgrad casts it along tokens); given fc1's
+``autograd.GradRowsHandoff`` (F a multiple of fc1's block), the backward kernel also writes
+``dh``'s rows copy, fc1's dgrad operand, which fc1 then takes instead of casting ``dh`` again.
+Every copy is bit for bit ``quantize_rows`` of the tensor it comes with (``a``, ``dh``), so this
+equals the activation followed by ``grouped_gemm_fine`` where the activation computes
+``weighted_swiglu``.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..config import Float8Config
-from .autograd import grouped_gemm_fine
-from .quantize import quantize_swiglu_rows, recipe_of
+from .autograd import GradRowsHandoff, grouped_gemm_fine
+from .quantize import quantize_swiglu_backward_rows, quantize_swiglu_rows, recipe_of
 
 __all__ = ["FineGrainedSwiGLUFunction", "grouped_gemm_fine_swiglu"]
 
@@ -39,10 +43,11 @@ class FineGrainedSwiGLUFunction(torch.autograd.Function):
     differentiable (fc2's backward quantizes its own gradient)."""
 
     @staticmethod
-    def forward(ctx, h, probs, config: Float8Config):
+    def forward(ctx, h, probs, config: Float8Config, grad_rows: Optional[GradRowsHandoff] = None):
         a, a_q, a_scale = quantize_swiglu_rows(h, probs, recipe_of(config), config.forward_dtype, config.margin)
         ctx.mark_non_differentiable(a_q, a_scale)
         ctx.save_for_backward(h, probs)
+        ctx.grad_rows = grad_rows
         return a, a_q, a_scale
 
     @staticmethod
@@ -51,15 +56,26 @@ class FineGrainedSwiGLUFunction(torch.autograd.Function):
         from ..swiglu import weighted_swiglu_backward
 
         h, probs = ctx.saved_tensors
-        dh, dprobs = weighted_swiglu_backward(h, probs, da.contiguous())
-        return dh, dprobs, None
+        da = da.contiguous()
+        handoff, ctx.grad_rows = ctx.grad_rows, None
+        expected = handoff.expecting if handoff is not None and ctx.needs_input_grad[0] else None
+        if expected is not None and (h.shape[1] // 2) % expected[0].block == 0:
+            # fc1 casts dh into these 1xB blocks for its dgrad: made here from the same pass
+            dh, dprobs, rows, scales = quantize_swiglu_backward_rows(h, probs, da, *expected)
+            handoff.put(dh, rows, scales)
+            return dh, dprobs, None, None
+        dh, dprobs = weighted_swiglu_backward(h, probs, da)
+        return dh, dprobs, None, None
 
 
 def grouped_gemm_fine_swiglu(h, probs, w_nk, offs, *, config: Float8Config, num_cu=None, backend="auto",
-                             out_dtype=None, w_fp8=None, wgrad_target=None) -> torch.Tensor:
+                             out_dtype=None, w_fp8=None, wgrad_target=None,
+                             h_grad_rows: Optional[GradRowsHandoff] = None) -> torch.Tensor:
     """``turbo_moe.swiglu.grouped_gemm_fp8_swiglu`` for the fine-grained recipes (``h`` with unit
-    column stride, ``probs`` 1-D contiguous, offsets, config and out_dtype checked and resolved there)."""
-    a, *rows = FineGrainedSwiGLUFunction.apply(h, probs, config)
+    column stride, ``probs`` 1-D contiguous, offsets, config and out_dtype checked and resolved
+    there). ``h_grad_rows``: the ``GradRowsHandoff`` that fc1 (the GEMM producing ``h``) was given:
+    the activation's backward then leaves ``dh``'s rows copy there for fc1's dgrad."""
+    a, *rows = FineGrainedSwiGLUFunction.apply(h, probs, config, h_grad_rows)
     # rows: a's rows copy, its last reference handed to fc2 (freed once its GEMM has read it)
     return grouped_gemm_fine(a, w_nk, offs, config=config, num_cu=num_cu, backend=backend, out_dtype=out_dtype,
                              w_fp8=w_fp8, wgrad_target=wgrad_target, x_rows=rows)

@@ -13,6 +13,7 @@ from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupe
 from .. import host_plan, planned_layer, planned_mlp
 from ..autograd import QuantizedGradHandoff, add_group_bias, group_rows
 from ..checks import resolve_group_offs
+from ..fine_grained.autograd import GradRowsHandoff
 from .linear import TurboColumnParallelGroupedLinear, TurboGroupedLinear, TurboRowParallelGroupedLinear, _as_group_lens
 from .options import TurboMoEOptions
 
@@ -89,8 +90,12 @@ class TurboMoEGroupedMLP(planned_layer.KeepsPlannedLayers, TEGroupedMLP):
         fuses_activation = self._fuses_activation()
         # The handoff also carries the routing weights to fc1, whose epilogue can then reduce the
         # activation's amax for fc2's cast (tensorwise, on the ping-pong; turbo_moe.autograd).
-        handoff = QuantizedGradHandoff(swiglu_probs=probs.reshape(-1)) if fuses_activation and self._hands_off_dh() \
-            else None
+        # Under the fine-grained recipes, fc2's backward leaves dh's rows copy for fc1's dgrad instead.
+        handoff = None
+        if fuses_activation and self._hands_off_dh():
+            handoff = QuantizedGradHandoff(swiglu_probs=probs.reshape(-1))
+        elif fuses_activation and isinstance(self.linear_fc1, TurboGroupedLinear) and self.linear_fc1.takes_grad_rows():
+            handoff = GradRowsHandoff()
         fc1_kwargs = {} if handoff is None else {"grad_handoff": handoff}  # a custom fc1 may not take it
         fc1_output, fc1_bias = self.linear_fc1(x, group_offs=offs, **fc1_kwargs)
         if fc1_bias is not None:  # a fc1 built with skip_bias_add=True by a custom spec

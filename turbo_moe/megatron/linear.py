@@ -21,6 +21,7 @@ from ..autograd import (
 )
 from ..checks import resolve_group_offs
 from ..delayed_scaling import delayed_state_for
+from ..fine_grained.autograd import GradRowsHandoff
 from ..swiglu import fuses_swiglu, grouped_gemm_fp8_swiglu, swiglu_gemm_supports
 from .checkpoint import GroupedLinearCheckpointMixin
 from .main_grad import (
@@ -318,6 +319,13 @@ class TurboGroupedLinear(planned_layer.KeepsPlannedLayers, GroupedLinearCheckpoi
         add's backward would read the placeholder autograd carries instead)."""
         return fuses_swiglu(self.fp8_config) and (self.bias is None or self.skip_bias_add)
 
+    def takes_grad_rows(self) -> bool:
+        """Whether ``forward(..., grad_handoff=GradRowsHandoff())`` can take its output gradient's
+        rows copy from its consumer's backward (``turbo_moe.fine_grained.autograd.GradRowsHandoff``):
+        a fine-grained FP8 recipe (the copy is matched to the very gradient tensor it was made for,
+        so a bias, whose backward passes that tensor on or sums it, changes nothing)."""
+        return self.fp8_config is not None and self.fp8_config.fine_grained
+
     def forward(self, x: torch.Tensor, m_splits=None, *, group_offs: Optional[torch.Tensor] = None,
                 swiglu_probs: Optional[torch.Tensor] = None, grad_handoff: Optional[QuantizedGradHandoff] = None):
         """``(y, bias)``: ``bias`` is the ``[E, out]`` bias when ``skip_bias_add`` (else added, None).
@@ -332,15 +340,22 @@ class TurboGroupedLinear(planned_layer.KeepsPlannedLayers, GroupedLinearCheckpoi
         ``grad_handoff``: a ``turbo_moe.autograd.QuantizedGradHandoff`` shared by fc1 and the fused
         fc2 of one expert MLP: given to fc1 (``hands_off_output_grad()``), fc1's output gradient
         arrives through it in FP8; given to fc2 with ``swiglu_probs``, fc2's backward hands
-        ``dh`` over through it. Only where fc1's output feeds fc2 alone.
+        ``dh`` over through it. Only where fc1's output feeds fc2 alone. Under the fine-grained
+        recipes a ``turbo_moe.fine_grained.autograd.GradRowsHandoff`` instead (``takes_grad_rows()``):
+        fc2's backward leaves ``dh``'s rows copy there for fc1's dgrad.
         """
         width = self.in_features if swiglu_probs is None else 2 * self.in_features
         if swiglu_probs is not None and not self.fuses_swiglu_input():
             raise ValueError("swiglu_probs needs an FP8 recipe (fuses_swiglu_input() is False): "
                              "apply the activation and pass its output instead")
-        if grad_handoff is not None and swiglu_probs is None and not self.hands_off_output_grad():
-            raise ValueError("grad_handoff needs an FP8 tensorwise or rowwise recipe and no bias added by this layer "
-                             "(hands_off_output_grad() is False)")
+        if grad_handoff is not None and swiglu_probs is None:
+            if isinstance(grad_handoff, GradRowsHandoff):
+                if not self.takes_grad_rows():
+                    raise ValueError("grad_handoff=GradRowsHandoff needs a fine-grained FP8 recipe (takes_grad_rows() is "
+                                     "False)")
+            elif not self.hands_off_output_grad():
+                raise ValueError("grad_handoff needs an FP8 tensorwise or rowwise recipe and no bias added by this layer "
+                                 "(hands_off_output_grad() is False)")
         if x.dim() != 2:
             raise ValueError(f"x must be 2-D [tokens, {width}], got shape {tuple(x.shape)}")
         if x.shape[1] != width:
