@@ -12,6 +12,8 @@ import torch
 from turbo_moe import Float8Config, GroupedLinearFP8, GroupedSwiGLUMLPFP8, host_plan
 from turbo_moe import autograd as fp8_autograd
 from turbo_moe import swiglu as fp8_swiglu
+from turbo_moe.fine_grained import autograd as fine_autograd
+from turbo_moe.fine_grained import swiglu as fine_swiglu
 
 from _cuda_graph import capture_fwd_bwd, replay_against_eager
 
@@ -21,7 +23,10 @@ pytestmark = pytest.mark.gpu
 # region (W^T kept by the weight cache).
 LINEAR_REGIONS = (fp8_autograd._FORWARD_REGION, fp8_autograd._DGRAD_REGION, fp8_autograd._WGRAD_REGION,
                   fp8_autograd._BACKWARD_REGION)
-REGIONS = LINEAR_REGIONS + (fp8_swiglu._FORWARD_REGION, fp8_swiglu._BACKWARD_REGION)
+FINE_REGIONS = (fine_autograd._FORWARD_REGION, fine_autograd._TOKENS_REGION, fine_autograd._DGRAD_REGION,
+                fine_autograd._WGRAD_REGION, fine_swiglu._FORWARD_REGION, fine_swiglu._BACKWARD_ROWS_REGION,
+                fine_swiglu._BACKWARD_REGION)
+REGIONS = LINEAR_REGIONS + (fp8_swiglu._FORWARD_REGION, fp8_swiglu._BACKWARD_REGION) + FINE_REGIONS
 
 
 def _plans_on(flag: bool):
@@ -104,6 +109,60 @@ def test_linear_replay_equals_python_path_bitwise(name, cache):
     else:
         assert sum(used) > 0, (replays, refusals)
     assert not any(unused), replays
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["wcache", "nocache"])
+@pytest.mark.parametrize("granularity", ["blockwise", "mxfp8"])
+def test_fine_grained_linear_replay_equals_python_path_bitwise(granularity, cache):
+    """The fine-grained Function's regions (forward, the wgrad operand's token copy, dgrad, wgrad)
+    replay every call after the recording one, bit for bit the Python path's."""
+    config = Float8Config(granularity=granularity)
+    calls = 6
+    python_results, _ = _run_linear(config, cache, calls, plans=False)
+    plan_results, _ = _run_linear(config, cache, calls, plans=True)
+    if host_plan.status() != "on":
+        pytest.skip(f"host plans unavailable here: {host_plan.status()}")
+    for i, (a, b) in enumerate(zip(python_results, plan_results)):
+        for what, ta, tb in zip(("y", "dx", "dW"), a, b):
+            _assert_bitwise(ta, tb, f"{granularity} call {i}: {what}")
+    replays = [region.replays for region in FINE_REGIONS[:4]]
+    refusals = [r for region in FINE_REGIONS for r in region.refusals]
+    assert all(n >= calls - 3 for n in replays), (replays, refusals)
+
+
+def test_fine_grained_mlp_replays_bitwise():
+    """The fine-grained fused SwiGLU MLP (turbo_moe.fine_grained.swiglu, dh's rows copy handed to
+    fc1): every region it uses replays, outputs and gradients bit for bit the Python path's."""
+    results = {}
+    for plans in (False, True):
+        previous = _plans_on(plans)
+        try:
+            torch.manual_seed(0)
+            mlp = GroupedSwiGLUMLPFP8(4, 256, 192, config=Float8Config(granularity="blockwise"), device="cuda",
+                                      dtype=torch.bfloat16)
+            out = []
+            for i, lens in enumerate(_routings(4, 300, 6, 1)):
+                gen = torch.Generator("cuda").manual_seed(i)
+                x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+                probs = torch.rand(300, device="cuda", generator=gen).requires_grad_()
+                y = mlp(x, lens, probs=probs)
+                mlp.zero_grad(set_to_none=True)
+                y.backward(torch.randn(y.shape, device="cuda", dtype=y.dtype, generator=gen))
+                out.append((y.detach().clone(), x.grad.clone(), probs.grad.clone(), mlp.fc1.weight.grad.clone(),
+                            mlp.fc2.weight.grad.clone()))
+            torch.cuda.synchronize()
+            results[plans] = (out, [region.replays for region in FINE_REGIONS],
+                              [r for region in FINE_REGIONS for r in region.refusals])
+        finally:
+            host_plan.set_enabled(previous)
+    if host_plan.status() != "on":
+        pytest.skip(f"host plans unavailable here: {host_plan.status()}")
+    for i, (a, b) in enumerate(zip(results[False][0], results[True][0])):
+        for what, ta, tb in zip(("y", "dx", "dprobs", "dW1", "dW2"), a, b):
+            _assert_bitwise(ta, tb, f"call {i}: {what}")
+    replays, refusals = results[True][1], results[True][2]
+    # every region but the backward without dh's rows copy (the MLP hands that copy to fc1)
+    assert all(n > 0 for n in replays[:-1]) and replays[-1] == 0, (replays, refusals)
 
 
 @pytest.mark.parametrize("name", ["tensorwise", "delayed"])

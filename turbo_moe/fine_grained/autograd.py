@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from .. import host_plan
 from ..backends.base import GemmKind
 from ..config import Float8Config
 from .gemm import BlockScaledProblem, run_block_scaled
@@ -82,6 +83,54 @@ class GradRowsHandoff:
         return held[2], held[3]
 
 
+# Host-plan regions (turbo_moe.host_plan: a signature's launches recorded once, then replayed from
+# C++), as the per-tensor Functions have them: the forward GEMM (with x's rows copy and the
+# weight's copies where this call makes them), the wgrad operand's token copy, dgrad, and wgrad.
+# Off a GPU each runs its function directly.
+_FORWARD_REGION = host_plan.Region("fine-grained gemm forward")
+_TOKENS_REGION = host_plan.Region("fine-grained wgrad operand")
+_DGRAD_REGION = host_plan.Region("fine-grained gemm dgrad")
+_WGRAD_REGION = host_plan.Region("fine-grained gemm wgrad")
+
+
+def _through_plan(region, static, inputs, compute, writes_inputs=False):
+    from ..autograd import through_plan  # turbo_moe.autograd imports this module lazily
+
+    return through_plan(region, static, inputs, compute, writes_inputs=writes_inputs)
+
+
+def _forward_tensors(x, x_q, x_scale, w_nk, w_fp8, group_offs, config, num_cu, backend, out_dtype, need_dx):
+    """``(y, W^T in FP8, its scales)`` (None, None without dgrad): x's rows copy unless given, the
+    weight's FP8 copies unless ``w_fp8`` has them, the forward GEMM."""
+    recipe = recipe_of(config)
+    if w_fp8 is None or (need_dx and w_fp8.data_t is None):
+        w_fp8 = quantize_weight_fine(w_nk, config, transposed=need_dx)
+    if x_q is None:
+        x_q, x_scale = quantize_rows(x, recipe, config.forward_dtype, config.margin)
+    y = _gemm(GemmKind.M_GROUPED, x_q, w_fp8.data, x_scale, w_fp8.scale, group_offs, out_dtype, recipe, num_cu,
+              backend, "fwd")
+    return (y, w_fp8.data_t, w_fp8.scale_t) if need_dx else (y, None, None)
+
+
+def _dgrad_tensors(dy, dy_q, dy_scale, w_kn, w_kn_scale, group_offs, config, num_cu, backend, dx_dtype):
+    """``(dx,)``: dy's rows copy (unless handed over: ``dy_q``, ``dy_scale``), the dgrad GEMM."""
+    recipe = recipe_of(config)
+    if dy_q is None:
+        dy_q, dy_scale = quantize_rows(dy, recipe, config.grad_dtype, config.margin)
+    return (_gemm(GemmKind.M_GROUPED, dy_q, w_kn, dy_scale, w_kn_scale, group_offs, dx_dtype, recipe, num_cu, backend,
+                  "dgrad"),)
+
+
+def _dy_tokens(dy, group_offs, wgrad_offs, config):
+    return quantize_tokens_for_wgrad(dy, group_offs, recipe_of(config), config.grad_dtype, config.margin, wgrad_offs)
+
+
+def _wgrad_tensors(dy, x_t, x_t_scale, group_offs, wgrad_offs, config, num_cu, backend, dw_dtype, out):
+    dy_t, dy_t_scale, _ = _dy_tokens(dy, group_offs, wgrad_offs, config)
+    return (_gemm(GemmKind.K_GROUPED, dy_t, x_t, dy_t_scale, x_t_scale, wgrad_offs, dw_dtype, recipe_of(config),
+                  num_cu, backend, "wgrad", out=out, accumulate=out is not None),)
+
+
 class FineGrainedFP8Function(torch.autograd.Function):
     """Blockwise / MXFP8 grouped GEMM; ``w`` is passed as ``[G, N, K]``."""
 
@@ -91,25 +140,30 @@ class FineGrainedFP8Function(torch.autograd.Function):
         # x_rows: x's rows copy when the caller made it (``[fp8, scales]``, a list emptied here:
         # its last reference, so that the copy is freed once the GEMM has read it). grad_rows: where
         # y's consumer may leave dy's rows copy (GradRowsHandoff).
-        recipe, dtype, margin = recipe_of(config), config.forward_dtype, config.margin
+        from ..autograd import cached_weight_inputs, cached_weight_key
+
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad_rows is not None and need_dx:
-            grad_rows.expect(recipe, config.grad_dtype, margin)
+            grad_rows.expect(recipe_of(config), config.grad_dtype, config.margin)
         ctx.grad_rows = grad_rows if need_dx else None
-        if w_fp8 is None or (need_dx and w_fp8.data_t is None):
-            w_fp8 = quantize_weight_fine(w_nk, config, transposed=need_dx)
-        if x_rows is None:
-            x_q, x_scale = quantize_rows(x, recipe, dtype, margin)
-        else:
-            x_q, x_scale = x_rows
+        given = x_rows is not None
+        x_q, x_scale = x_rows if given else (None, None)
+        if given:
             x_rows.clear()
-        y = _gemm(GemmKind.M_GROUPED, x_q, w_fp8.data, x_scale, w_fp8.scale, group_offs, out_dtype, recipe,
-                  num_cu, backend, "fwd")
-        del x_q  # the token-major copy (its own pass anyway) is made once the rows copy is freed
+        compute = functools.partial(_forward_tensors, x, x_q, x_scale, w_nk, w_fp8, group_offs, config, num_cu,
+                                    backend, out_dtype, need_dx)
+        static = (config, num_cu, backend, out_dtype, need_dx, given, *cached_weight_key(w_fp8))
+        inputs = (None if given else x, x_q, x_scale, w_nk, group_offs, *cached_weight_inputs(w_fp8))
+        y, w_kn, w_kn_scale = _through_plan(_FORWARD_REGION, static, inputs, compute)
+        # the rows copy is dead: the token-major copy (its own pass anyway) is made once it is freed
+        del compute, inputs, x_q, x_scale
         x_t = x_t_scale = wgrad_offs = None
         if need_dw:
-            x_t, x_t_scale, wgrad_offs = quantize_tokens_for_wgrad(x, group_offs, recipe, dtype, margin)
-        ctx.w_kn = (w_fp8.data_t, w_fp8.scale_t) if need_dx else None  # dgrad's alone: dropped before wgrad
+            recipe = recipe_of(config)
+            x_t, x_t_scale, wgrad_offs = _through_plan(
+                _TOKENS_REGION, (config, "forward"), (x, group_offs),
+                functools.partial(quantize_tokens_for_wgrad, x, group_offs, recipe, config.forward_dtype, config.margin))
+        ctx.w_kn = (w_kn, w_kn_scale) if need_dx else None  # dgrad's alone: dropped before wgrad
         ctx.save_for_backward(w_nk if need_dx else None, x_t, x_t_scale, group_offs, wgrad_offs)
         ctx.config, ctx.num_cu, ctx.backend = config, num_cu, backend
         ctx.x_dtype, ctx.w_dtype = x.dtype, w_nk.dtype
@@ -119,9 +173,10 @@ class FineGrainedFP8Function(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
+        from ..autograd import DeferredWgrad, _wgrad_destination, _wgrad_result, finish_wgrad
+
         w_nk, x_t, x_t_scale, group_offs, wgrad_offs = ctx.saved_tensors
-        config = ctx.config
-        recipe, gdtype, margin = recipe_of(config), config.grad_dtype, config.margin
+        config, num_cu, backend = ctx.config, ctx.num_cu, ctx.backend
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         w_kn, ctx.w_kn = ctx.w_kn, None
         if w_kn is None and need_dx:  # a second backward (retain_graph): re-derive W^T
@@ -131,22 +186,28 @@ class FineGrainedFP8Function(torch.autograd.Function):
         dx = dw = None
         if need_dx:
             handed = ctx.grad_rows.take(dy) if ctx.grad_rows is not None else None
-            dy_q, dy_scale = quantize_rows(dy, recipe, gdtype, margin) if handed is None else handed
-            del handed
-            dx = _gemm(GemmKind.M_GROUPED, dy_q, w_kn[0], dy_scale, w_kn[1], group_offs, ctx.x_dtype, recipe,
-                       ctx.num_cu, ctx.backend, "dgrad")
-            del dy_q, w_kn
+            dy_rows = handed or (None, None)
+            (dx,) = _through_plan(_DGRAD_REGION, (config, num_cu, backend, ctx.x_dtype, handed is not None),
+                                  (None if handed else dy, *dy_rows, *w_kn, group_offs),
+                                  functools.partial(_dgrad_tensors, dy, *dy_rows, *w_kn, group_offs, config, num_cu,
+                                                    backend, ctx.x_dtype))
+            del w_kn, handed, dy_rows  # dgrad's alone: freed before wgrad allocates
         if need_dw:
-            dy_t, dy_t_scale, _ = quantize_tokens_for_wgrad(dy, group_offs, recipe, gdtype, margin, wgrad_offs)
-            if ctx.wgrad_target is None:
-                dw = _gemm(GemmKind.K_GROUPED, dy_t, x_t, dy_t_scale, x_t_scale, wgrad_offs, ctx.w_dtype, recipe,
-                           ctx.num_cu, ctx.backend, "wgrad")
-            else:  # into the caller's buffer, or deferred (turbo_moe.autograd.WgradTarget)
-                from ..autograd import DeferredWgrad, finish_wgrad
-
-                dw = finish_wgrad(ctx.wgrad_target, DeferredWgrad(functools.partial(
+            target = ctx.wgrad_target
+            if target is not None and target.defer is not None:  # for the caller to run later
+                dy_t, dy_t_scale, _ = _dy_tokens(dy, group_offs, wgrad_offs, config)
+                recipe = recipe_of(config)
+                dw = finish_wgrad(target, DeferredWgrad(functools.partial(
                     _gemm, GemmKind.K_GROUPED, dy_t, x_t, dy_t_scale, x_t_scale, wgrad_offs, recipe=recipe,
-                    num_cu=ctx.num_cu, backend=ctx.backend, role="wgrad")))
+                    num_cu=num_cu, backend=backend, role="wgrad")))
+            else:  # returned, or into the target's buffer now (float32: in the kernel's epilogue)
+                buffer, out, dw_dtype = _wgrad_destination(ctx, target)
+                (dw,) = _through_plan(
+                    _WGRAD_REGION, (config, num_cu, backend, dw_dtype), (dy, x_t, x_t_scale, group_offs, wgrad_offs, out),
+                    functools.partial(_wgrad_tensors, dy, x_t, x_t_scale, group_offs, wgrad_offs, config, num_cu,
+                                      backend, dw_dtype, out),
+                    writes_inputs=out is not None)
+                dw = _wgrad_result(target, buffer, out, dw)
         return dx, dw, None, None, None, None, None, None, None, None, None
 
 

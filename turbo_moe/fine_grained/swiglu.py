@@ -27,15 +27,23 @@ equals the activation followed by ``grouped_gemm_fine`` where the activation com
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
+from .. import host_plan
 from ..config import Float8Config
 from .autograd import GradRowsHandoff, grouped_gemm_fine
 from .quantize import quantize_swiglu_backward_rows, quantize_swiglu_rows, recipe_of
 
 __all__ = ["FineGrainedSwiGLUFunction", "grouped_gemm_fine_swiglu"]
+
+# Host-plan regions (turbo_moe.host_plan), one launch each: the forward's activation and rows cast,
+# the backward's dh and dprobs (and dh's rows copy, for fc1). Off a GPU each runs its function directly.
+_FORWARD_REGION = host_plan.Region("fine-grained swiglu rows cast")
+_BACKWARD_REGION = host_plan.Region("fine-grained swiglu backward")
+_BACKWARD_ROWS_REGION = host_plan.Region("fine-grained swiglu backward + dh rows")
 
 
 class FineGrainedSwiGLUFunction(torch.autograd.Function):
@@ -44,7 +52,10 @@ class FineGrainedSwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, probs, config: Float8Config, grad_rows: Optional[GradRowsHandoff] = None):
-        a, a_q, a_scale = quantize_swiglu_rows(h, probs, recipe_of(config), config.forward_dtype, config.margin)
+        from ..autograd import through_plan
+
+        a, a_q, a_scale = through_plan(_FORWARD_REGION, (config,), (h, probs), functools.partial(
+            quantize_swiglu_rows, h, probs, recipe_of(config), config.forward_dtype, config.margin))
         ctx.mark_non_differentiable(a_q, a_scale)
         ctx.save_for_backward(h, probs)
         ctx.grad_rows = grad_rows
@@ -53,6 +64,7 @@ class FineGrainedSwiGLUFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, da, _rows_grad, _scales_grad):
+        from ..autograd import through_plan
         from ..swiglu import weighted_swiglu_backward
 
         h, probs = ctx.saved_tensors
@@ -61,10 +73,12 @@ class FineGrainedSwiGLUFunction(torch.autograd.Function):
         expected = handoff.expecting if handoff is not None and ctx.needs_input_grad[0] else None
         if expected is not None and (h.shape[1] // 2) % expected[0].block == 0:
             # fc1 casts dh into these 1xB blocks for its dgrad: made here from the same pass
-            dh, dprobs, rows, scales = quantize_swiglu_backward_rows(h, probs, da, *expected)
+            dh, dprobs, rows, scales = through_plan(_BACKWARD_ROWS_REGION, expected, (h, probs, da), functools.partial(
+                quantize_swiglu_backward_rows, h, probs, da, *expected))
             handoff.put(dh, rows, scales)
             return dh, dprobs, None, None
-        dh, dprobs = weighted_swiglu_backward(h, probs, da)
+        dh, dprobs = through_plan(_BACKWARD_REGION, (), (h, probs, da),
+                                  functools.partial(weighted_swiglu_backward, h, probs, da))
         return dh, dprobs, None, None
 
 
