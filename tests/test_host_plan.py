@@ -25,6 +25,28 @@ def test_sources_map_addresses_to_inputs_and_allocations_or_refuse():
         sources.find(view.data_ptr() + 16 * 4, "x")  # one past its last element
 
 
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise", "blockwise", "mxfp8"])
+def test_cached_weight_inputs_each_own_their_memory(granularity):
+    """A cached weight's plan inputs never overlap (an address inside two inputs is refused, which
+    the GPU test found for blockwise: W^T's block scales are a transposed view of W's), and every
+    pointer a GEMM takes from the cache lies inside one of them."""
+    from turbo_moe import Float8Config
+    from turbo_moe.autograd import cached_weight_inputs, cached_weight_key, quantize_weight
+
+    w = torch.randn(3, 256, 384, dtype=torch.bfloat16)
+    w_fp8 = quantize_weight(w, Float8Config(granularity=granularity))
+    inputs = [t for t in cached_weight_inputs(w_fp8) if t is not None]
+    sources = host_plan._Sources(inputs, [])
+    for t in inputs:  # no address is inside two inputs
+        start, size = host_plan._storage_extent(t)
+        for address in (start, start + size - 1):
+            sources.find(address, granularity)
+    for t in (w_fp8.data, w_fp8.scale, w_fp8.data_t, w_fp8.scale_t):
+        sources.find(t.data_ptr(), granularity)
+    shared = cached_weight_key(w_fp8)[1]
+    assert shared == (granularity in ("tensorwise", "blockwise")), (granularity, shared)
+
+
 def test_region_keeps_the_python_run_when_recording_is_refused(monkeypatch):
     """A region doing a torch op (no plan possible): the result is the one Python run's, run once
     per call, and after MAX_ATTEMPTS refusals the signature stays on its Python path."""

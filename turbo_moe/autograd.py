@@ -563,15 +563,26 @@ def fp8_gemm_forward(x, w_nk, w_fp8: Optional[Float8Weight], group_offs, config:
 
 
 def cached_weight_inputs(w_fp8: Optional[Float8Weight]) -> tuple:
-    """A cached FP8 weight's tensors as host-plan inputs: a scale shared by both layouts
-    (tensorwise) goes in once (each input must be one tensor; :func:`cached_weight_key` says so)."""
+    """A cached FP8 weight's tensors as host-plan inputs. A transposed scale that is the forward
+    scale itself (tensorwise) or a view of its memory (blockwise's 128x128 blocks, which W and W^T
+    share) goes in once: each input must own its memory, or the recorded pointers would be
+    ambiguous (:func:`cached_weight_key` says which)."""
     if w_fp8 is None:
         return (None, None, None, None)
-    return (w_fp8.data, w_fp8.scale, w_fp8.data_t, None if w_fp8.scale_t is w_fp8.scale else w_fp8.scale_t)
+    return (w_fp8.data, w_fp8.scale, w_fp8.data_t, None if _scale_t_shared(w_fp8) else w_fp8.scale_t)
+
+
+def _scale_t_shared(w_fp8: Float8Weight) -> bool:
+    scale, scale_t = w_fp8.scale, w_fp8.scale_t
+    if scale_t is scale:
+        return True
+    if scale_t is None or scale is None or scale_t.device != scale.device:
+        return False
+    return scale_t.untyped_storage().data_ptr() == scale.untyped_storage().data_ptr()
 
 
 def cached_weight_key(w_fp8: Optional[Float8Weight]) -> tuple:
-    return (w_fp8 is None, w_fp8 is not None and w_fp8.scale_t is w_fp8.scale)
+    return (w_fp8 is None, w_fp8 is not None and _scale_t_shared(w_fp8))
 
 
 class GroupedGemmFP8Function(torch.autograd.Function):
