@@ -389,6 +389,29 @@ def test_cached_weight_and_trans_b_false():
         assert torch.equal(y, y2) and y.shape == (50, 48)
 
 
+def test_forward_region_hands_no_cached_weight_tensor_out():
+    """The fine-grained forward region's outputs are its own (a host-plan region may return only
+    its allocations or its inputs): with a cached W^T it returns y alone and the Function takes
+    W^T from the cache (blockwise's W^T scales are a view of W's, not an input); without the cache
+    it returns the W^T it made. Same y and the same W^T tensors either way."""
+    from turbo_moe.autograd import quantize_weight
+    from turbo_moe.fine_grained import autograd as fine
+
+    gen = torch.Generator().manual_seed(8)
+    x, w = torch.randn(40, 128, generator=gen), torch.randn(2, 96, 128, generator=gen)
+    offs = _offs([15, 25])
+    for name in ("blockwise", "mxfp8"):
+        cfg = CONFIGS[name]
+        cached = quantize_weight(w, cfg)
+        y, w_kn, w_kn_scale = fine._forward_tensors(x, None, None, w, cached, offs, cfg, None, "torch",
+                                                    torch.float32, True)
+        assert w_kn is None and w_kn_scale is None, name
+        y_made, made_kn, made_scale = fine._forward_tensors(x, None, None, w, None, offs, cfg, None, "torch",
+                                                            torch.float32, True)
+        assert torch.equal(y, y_made) and torch.equal(made_kn.view(torch.uint8), cached.data_t.view(torch.uint8))
+        assert torch.equal(made_scale.float(), cached.scale_t.float()), name
+
+
 def test_backend_choice_and_refusals():
     q, s = quantize_rows(torch.randn(8, 64), Q.MXFP8, E4M3)
     wq, ws = quantize_rows(torch.randn(1, 16, 64), Q.MXFP8, E4M3)

@@ -100,16 +100,19 @@ def _through_plan(region, static, inputs, compute, writes_inputs=False):
 
 
 def _forward_tensors(x, x_q, x_scale, w_nk, w_fp8, group_offs, config, num_cu, backend, out_dtype, need_dx):
-    """``(y, W^T in FP8, its scales)`` (None, None without dgrad): x's rows copy unless given, the
-    weight's FP8 copies unless ``w_fp8`` has them, the forward GEMM."""
+    """``(y, W^T in FP8, its scales)`` (None, None without dgrad, or where ``w_fp8`` has W^T): x's
+    rows copy unless given, the weight's FP8 copies unless ``w_fp8`` has them, the forward GEMM."""
     recipe = recipe_of(config)
-    if w_fp8 is None or (need_dx and w_fp8.data_t is None):
+    made = w_fp8 is None or (need_dx and w_fp8.data_t is None)
+    if made:
         w_fp8 = quantize_weight_fine(w_nk, config, transposed=need_dx)
     if x_q is None:
         x_q, x_scale = quantize_rows(x, recipe, config.forward_dtype, config.margin)
     y = _gemm(GemmKind.M_GROUPED, x_q, w_fp8.data, x_scale, w_fp8.scale, group_offs, out_dtype, recipe, num_cu,
               backend, "fwd")
-    return (y, w_fp8.data_t, w_fp8.scale_t) if need_dx else (y, None, None)
+    # A cached W^T stays the caller's: a host-plan region's outputs are its own allocations or
+    # its inputs, and blockwise's W^T scales are a view of W's (not an input of their own).
+    return (y, w_fp8.data_t, w_fp8.scale_t) if need_dx and made else (y, None, None)
 
 
 def _dgrad_tensors(dy, dy_q, dy_scale, w_kn, w_kn_scale, group_offs, config, num_cu, backend, dx_dtype):
@@ -155,6 +158,8 @@ class FineGrainedFP8Function(torch.autograd.Function):
         static = (config, num_cu, backend, out_dtype, need_dx, given, *cached_weight_key(w_fp8))
         inputs = (None if given else x, x_q, x_scale, w_nk, group_offs, *cached_weight_inputs(w_fp8))
         y, w_kn, w_kn_scale = _through_plan(_FORWARD_REGION, static, inputs, compute)
+        if need_dx and w_kn is None:  # the cache's W^T (see _forward_tensors)
+            w_kn, w_kn_scale = w_fp8.data_t, w_fp8.scale_t
         # the rows copy is dead: the token-major copy (its own pass anyway) is made once it is freed
         del compute, inputs, x_q, x_scale
         x_t = x_t_scale = wgrad_offs = None
