@@ -130,15 +130,18 @@ def test_fine_grained_linear_replay_equals_python_path_bitwise(granularity, cach
     assert all(n >= calls - 3 for n in replays), (replays, refusals)
 
 
-def test_fine_grained_mlp_replays_bitwise():
-    """The fine-grained fused SwiGLU MLP (turbo_moe.fine_grained.swiglu, dh's rows copy handed to
-    fc1): every region it uses replays, outputs and gradients bit for bit the Python path's."""
+@pytest.mark.parametrize("ffn", [256, 192])
+def test_fine_grained_mlp_replays_bitwise(ffn):
+    """The fine-grained fused SwiGLU MLP (turbo_moe.fine_grained.swiglu): every region it uses
+    replays, outputs and gradients bit for bit the Python path's. With F a multiple of 128 the
+    activation's backward hands dh's rows copy to fc1; with F = 192 it cannot (a block would
+    straddle the gate and linear halves) and the backward without the copy runs instead."""
     results = {}
     for plans in (False, True):
         previous = _plans_on(plans)
         try:
             torch.manual_seed(0)
-            mlp = GroupedSwiGLUMLPFP8(4, 256, 192, config=Float8Config(granularity="blockwise"), device="cuda",
+            mlp = GroupedSwiGLUMLPFP8(4, 256, ffn, config=Float8Config(granularity="blockwise"), device="cuda",
                                       dtype=torch.bfloat16)
             out = []
             for i, lens in enumerate(_routings(4, 300, 6, 1)):
@@ -161,8 +164,10 @@ def test_fine_grained_mlp_replays_bitwise():
         for what, ta, tb in zip(("y", "dx", "dprobs", "dW1", "dW2"), a, b):
             _assert_bitwise(ta, tb, f"call {i}: {what}")
     replays, refusals = results[True][1], results[True][2]
-    # every region but the backward without dh's rows copy (the MLP hands that copy to fc1)
-    assert all(n > 0 for n in replays[:-1]) and replays[-1] == 0, (replays, refusals)
+    # every region but one of the activation's two backwards (FINE_REGIONS' last two)
+    handed = ffn % 128 == 0
+    assert all(n > 0 for n in replays[:-2]), (replays, refusals)
+    assert (replays[-2] > 0, replays[-1] > 0) == (handed, not handed), (replays, refusals)
 
 
 @pytest.mark.parametrize("name", ["tensorwise", "delayed"])
