@@ -386,9 +386,11 @@ def swiglu_backward_block_rows_kernel(
     FP8_MAX: tl.constexpr, EMAX: tl.constexpr, MARGIN: tl.constexpr, MARGIN_FACTOR: tl.constexpr, E8M0: tl.constexpr,
     POW2: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """``swiglu_backward_kernel``'s ``dh`` and ``dprobs`` (the same tiles, the same sums), and
+    """``swiglu_backward_kernel``'s ``dh`` and ``dprobs`` (the same tiles and summation order), and
     ``dh``'s 1xBLOCK rows copy, the fine-grained recipes' dgrad operand for fc1, from the stored
-    (rounded) ``dh``: F a multiple of BLOCK, so that no block straddles the gate and linear halves."""
+    (rounded) ``dh``: F a multiple of BLOCK, so that no block straddles the gate and linear halves.
+    On the H100 ``dh`` is bit for bit the other kernel's; ``dprobs`` (float32, no rounding to hide
+    a last-bit difference in the products' code) was 1 ulp apart on about a third of the rows."""
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
