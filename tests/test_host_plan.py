@@ -47,6 +47,19 @@ def test_cached_weight_inputs_each_own_their_memory(granularity):
     assert shared == (granularity in ("tensorwise", "blockwise")), (granularity, shared)
 
 
+def test_cached_weight_scales_in_one_buffer_stay_two_inputs():
+    """Both scales as disjoint views of one allocation (as a kernel writing both may make them)
+    are two inputs, each its own memory: dropping one would hand the plan a None."""
+    from turbo_moe.autograd import Float8Weight, cached_weight_inputs, cached_weight_key
+
+    buffer = torch.ones(2 * 3 * 64)
+    scale, scale_t = buffer[:192].view(3, 64), buffer[192:].view(3, 64)
+    w_fp8 = Float8Weight(torch.empty(3, 64, 64), scale, torch.empty(3, 64, 64), scale_t)
+    assert cached_weight_key(w_fp8)[1] is False and cached_weight_inputs(w_fp8)[3] is scale_t
+    overlapping = Float8Weight(w_fp8.data, scale, w_fp8.data_t, scale.transpose(0, 1))
+    assert cached_weight_key(overlapping)[1] is True and cached_weight_inputs(overlapping)[3] is None
+
+
 def test_region_keeps_the_python_run_when_recording_is_refused(monkeypatch):
     """A region doing a torch op (no plan possible): the result is the one Python run's, run once
     per call, and after MAX_ATTEMPTS refusals the signature stays on its Python path."""

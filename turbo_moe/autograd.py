@@ -573,12 +573,21 @@ def cached_weight_inputs(w_fp8: Optional[Float8Weight]) -> tuple:
 
 
 def _scale_t_shared(w_fp8: Float8Weight) -> bool:
+    """Whether W^T's scales overlap W's in memory (the same tensor, or a view of its elements).
+    Disjoint views of one buffer (a kernel writing both scales into one allocation) stay apart."""
     scale, scale_t = w_fp8.scale, w_fp8.scale_t
     if scale_t is scale:
         return True
     if scale_t is None or scale is None or scale_t.device != scale.device:
         return False
-    return scale_t.untyped_storage().data_ptr() == scale.untyped_storage().data_ptr()
+    (a0, n0), (a1, n1) = _extent(scale), _extent(scale_t)
+    return a0 < a1 + max(n1, 1) and a1 < a0 + max(n0, 1)
+
+
+def _extent(t: torch.Tensor) -> tuple:
+    """(first byte address, bytes spanned) of t's elements."""
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) if t.numel() else 0
+    return t.data_ptr(), span * t.element_size()
 
 
 def cached_weight_key(w_fp8: Optional[Float8Weight]) -> tuple:
