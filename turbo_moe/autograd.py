@@ -555,8 +555,9 @@ def fp8_gemm_forward(x, w_nk, w_fp8: Optional[Float8Weight], group_offs, config:
     where no kernel makes them: off a GPU)."""
     compute = functools.partial(_fp8_forward_tensors, x, w_nk, w_fp8, group_offs, config, num_cu, backend, out_dtype,
                                 need_dx, need_dw, delayed, swiglu_probs)
-    static = (config, num_cu, backend, out_dtype, need_dx, need_dw, *cached_weight_key(w_fp8))
-    inputs = (x, w_nk, group_offs, *cached_weight_inputs(w_fp8))
+    cache_key, cache_inputs = cached_weight_parts(w_fp8)
+    static = (config, num_cu, backend, out_dtype, need_dx, need_dw, *cache_key)
+    inputs = (x, w_nk, group_offs, *cache_inputs)
     if swiglu_probs is not None:  # the key and inputs of a plain forward stay as they were
         static, inputs = (*static, "swiglu amax"), (*inputs, swiglu_probs)
     return through_plan(_FORWARD_REGION, static, inputs, compute, (delayed and delayed.input,))
@@ -567,9 +568,15 @@ def cached_weight_inputs(w_fp8: Optional[Float8Weight]) -> tuple:
     scale itself (tensorwise) or a view of its memory (blockwise's 128x128 blocks, which W and W^T
     share) goes in once: each input must own its memory, or the recorded pointers would be
     ambiguous (:func:`cached_weight_key` says which)."""
+    return cached_weight_parts(w_fp8)[1]
+
+
+def cached_weight_parts(w_fp8: Optional[Float8Weight]) -> tuple[tuple, tuple]:
+    """``(cached_weight_key(w_fp8), cached_weight_inputs(w_fp8))`` from one overlap test."""
     if w_fp8 is None:
-        return (None, None, None, None)
-    return (w_fp8.data, w_fp8.scale, w_fp8.data_t, None if _scale_t_shared(w_fp8) else w_fp8.scale_t)
+        return (True, False), (None, None, None, None)
+    shared = _scale_t_shared(w_fp8)
+    return (False, shared), (w_fp8.data, w_fp8.scale, w_fp8.data_t, None if shared else w_fp8.scale_t)
 
 
 def _scale_t_shared(w_fp8: Float8Weight) -> bool:
@@ -580,6 +587,8 @@ def _scale_t_shared(w_fp8: Float8Weight) -> bool:
         return True
     if scale_t is None or scale is None or scale_t.device != scale.device:
         return False
+    if scale_t._base is scale or scale._base is scale_t:  # a view of the other's whole tensor
+        return True
     (a0, n0), (a1, n1) = _extent(scale), _extent(scale_t)
     return a0 < a1 + max(n1, 1) and a1 < a0 + max(n0, 1)
 
@@ -591,7 +600,7 @@ def _extent(t: torch.Tensor) -> tuple:
 
 
 def cached_weight_key(w_fp8: Optional[Float8Weight]) -> tuple:
-    return (w_fp8 is None, w_fp8 is not None and _scale_t_shared(w_fp8))
+    return cached_weight_parts(w_fp8)[0]
 
 
 class GroupedGemmFP8Function(torch.autograd.Function):

@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from .. import autograd as per_tensor  # attributes read at call time (each module imports the other)
 from .. import host_plan
 from ..backends.base import GemmKind
 from ..config import Float8Config
@@ -94,9 +95,7 @@ _WGRAD_REGION = host_plan.Region("fine-grained gemm wgrad")
 
 
 def _through_plan(region, static, inputs, compute, writes_inputs=False):
-    from ..autograd import through_plan  # turbo_moe.autograd imports this module lazily
-
-    return through_plan(region, static, inputs, compute, writes_inputs=writes_inputs)
+    return per_tensor.through_plan(region, static, inputs, compute, writes_inputs=writes_inputs)
 
 
 def _forward_tensors(x, x_q, x_scale, w_nk, w_fp8, group_offs, config, num_cu, backend, out_dtype, need_dx):
@@ -143,8 +142,6 @@ class FineGrainedFP8Function(torch.autograd.Function):
         # x_rows: x's rows copy when the caller made it (``[fp8, scales]``, a list emptied here:
         # its last reference, so that the copy is freed once the GEMM has read it). grad_rows: where
         # y's consumer may leave dy's rows copy (GradRowsHandoff).
-        from ..autograd import cached_weight_inputs, cached_weight_key
-
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad_rows is not None and need_dx:
             grad_rows.expect(recipe_of(config), config.grad_dtype, config.margin)
@@ -155,8 +152,9 @@ class FineGrainedFP8Function(torch.autograd.Function):
             x_rows.clear()
         compute = functools.partial(_forward_tensors, x, x_q, x_scale, w_nk, w_fp8, group_offs, config, num_cu,
                                     backend, out_dtype, need_dx)
-        static = (config, num_cu, backend, out_dtype, need_dx, given, *cached_weight_key(w_fp8))
-        inputs = (None if given else x, x_q, x_scale, w_nk, group_offs, *cached_weight_inputs(w_fp8))
+        cache_key, cache_inputs = per_tensor.cached_weight_parts(w_fp8)
+        static = (config, num_cu, backend, out_dtype, need_dx, given, *cache_key)
+        inputs = (None if given else x, x_q, x_scale, w_nk, group_offs, *cache_inputs)
         y, w_kn, w_kn_scale = _through_plan(_FORWARD_REGION, static, inputs, compute)
         if need_dx and w_kn is None:  # the cache's W^T (see _forward_tensors)
             w_kn, w_kn_scale = w_fp8.data_t, w_fp8.scale_t
@@ -178,8 +176,6 @@ class FineGrainedFP8Function(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        from ..autograd import DeferredWgrad, _wgrad_destination, _wgrad_result, finish_wgrad
-
         w_nk, x_t, x_t_scale, group_offs, wgrad_offs = ctx.saved_tensors
         config, num_cu, backend = ctx.config, ctx.num_cu, ctx.backend
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -202,17 +198,17 @@ class FineGrainedFP8Function(torch.autograd.Function):
             if target is not None and target.defer is not None:  # for the caller to run later
                 dy_t, dy_t_scale, _ = _dy_tokens(dy, group_offs, wgrad_offs, config)
                 recipe = recipe_of(config)
-                dw = finish_wgrad(target, DeferredWgrad(functools.partial(
+                dw = per_tensor.finish_wgrad(target, per_tensor.DeferredWgrad(functools.partial(
                     _gemm, GemmKind.K_GROUPED, dy_t, x_t, dy_t_scale, x_t_scale, wgrad_offs, recipe=recipe,
                     num_cu=num_cu, backend=backend, role="wgrad")))
             else:  # returned, or into the target's buffer now (float32: in the kernel's epilogue)
-                buffer, out, dw_dtype = _wgrad_destination(ctx, target)
+                buffer, out, dw_dtype = per_tensor._wgrad_destination(ctx, target)
                 (dw,) = _through_plan(
                     _WGRAD_REGION, (config, num_cu, backend, dw_dtype), (dy, x_t, x_t_scale, group_offs, wgrad_offs, out),
                     functools.partial(_wgrad_tensors, dy, x_t, x_t_scale, group_offs, wgrad_offs, config, num_cu,
                                       backend, dw_dtype, out),
                     writes_inputs=out is not None)
-                dw = _wgrad_result(target, buffer, out, dw)
+                dw = per_tensor._wgrad_result(target, buffer, out, dw)
         return dx, dw, None, None, None, None, None, None, None, None, None
 
 

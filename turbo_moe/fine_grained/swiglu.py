@@ -32,6 +32,7 @@ from typing import Optional
 
 import torch
 
+from .. import autograd as per_tensor  # attributes read at call time (each module imports the other)
 from .. import host_plan
 from ..config import Float8Config
 from .autograd import GradRowsHandoff, grouped_gemm_fine
@@ -52,9 +53,7 @@ class FineGrainedSwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, probs, config: Float8Config, grad_rows: Optional[GradRowsHandoff] = None):
-        from ..autograd import through_plan
-
-        a, a_q, a_scale = through_plan(_FORWARD_REGION, (config,), (h, probs), functools.partial(
+        a, a_q, a_scale = per_tensor.through_plan(_FORWARD_REGION, (config,), (h, probs), functools.partial(
             quantize_swiglu_rows, h, probs, recipe_of(config), config.forward_dtype, config.margin))
         ctx.mark_non_differentiable(a_q, a_scale)
         # Without this autograd hands backward a zero-filled gradient for the rows copy: an FP8
@@ -68,7 +67,6 @@ class FineGrainedSwiGLUFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, da, _rows_grad, _scales_grad):
-        from ..autograd import through_plan
         from ..swiglu import weighted_swiglu_backward
 
         h, probs = ctx.saved_tensors
@@ -80,12 +78,13 @@ class FineGrainedSwiGLUFunction(torch.autograd.Function):
         expected = handoff.expecting if handoff is not None and ctx.needs_input_grad[0] else None
         if expected is not None and (h.shape[1] // 2) % expected[0].block == 0:
             # fc1 casts dh into these 1xB blocks for its dgrad: made here from the same pass
-            dh, dprobs, rows, scales = through_plan(_BACKWARD_ROWS_REGION, expected, (h, probs, da), functools.partial(
-                quantize_swiglu_backward_rows, h, probs, da, *expected))
+            dh, dprobs, rows, scales = per_tensor.through_plan(
+                _BACKWARD_ROWS_REGION, expected, (h, probs, da),
+                functools.partial(quantize_swiglu_backward_rows, h, probs, da, *expected))
             handoff.put(dh, rows, scales)
             return dh, dprobs, None, None
-        dh, dprobs = through_plan(_BACKWARD_REGION, (), (h, probs, da),
-                                  functools.partial(weighted_swiglu_backward, h, probs, da))
+        dh, dprobs = per_tensor.through_plan(_BACKWARD_REGION, (), (h, probs, da),
+                                             functools.partial(weighted_swiglu_backward, h, probs, da))
         return dh, dprobs, None, None
 
 
