@@ -87,18 +87,24 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("cache", [True, False], ids=["wcache", "nocache"])
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_linear_replay_equals_python_path_bitwise(name, cache):
-    config = CONFIGS[name]
-    calls = 6
+def _linear_plans_equal_python(config, cache, calls, label):
+    """Run ``calls`` fwd+bwd with plans off, then on (skipping where plans cannot be built here);
+    every y, dx and dW bit for bit. Returns the replays of every region."""
     python_results, _ = _run_linear(config, cache, calls, plans=False)
     plan_results, replays = _run_linear(config, cache, calls, plans=True)
     if host_plan.status() != "on":
         pytest.skip(f"host plans unavailable here: {host_plan.status()}")
     for i, (a, b) in enumerate(zip(python_results, plan_results)):
         for what, ta, tb in zip(("y", "dx", "dW"), a, b):
-            _assert_bitwise(ta, tb, f"{name} call {i}: {what}")
+            _assert_bitwise(ta, tb, f"{label} call {i}: {what}")
+    return replays
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["wcache", "nocache"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_linear_replay_equals_python_path_bitwise(name, cache):
+    calls = 6
+    replays = _linear_plans_equal_python(CONFIGS[name], cache, calls, name)
     refusals = [r for region in REGIONS for r in region.refusals]
     # Per-tensor recipes replay every region they use, each recorded call after the first: the
     # forward, then dgrad and wgrad apart without the cache, the fused backward with it.
@@ -116,15 +122,8 @@ def test_linear_replay_equals_python_path_bitwise(name, cache):
 def test_fine_grained_linear_replay_equals_python_path_bitwise(granularity, cache):
     """The fine-grained Function's regions (forward, the wgrad operand's token copy, dgrad, wgrad)
     replay every call after the recording one, bit for bit the Python path's."""
-    config = Float8Config(granularity=granularity)
     calls = 6
-    python_results, _ = _run_linear(config, cache, calls, plans=False)
-    plan_results, _ = _run_linear(config, cache, calls, plans=True)
-    if host_plan.status() != "on":
-        pytest.skip(f"host plans unavailable here: {host_plan.status()}")
-    for i, (a, b) in enumerate(zip(python_results, plan_results)):
-        for what, ta, tb in zip(("y", "dx", "dW"), a, b):
-            _assert_bitwise(ta, tb, f"{granularity} call {i}: {what}")
+    _linear_plans_equal_python(Float8Config(granularity=granularity), cache, calls, granularity)
     replays = [region.replays for region in FINE_REGIONS[:4]]
     refusals = [r for region in FINE_REGIONS for r in region.refusals]
     assert all(n >= calls - 3 for n in replays), (replays, refusals)
