@@ -13,14 +13,17 @@ same data:
 * ``split grid`` / ``n slots a program``: the (C / BLOCK_C, G, S) grid, and the (slots / n,
   C / BLOCK_C) grid whose programs find their blocks' groups from the offsets (``_TOKEN_FLAT``
   = n; ``--flat``, ``--flat-tiles``);
-* with ``--tiles`` / ``--splits``: other column tiles, warps and split counts.
+* with ``--tiles`` / ``--splits``: other column tiles, warps and split counts;
+* with ``--col-tiles`` / ``--trans-regs``: the flat grid (one slot a program) casting n column
+  tiles a program (``_TOKEN_COL_TILES``), and the transposed tile from registers instead of a
+  second read (``_TOKEN_TRANS_REGS``), alone and together.
 
 Every variant's FP8 values, scales and offsets are checked equal to the first's (the bits must
 not depend on the variant). Times: ``triton.testing.do_bench`` medians; GB/s counts the bf16 read
 once and the FP8 write.
 
 Usage: ``python scripts/probe_token_cast.py [--routings balanced,zipf] [--shapes all|N,...] [--tiles 32x4,128x4]
-[--splits 1,2,4|default] [--flat 1,2,4] [--flat-tiles 64x4]``
+[--splits 1,2,4|default] [--flat 1,2,4] [--flat-tiles 64x4] [--col-tiles 2,4] [--trans-regs]``
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ def main() -> int:
     parser.add_argument("--splits", default="1", help="with --tiles: split counts, or 'default'")
     parser.add_argument("--flat", default="1,2,4", help="the flat grid's slots a program (FLAT), each a variant")
     parser.add_argument("--flat-tiles", default="", help="the flat variants under these BLOCK_CxWARPS too")
+    parser.add_argument("--col-tiles", default="", help="one slot a program, n column tiles a program: each a variant")
+    parser.add_argument("--trans-regs", action="store_true",
+                        help="one slot a program, the transposed tile from registers (with each --col-tiles too)")
     args = parser.parse_args()
     shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
     e4m3 = torch.float8_e4m3fn
@@ -56,17 +62,25 @@ def main() -> int:
     recipe = Q.BLOCKWISE
     default_splits = BC._token_splits
     default_tile, default_flat = BC._TOKEN_TILE, BC._TOKEN_FLAT
-    # (name, splits rule, (BLOCK_C, num_warps))
-    variants = [("1 program a group, BLOCK_C 64", lambda tokens, groups, block: 1, (64, 4), 0),
-                ("the library's default", default_splits, default_tile, BC._TOKEN_FLAT),
-                ("split grid", default_splits, default_tile, 0)]
+    default_col_tiles, default_trans = BC._TOKEN_COL_TILES, BC._TOKEN_TRANS_REGS
+    # (name, splits rule, (BLOCK_C, num_warps), FLAT, column tiles a program, transposed in registers)
+    variants = [("1 program a group, BLOCK_C 64", lambda tokens, groups, block: 1, (64, 4), 0, 1, False),
+                ("the library's default", default_splits, default_tile, BC._TOKEN_FLAT, default_col_tiles,
+                 default_trans),
+                ("split grid", default_splits, default_tile, 0, 1, False)]
     for flat in (int(v) for v in args.flat.split(",") if v):
         for tile in [default_tile] + [tuple(int(v) for v in t.split("x")) for t in args.flat_tiles.split(",") if t]:
-            variants.append((f"{flat} slots a program, BLOCK_C {tile[0]}, {tile[1]} warps", default_splits, tile, flat))
+            variants.append((f"{flat} slots a program, BLOCK_C {tile[0]}, {tile[1]} warps", default_splits, tile, flat,
+                             1, False))
     for tile in (tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",") if t):
         for split in args.splits.split(","):
             rule = default_splits if split == "default" else (lambda tokens, groups, block, n=int(split): n)
-            variants.append((f"BLOCK_C {tile[0]}, {tile[1]} warps, S {split}", rule, tile, 0))
+            variants.append((f"BLOCK_C {tile[0]}, {tile[1]} warps, S {split}", rule, tile, 0, 1, False))
+    for col_tiles in [int(v) for v in args.col_tiles.split(",") if v] + ([1] if args.trans_regs else []):
+        for trans in ([False, True] if args.trans_regs else [False]):
+            if col_tiles > 1 or trans:
+                variants.append((f"1 slot, {col_tiles} column tiles a program{', transposed in registers' if trans else ''}",
+                                 default_splits, default_tile, 1, col_tiles, trans))
     print(f"device: {torch.cuda.get_device_name()}")
     print("| experts x tokens, C | routing | variant | S | ms | GB/s | bits vs first | rows cast ms |")
     print("|---|---|---|---|---|---|---|---|")
@@ -79,8 +93,9 @@ def main() -> int:
             cols = Q.aligned_token_columns(M, G, 16)
             rows_ms = triton.testing.do_bench(lambda: BC.block_cast_rows(x, recipe, e4m3, fmax, 8), warmup=10, rep=100)
             first = None
-            for name, splits_fn, tile, flat in variants:
+            for name, splits_fn, tile, flat, col_tiles, trans in variants:
                 BC._token_splits, BC._TOKEN_TILE, BC._TOKEN_FLAT = splits_fn, tile, flat
+                BC._TOKEN_COL_TILES, BC._TOKEN_TRANS_REGS = col_tiles, trans
                 try:
                     def run():
                         return BC.block_cast_tokens_aligned(x, offs, recipe, e4m3, fmax, 8, 0, 16, cols)
@@ -92,6 +107,7 @@ def main() -> int:
                     ms = triton.testing.do_bench(run, warmup=10, rep=100)
                 finally:
                     BC._token_splits, BC._TOKEN_TILE, BC._TOKEN_FLAT = default_splits, default_tile, default_flat
+                    BC._TOKEN_COL_TILES, BC._TOKEN_TRANS_REGS = default_col_tiles, default_trans
                 if first is None:
                     first, same = got, "-"
                 else:

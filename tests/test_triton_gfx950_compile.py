@@ -398,6 +398,30 @@ def test_wgrad_aligned_token_cast_compiles_for_gfx950(monkeypatch):
         assert re.search(conversion, isa), f"{key}: no {conversion}"
 
 
+def test_wgrad_token_cast_probe_variants_compile_for_gfx950(monkeypatch):
+    """The token cast's probe variants (scripts/probe_token_cast.py: two column tiles a program, the
+    transposed tile from registers): they compile for gfx950 too, no scratch, the FP8 conversion."""
+    from turbo_moe.fine_grained import quantize as Q
+    from turbo_moe.kernels.triton import blockwise_cast as BC
+
+    def key_of(fn, args, kwargs):
+        return fn.__name__, kwargs["COL_TILES"], kwargs["TRANS_REGS"]
+
+    offs = torch.tensor([0, 5, 5, 300, 333])
+    x = torch.empty(333, 256, dtype=torch.bfloat16)
+    cols = Q.aligned_token_columns(333, 4, 16)
+    monkeypatch.setattr(BC, "_TOKEN_FLAT", 1)
+    with _first_launches(key_of) as recorded:
+        for col_tiles, trans in ((2, False), (1, True)):
+            monkeypatch.setattr(BC, "_TOKEN_COL_TILES", col_tiles)
+            monkeypatch.setattr(BC, "_TOKEN_TRANS_REGS", trans)
+            BC.block_cast_tokens_aligned(x, offs, Q.BLOCKWISE, torch.float8_e4m3fn, 448.0, 8, 0, 16, cols)
+    assert sorted(recorded) == [("block_cast_tokens_kernel", 1, True), ("block_cast_tokens_kernel", 2, False)]
+    for key, (fn, args, kwargs) in recorded.items():
+        isa, _, _ = _gfx950_isa(fn, args, kwargs, str(key))
+        assert re.search(r"v_cvt_\w*pk_fp8_f32", isa), key
+
+
 def test_fine_grained_swiglu_rows_cast_compiles_for_gfx950():
     """fc2's fused SwiGLU + rows cast under the fine-grained recipes (``swiglu_block_cast_rows``)
     and its backward with dh's rows copy (``swiglu_backward_block_rows``), blockwise and MXFP8:

@@ -164,11 +164,13 @@ def _cast_token_block(x_ptr, out_t_ptr, scale_ptr, t0, lo, hi, start, end, slot,
                       stride_xm, stride_xc, stride_ss, stride_sc, cols_t,
                       FP8_MAX: tl.constexpr, EMAX: tl.constexpr, MARGIN: tl.constexpr, MARGIN_FACTOR: tl.constexpr,
                       E8M0: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
-                      TOKEN_ALIGN: tl.constexpr, WIDE: tl.constexpr):
+                      TOKEN_ALIGN: tl.constexpr, WIDE: tl.constexpr, TRANS_REGS: tl.constexpr = False):
     """Tokens [t0, t0 + BLOCK) of the group [lo, hi), columns [col0, col0 + BLOCK_C): their scales
     into ``slot``, their FP8 values transposed into columns from ``start + t0 - lo`` (below ``end``).
     Addresses are a block's int64 base plus offsets within the block, int32 unless WIDE (the host's
-    choice: a block's offsets past 2**31), which halves the registers the two tiles' addresses take."""
+    choice: a block's offsets past 2**31), which halves the registers the two tiles' addresses take.
+    TRANS_REGS: the cast transposes the loaded tile (``tl.trans``, through shared memory) instead of
+    reading the block again in the transposed order (the same values: masked elements are 0 both ways)."""
     if WIDE:
         r = tl.arange(0, BLOCK).to(tl.int64)
         c = tl.arange(0, BLOCK_C).to(tl.int64)
@@ -187,7 +189,11 @@ def _cast_token_block(x_ptr, out_t_ptr, scale_ptr, t0, lo, hi, start, end, slot,
     tl.store(scale_ptr + slot * stride_ss + col0 * stride_sc + c * stride_sc, stored, mask=col_ok & slot_ok)
     # the cast reads the block again, transposed (fp8_cast's module docstring; here casting the
     # first load through transposed store addresses measured 1-4% slower, H100)
-    x_t = tl.load(x_blk + r[None, :] * stride_xm + c[:, None] * stride_xc, mask=col_ok[:, None] & row_ok[None, :], other=0.0)
+    if TRANS_REGS:
+        x_t = tl.trans(x)
+    else:
+        x_t = tl.load(x_blk + r[None, :] * stride_xm + c[:, None] * stride_xc, mask=col_ok[:, None] & row_ok[None, :],
+                      other=0.0)
     q_t = _cast(x_t.to(tl.float32), quant[:, None], FP8_MAX, out_t_ptr.dtype.element_ty)
     # aligned: the group's padding (tokens past hi) written as the zeros x_t holds there
     dest0 = start + (t0 - lo)
@@ -214,7 +220,7 @@ def block_cast_tokens_kernel(
     M, C, G, stride_xm, stride_xc, stride_ss, stride_sc, cols_t, slots,
     FP8_MAX: tl.constexpr, EMAX: tl.constexpr, MARGIN: tl.constexpr, MARGIN_FACTOR: tl.constexpr, E8M0: tl.constexpr, POW2: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, TOKEN_ALIGN: tl.constexpr, WRITE_OFFS: tl.constexpr,
-    FLAT: tl.constexpr = 0, WIDE: tl.constexpr = True,
+    FLAT: tl.constexpr = 0, WIDE: tl.constexpr = True, COL_TILES: tl.constexpr = 1, TRANS_REGS: tl.constexpr = False,
 ):
     """Program (c, g, k) of a (C / BLOCK_C, G, S) grid: columns [c*BLOCK_C, ...) of group g's
     token blocks k, k + S, k + 2S, ... (block j: BLOCK tokens from the group's token j*BLOCK).
@@ -224,6 +230,8 @@ def block_cast_tokens_kernel(
     (slots / FLAT, C / BLOCK_C) grid instead, program (p, c) casting the blocks whose scales go in
     slots [p * FLAT, (p + 1) * FLAT), each finding its group from the offsets (``_slot_groups``):
     every program has at most FLAT blocks whatever the routing.
+    COL_TILES (FLAT only): each program casts COL_TILES column tiles of BLOCK_C (its search for the
+    groups done once for all of them).
 
     TOKEN_ALIGN 1: token t at column t of ``out_t`` ([C, cols_t]), block j's scales in slot
     offs[g] // BLOCK + g + j. TOKEN_ALIGN > 1: group g starts at column ``start =
@@ -233,7 +241,7 @@ def block_cast_tokens_kernel(
     min(end, cols_t)`` (and group 0's the 0 first): every group's, whatever the offsets."""
     if FLAT > 0:
         pid_c = tl.program_id(1)
-        col0 = pid_c.to(tl.int64) * BLOCK_C
+        col0 = pid_c.to(tl.int64) * (BLOCK_C * COL_TILES)
         slot0 = tl.program_id(0).to(tl.int64) * FLAT
         if WRITE_OFFS:
             if pid_c == 0:
@@ -260,9 +268,11 @@ def block_cast_tokens_kernel(
             pid_k = slot - (start // BLOCK + group)
             first = lo + pid_k * BLOCK
             if (pid_k >= 0) & (first < hi):  # none in a group's unused last slot, or for invalid offsets
-                _cast_token_block(x_ptr, out_t_ptr, scale_ptr, first, lo, hi, start, end, slot, slots, col0, C,
-                                  stride_xm, stride_xc, stride_ss, stride_sc, cols_t,
-                                  FP8_MAX, EMAX, MARGIN, MARGIN_FACTOR, E8M0, POW2, BLOCK, BLOCK_C, TOKEN_ALIGN, WIDE)
+                for ct in tl.static_range(COL_TILES):
+                    _cast_token_block(x_ptr, out_t_ptr, scale_ptr, first, lo, hi, start, end, slot, slots,
+                                      col0 + ct * BLOCK_C, C, stride_xm, stride_xc, stride_ss, stride_sc, cols_t,
+                                      FP8_MAX, EMAX, MARGIN, MARGIN_FACTOR, E8M0, POW2, BLOCK, BLOCK_C, TOKEN_ALIGN,
+                                      WIDE, TRANS_REGS)
     else:
         pid_c = tl.program_id(0)
         group = tl.program_id(1)
@@ -286,7 +296,8 @@ def block_cast_tokens_kernel(
         for t0 in range(lo + pid_k * BLOCK, hi, step):
             _cast_token_block(x_ptr, out_t_ptr, scale_ptr, t0, lo, hi, start, end, slot, slots, col0, C,
                               stride_xm, stride_xc, stride_ss, stride_sc, cols_t,
-                              FP8_MAX, EMAX, MARGIN, MARGIN_FACTOR, E8M0, POW2, BLOCK, BLOCK_C, TOKEN_ALIGN, WIDE)
+                              FP8_MAX, EMAX, MARGIN, MARGIN_FACTOR, E8M0, POW2, BLOCK, BLOCK_C, TOKEN_ALIGN, WIDE,
+                              TRANS_REGS)
             slot += step // BLOCK
 
 
@@ -368,6 +379,11 @@ _TOKEN_TILE = (32, 4)
 # with the vector stores (2, 4 and 8 slots slower, 64 columns slower); the same at C 2048-7168:
 # routing no longer moves its time.
 _TOKEN_FLAT = 1
+# Variants for scripts/probe_token_cast.py, not yet measured on a GPU (2026-11-27): column tiles a
+# flat-grid program casts (the group search once for all of them), and the transposed tile taken
+# from registers (tl.trans) instead of a second, transposed read of the block.
+_TOKEN_COL_TILES = 1
+_TOKEN_TRANS_REGS = False
 
 
 def _token_splits(tokens: int, groups: int, block: int) -> int:
@@ -402,16 +418,19 @@ def _cast_tokens(x, group_offs, recipe, fp8_dtype, fp8_max, emax, margin, token_
         # int32 offsets within a block (the kernel's WIDE off) where its largest fits
         wide = max((recipe.block - 1) * strides[0] + (block_c - 1) * strides[1], (block_c - 1) * cols_t + recipe.block,
                    (block_c - 1) * storage.stride(1)) >= 2**31
+        col_tiles = int(_TOKEN_COL_TILES) if _TOKEN_FLAT else 1
         key = (x.dtype, m, c, strides, group_offs.dtype, groups, fp8_dtype, recipe, margin, token_align, write_offs, block_c, warps, int(_TOKEN_FLAT), wide,
+               col_tiles, bool(_TOKEN_TRANS_REGS),
                x.data_ptr() % 16 == 0, group_offs.data_ptr() % 16 == 0, out_t.data_ptr() % 16 == 0,
                storage.data_ptr() % 16 == 0, aligned_offs is not None and aligned_offs.data_ptr() % 16 == 0)
-        grid = (_cdiv(slots, int(_TOKEN_FLAT)), _cdiv(c, block_c), 1) if _TOKEN_FLAT else (_cdiv(c, block_c), groups, splits)
+        grid = (_cdiv(slots, int(_TOKEN_FLAT)), _cdiv(c, block_c * col_tiles), 1) if _TOKEN_FLAT else \
+            (_cdiv(c, block_c), groups, splits)
         _lean["block_cast_tokens_kernel"].launch_keyed(
             grid, key,
             x, group_offs, out_t, storage, aligned_offs if write_offs else group_offs, m, c, groups, strides[0], strides[1],
             storage.stride(0), storage.stride(1), cols_t, slots,
             FP8_MAX=fp8_max, EMAX=emax, MARGIN=margin, MARGIN_FACTOR=2.0 ** -margin, E8M0=recipe.e8m0, POW2=recipe.pow2,
-            BLOCK=recipe.block, BLOCK_C=block_c, TOKEN_ALIGN=token_align, WRITE_OFFS=write_offs, FLAT=int(_TOKEN_FLAT), WIDE=wide, num_warps=warps,
+            BLOCK=recipe.block, BLOCK_C=block_c, TOKEN_ALIGN=token_align, WRITE_OFFS=write_offs, FLAT=int(_TOKEN_FLAT), WIDE=wide, COL_TILES=col_tiles, TRANS_REGS=bool(_TOKEN_TRANS_REGS), num_warps=warps,
         )
     return out_t, storage.T, aligned_offs
 
