@@ -270,6 +270,25 @@ def test_train_preset_cpu_smoke(tmp_path):
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_train_preset_rounds_run_the_variants_in_turn(tmp_path):
+    out = tmp_path / "rounds"
+    rc = cli.main(["--preset", "train", "--device", "cpu", "--corpus-bytes", str(SMALL_CORPUS), "--out", str(out),
+                   "--train-configs", "expert-dominated", "--variants", "turbo-bf16,fp8-tensorwise",
+                   "--train-rounds", "2", "--timed-steps", "1", "--warmup-steps", "0"])
+    assert rc == 0
+    with open(out / "results.json") as f:
+        records = json.load(f)["records"]
+    assert [(r["impl"], r["round"]) for r in records] == [
+        ("turbo-bf16", 0), ("fp8-tensorwise", 0), ("turbo-bf16", 1), ("fp8-tensorwise", 1)]
+    assert all(r["status"] == "ok" for r in records)
+    # the same seed and start: each round trains the same steps to the same loss
+    assert records[0]["loss_curve"] == records[2]["loss_curve"] and records[1]["loss_curve"] == records[3]["loss_curve"]
+    md = (out / "results.md").read_text()
+    assert "### Over the rounds" in md and "fp8-tensorwise" in md
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--device", "cpu", "--preset", "train", "--train-rounds", "0"])
+
+
 @needs_megatron
 def test_main_grad_fusion_accumulates_expert_weights_in_main_grad():
     """``--train-main-grad``: the expert weights' gradients accumulate in float32 main_grad (their
@@ -416,6 +435,36 @@ def test_train_table_ratios_and_targets():
     assert any(t.startswith("- n/a expert-dominated fp8-rowwise: held-out loss +2.50% vs bf16, not judged: 10 steps")
                for t in targets)
     assert not any(t.startswith(("- PASS", "- MISS")) and "loss" in t for t in targets)
+
+
+def test_train_rounds_compare_each_variant_with_its_own_rounds_bf16():
+    """``--train-rounds``: each round's FP8 run against that round's bf16 run (the host drifts
+    between rounds), the medians and ranges over the rounds, a round column, targets per round."""
+    base = dict(level="train", op="step", status="ok", reason="", experts="X", steps=10, config="expert-dominated",
+                case="train expert-dominated", peak_mb=100.0, train_loss=2.0, expert_share=0.6)
+    records = []
+    # the host slows down round after round: bf16 10, 12, 14 ms; FP8 always 0.9x of its round's
+    for round_, (bf16, fp8) in enumerate(((10.0, 9.0), (12.0, 10.8), (14.0, 12.6))):
+        records.append(dict(base, impl="turbo-bf16", round=round_, step_ms=bf16, host_ms=bf16, gpu_ms=8.0,
+                            expert_gpu_ms=4.0))
+        records.append(dict(base, impl="fp8-blockwise", round=round_, step_ms=fp8, host_ms=fp8, gpu_ms=7.6,
+                            expert_gpu_ms=3.4 + 0.2 * round_))
+    rows = report.train_rounds_table(records)
+    text = "\n".join(rows)
+    line = next(r for r in rows if "fp8-blockwise" in r)
+    assert "| 3 " in line and "0.90x (0.90-0.90)" in line and "0.95x (0.95-0.95)" in line, line
+    assert "0.90x (0.85-0.95)" in line, line  # experts 3.4, 3.6, 3.8 over 4.0: median 0.90
+    assert "step / bf16" in text
+    # the full table: a round column, and each row's ratio against its own round (a pooled
+    # baseline would give 12.6 / 10 = 1.26x in round 2)
+    table = "\n".join(report.train_table(records))
+    assert "round" in table.splitlines()[0] and "1.26x" not in table and table.count("0.90x") >= 3
+    targets = report.train_targets(records)
+    assert sum("(round " in t and "fp8-blockwise" in t and "step 0.90x" in t for t in targets) == 3, targets
+    assert sum("bf16 experts are" in t for t in targets) == 1  # the config's share line once
+    # one round: no round column, no rounds table
+    single = [r for r in records if r["round"] == 0]
+    assert report.train_rounds_table(single) == [] and "round" not in report.train_table(single)[0]
 
 
 def test_loss_summary_averages_the_tail_of_the_run():

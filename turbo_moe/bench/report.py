@@ -6,10 +6,11 @@ import csv
 import json
 import math
 import os
+import statistics
 from collections import OrderedDict
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-__all__ = ["kernel_table", "e2e_table", "e2e_hot_path_table", "train_table", "train_targets", "notes",
+__all__ = ["kernel_table", "e2e_table", "e2e_hot_path_table", "train_table", "train_rounds_table", "train_targets", "notes",
            "markdown_report", "write_outputs", "plot", "plot_loss_curves"]
 
 CSV_FIELDS = [
@@ -18,7 +19,7 @@ CSV_FIELDS = [
     "rel_err", "err_y", "err_dx", "err_dw", "peak_mb", "peak_act_mb", "extra_mb",
     "host_us", "launches", "graph_ms", "mb4_ms", "mb1_ms",  # end-to-end hot path
     "gpu_mb4_ms", "quant_mb4_ms", "gemm_mb4_ms", "quant_share_mb4", "gpu_mb1_ms", "quant_mb1_ms", "quant_share_mb1",
-    "config", "experts", "steps", "step_ms", "host_ms", "gpu_ms", "expert_gpu_ms", "expert_share",  # train
+    "config", "round", "experts", "steps", "step_ms", "host_ms", "gpu_ms", "expert_gpu_ms", "expert_share",  # train
     "train_loss", "val_loss", "train_loss_tail", "val_loss_tail", "reason",
 ]
 
@@ -195,8 +196,18 @@ def e2e_hot_path_table(records: Sequence[dict]) -> List[str]:
     return _align(rows)
 
 
-def _train_baseline(records: Sequence[dict]) -> Dict[str, dict]:
-    return {r["config"]: r for r in records if r["impl"] == "turbo-bf16" and r["status"] == "ok"}
+def _train_baseline(records: Sequence[dict]) -> Dict[Tuple[str, int], dict]:
+    """turbo-bf16's record per (config, round): each variant is compared with the bf16 run of its
+    own round (``--train-rounds``), the one nearest it in time."""
+    return {(r["config"], r.get("round", 0)): r for r in records if r["impl"] == "turbo-bf16" and r["status"] == "ok"}
+
+
+def _base_of(base: Dict[Tuple[str, int], dict], r: dict) -> dict:
+    return base.get((r["config"], r.get("round", 0)), {})
+
+
+def _rounds(records: Sequence[dict]) -> int:
+    return 1 + max((r.get("round", 0) for r in records), default=0)
 
 
 def _time_ratio(value, base) -> Optional[float]:
@@ -224,16 +235,19 @@ def train_table(records: Sequence[dict]) -> List[str]:
     if not records:
         return []
     base = _train_baseline(records)
+    rounds = _rounds(records)
     rows = [["config", "variant", "experts", "steps", "step ms", "step / bf16", "host ms", "GPU ms", "GPU / bf16",
              "GPU idle ms",
              "expert GPU ms", "expert share", "expert / bf16", "launches (experts)", "peak MB", "train loss",
              "held-out loss", "held-out vs bf16", "train vs bf16, last 10%", "held-out vs bf16, last 3"]]
+    if rounds > 1:
+        rows[0].insert(2, "round")
     for r in records:
         if r["status"] != "ok":
-            rows.append([r["config"], r["impl"], r.get("experts") or "", "", {"skipped": "skip"}.get(r["status"], r["status"])]
-                        + [""] * 15)
+            rows.append([r["config"], r["impl"]] + ([str(r.get("round", 0))] if rounds > 1 else [])
+                        + [r.get("experts") or "", "", {"skipped": "skip"}.get(r["status"], r["status"])] + [""] * 15)
             continue
-        b = base.get(r["config"], {})
+        b = _base_of(base, r)
         val_delta, train_tail_delta, val_tail_delta = (_loss_delta(r, b, key)
                                                        for key in ("val_loss", "train_loss_tail", "val_loss_tail"))
         share = r.get("expert_share")
@@ -249,6 +263,36 @@ def train_table(records: Sequence[dict]) -> List[str]:
             "" if r.get("train_loss") is None else f"{r['train_loss']:.4f}",
             "" if r.get("val_loss") is None else f"{r['val_loss']:.4f}", val_delta, train_tail_delta, val_tail_delta,
         ])
+        if rounds > 1:
+            rows[-1].insert(2, str(r.get("round", 0)))
+    return _align(rows)
+
+
+def train_rounds_table(records: Sequence[dict]) -> List[str]:
+    """With ``--train-rounds`` N > 1: per (config, variant), the median over the rounds of each
+    round's ratio to that round's bf16 run, with the smallest and largest. A host-bound step moves
+    by more between minutes than a kernel change (the H100 host's bf16 step: 153-180 ms across one
+    session's calls); a variant run next to its baseline, round after round, cancels that drift."""
+    records = [r for r in records if r["level"] == "train" and r["status"] == "ok"]
+    if _rounds(records) < 2:
+        return []
+    base = _train_baseline(records)
+    keys = ("step_ms", "host_ms", "gpu_ms", "expert_gpu_ms")
+    ratios: "OrderedDict[Tuple[str, str], Dict[str, List[float]]]" = OrderedDict()
+    for r in records:
+        per_key = ratios.setdefault((r["config"], r["impl"]), {key: [] for key in keys})
+        b = _base_of(base, r)
+        for key in keys:
+            ratio = _time_ratio(r.get(key), b.get(key))
+            if ratio is not None:
+                per_key[key].append(ratio)
+    rows = [["config", "variant", "rounds", "step / bf16", "host / bf16", "GPU / bf16", "expert / bf16"]]
+    for (cfg, impl), per_key in ratios.items():
+        cells = []
+        for key in keys:
+            values = per_key[key]
+            cells.append("" if not values else f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})")
+        rows.append([cfg, impl, str(max(len(v) for v in per_key.values()))] + cells)
     return _align(rows)
 
 
@@ -265,16 +309,20 @@ def train_targets(records: Sequence[dict]) -> List[str]:
     """PASS/MISS lines for issue 10's training-step targets (FP8 variants against turbo-bf16)."""
     records = [r for r in records if r["level"] == "train" and r["status"] == "ok"]
     base = _train_baseline(records)
+    rounds = _rounds(records)
     lines = []
-    for cfg, b in base.items():
+    for (cfg, round_), b in base.items():
         share = b.get("expert_share")
+        if round_:
+            continue
         if cfg == "expert-dominated" and share is not None:
             lines.append(f"- {'PASS' if share >= 0.5 else 'MISS'} {cfg}: bf16 experts are {100 * share:.0f}% of the "
                          f"step's GPU time (config wants >= 50%)")
     for r in records:
-        b = base.get(r["config"])
+        b = _base_of(base, r)
         if not b or not r["impl"].startswith("fp8-"):
             continue
+        where = f" (round {r.get('round', 0)})" if rounds > 1 else ""
         checks = []
         expert = _time_ratio(r.get("expert_gpu_ms"), b.get("expert_gpu_ms"))
         if expert is not None:
@@ -301,7 +349,7 @@ def train_targets(records: Sequence[dict]) -> List[str]:
                 checks.append((None, f"{what} {100 * delta:+.2f}% vs bf16, not judged: {r['steps']} steps, the 1% "
                                      f"line wants >= {MIN_LOSS_STEPS} (docs/results/h100_loss_1000.md)"))
         for ok, text in checks:
-            lines.append(f"- {'n/a' if ok is None else 'PASS' if ok else 'MISS'} {r['config']} {r['impl']}: {text}")
+            lines.append(f"- {'n/a' if ok is None else 'PASS' if ok else 'MISS'} {r['config']} {r['impl']}{where}: {text}")
     return lines
 
 
@@ -371,6 +419,9 @@ def markdown_report(meta: dict, records: Sequence[dict]) -> str:
                 value = meta[key]
                 lines.append(f"- {key}: " + ("; ".join(f"{k}: {v}" for k, v in value.items()) if isinstance(value, dict) else value))
         lines += ["", "## Training step (Megatron-core MoE GPT; ratios are time / turbo-bf16's time)", ""] + t
+        rounds = train_rounds_table(records)
+        if rounds:
+            lines += ["", "### Over the rounds (median of each round's ratio to its own bf16 run; range)", ""] + rounds
         targets = train_targets(records)
         if targets:
             lines += ["", "### Issue 10 targets", ""] + targets
@@ -462,7 +513,9 @@ def plot_loss_curves(path: str, records: Sequence[dict], title: str = "turbo_moe
 
     Returns None on success, or why no plot was written.
     """
-    recs = [r for r in records if r["level"] == "train" and r["status"] == "ok" and r.get("loss_curve")]
+    # the first round's curves (later rounds train the same steps from the same state)
+    recs = [r for r in records if r["level"] == "train" and r["status"] == "ok" and r.get("loss_curve")
+            and not r.get("round", 0)]
     if not recs:
         return "no loss curve to plot"
     try:

@@ -428,6 +428,10 @@ def add_train_arguments(parser) -> None:
     g.add_argument("--warmup-steps", type=int, default=None,
                    help="first steps left out of the step time (compile, autotune); default 5 (cpu 1)")
     g.add_argument("--micro-batches", type=int, default=4, help="micro-batches of gradient accumulation per step")
+    g.add_argument("--train-rounds", type=int, default=1,
+                   help="run the variants this many times in turn (bf16, fp8, bf16, fp8, ...), each round's ratios "
+                        "against its own bf16 run, and report their medians: a host-bound step drifts between "
+                        "minutes by more than a kernel change")
     g.add_argument("--eval-interval", type=int, default=None, help="held-out loss every N steps; default 50 (cpu 2)")
     g.add_argument("--eval-batches", type=int, default=None, help="held-out micro-batches per evaluation; default 8 (cpu 1)")
     g.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (linear warm-up over 10%% of the steps)")
@@ -458,7 +462,7 @@ def finish_train_args(args, parser, defaults: Optional[dict] = None) -> None:
     for key, (gpu, cpu) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, gpu if on_gpu else cpu)
-    for key in ("train_steps", "timed_steps", "micro_batches", "eval_interval", "eval_batches"):
+    for key in ("train_steps", "timed_steps", "micro_batches", "eval_interval", "eval_batches", "train_rounds"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1")
     if args.warmup_steps < 0:
@@ -485,9 +489,11 @@ def _selected_configs(args) -> List[TrainConfig]:
 
 
 def list_train_preset(args) -> int:
+    rounds = getattr(args, "train_rounds", 1)
     for cfg in _selected_configs(args):
         steps = args.train_steps if cfg.loss_curve else args.warmup_steps + args.timed_steps
-        print(f"{cfg.name:18s} {steps} steps x {', '.join(args.variants)}: {cfg.describe(args.micro_batches)}")
+        print(f"{cfg.name:18s} {steps} steps x {', '.join(args.variants)}{f' x {rounds} rounds' if rounds > 1 else ''}: "
+              f"{cfg.describe(args.micro_batches)}")
     return 0
 
 
@@ -497,7 +503,7 @@ def run_train_preset(args, meta: dict, progress=print) -> int:
     import signal
     import warnings
 
-    from .report import notes, plot_loss_curves, train_table, write_outputs
+    from .report import notes, plot_loss_curves, train_rounds_table, train_table, write_outputs
     from .text_corpus import load_corpus
     from .train_model import megatron_world
 
@@ -528,14 +534,21 @@ def run_train_preset(args, meta: dict, progress=print) -> int:
                 for cfg in selected:
                     progress(f"[{cfg.name}] {meta['configs'][cfg.name]}")
                     init_states: Dict[str, dict] = {}
-                    for variant in args.variants:
-                        if deadline is not None and time.monotonic() > deadline:
-                            records.append(dict(level="train", case=f"train {cfg.name}", config=cfg.name, op="step",
-                                                impl=variant, status="skipped", reason="time budget spent"))
-                            continue
-                        records.append(train_variant(cfg, variant, corpus, args, device, init_states, deadline, progress))
-                        meta["elapsed_s"] = round(time.monotonic() - started, 1)
-                        write_outputs(args.out, meta, records)
+                    rounds = getattr(args, "train_rounds", 1)
+                    for round_ in range(rounds):
+                        if rounds > 1:
+                            progress(f"  round {round_ + 1} of {rounds}")
+                        for variant in args.variants:
+                            if deadline is not None and time.monotonic() > deadline:
+                                records.append(dict(level="train", case=f"train {cfg.name}", config=cfg.name, op="step",
+                                                    impl=variant, status="skipped", reason="time budget spent",
+                                                    round=round_))
+                                continue
+                            rec = train_variant(cfg, variant, corpus, args, device, init_states, deadline, progress)
+                            rec["round"] = round_
+                            records.append(rec)
+                            meta["elapsed_s"] = round(time.monotonic() - started, 1)
+                            write_outputs(args.out, meta, records)
     except KeyboardInterrupt as exc:
         fatal = f"interrupted ({exc or 'KeyboardInterrupt'}); results so far are kept"
     except Exception as exc:  # megatron-core missing, a dead CUDA context: keep what was measured
@@ -552,6 +565,9 @@ def run_train_preset(args, meta: dict, progress=print) -> int:
     lines = train_table(records)
     if lines:
         progress("\n" + "\n".join(lines))
+    lines = train_rounds_table(records)
+    if lines:
+        progress("\nOver the rounds (median of each round's ratio to its own bf16 run; range):\n" + "\n".join(lines))
     for line in notes(records):
         progress(line)
     if fatal:
