@@ -17,7 +17,8 @@ What it leaves out, so read its numbers as turbo_moe's Python alone:
 Nothing is computed: outputs are uninitialized memory, only time is read.
 
 Usage: ``python scripts/host_glue_cpu.py [--shape tiny|dsv3] [--granularity tensorwise|rowwise|blockwise|mxfp8|tensorwise-delayed]
-[--cache] [--host-plans] [--profile N]`` (the fine-grained recipes: their Triton casts and GEMMs, MXFP8 through its
+[--cache] [--host-plans] [--profile N] [--mlp]`` (``--mlp``: an expert MLP's fwd+bwd, ``GroupedSwiGLUMLPFP8``;
+the per-tensor recipes' planned MLP node is not emulated, so they show their Python ``Function`` path) (the fine-grained recipes: their Triton casts and GEMMs, MXFP8 through its
 promotion loop as on Hopper)
 """
 
@@ -166,21 +167,37 @@ def main(argv=None):
     p.add_argument("--host-plans", action="store_true",
                    help="the regions replayed as host launch plans replay them (Python cost only: see replayed_regions)")
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--mlp", action="store_true",
+                   help="an expert MLP (GroupedSwiGLUMLPFP8: fc1, the SwiGLU fused into fc2's input, fc2) instead "
+                        "of one layer; the shape's N is the FFN width. With the fine-grained recipes the "
+                        "activation's kernels need --host-plans (their first call runs the torch math on the CPU)")
     args = p.parse_args(argv)
     g, t, n, k = {"tiny": (8, 128, 256, 256), "dsv3": (32, 512, 4096, 7168)}[args.shape]
     # No memory is touched: empty tensors of the real shapes (uninitialized, never read).
     x = torch.empty(g * t, k, dtype=torch.bfloat16).requires_grad_()
-    dy = torch.empty(g * t, n, dtype=torch.bfloat16)
     lens = torch.full((g,), t, dtype=torch.int64)
     from turbo_moe.bench.recipes import bench_float8_config
 
     config = bench_float8_config("e4m3", args.granularity)
-    layer = turbo_moe.GroupedLinearFP8(g, k, n, device="meta", dtype=torch.bfloat16, config=config,
-                                       cache_fp8_weight=args.cache, backend="triton")
-    layer.weight = torch.nn.Parameter(torch.empty(g, n, k, dtype=torch.bfloat16))
+    if args.mlp:
+        layer = turbo_moe.GroupedSwiGLUMLPFP8(g, k, n, device="meta", dtype=torch.bfloat16, config=config,
+                                              backend="triton")
+        for linear in (layer.fc1, layer.fc2):
+            linear.weight = torch.nn.Parameter(torch.zeros(linear.weight.shape, dtype=torch.bfloat16))
+        probs = torch.rand(g * t).requires_grad_()
+        dy = torch.randn(g * t, k, dtype=torch.bfloat16)
+        x.data = torch.randn(g * t, k, dtype=torch.bfloat16)  # the first call's torch math reads it
 
-    def step():
-        return torch.autograd.grad(layer(x, lens), (x, layer.weight), dy)
+        def step():
+            return torch.autograd.grad(layer(x, lens, probs=probs), (x, probs, layer.fc1.weight, layer.fc2.weight), dy)
+    else:
+        dy = torch.empty(g * t, n, dtype=torch.bfloat16)
+        layer = turbo_moe.GroupedLinearFP8(g, k, n, device="meta", dtype=torch.bfloat16, config=config,
+                                           cache_fp8_weight=args.cache, backend="triton")
+        layer.weight = torch.nn.Parameter(torch.empty(g, n, k, dtype=torch.bfloat16))
+
+        def step():
+            return torch.autograd.grad(layer(x, lens), (x, layer.weight), dy)
 
     with gpu_path_on_cpu(), (replayed_regions() if args.host_plans else contextlib.nullcontext()):
         for _ in range(3):
@@ -198,7 +215,7 @@ def main(argv=None):
             return
         lo, med = _issue_us(step, args.steps, args.reps)
         empty = _empty_function_us(args.steps, args.reps)
-    print(f"shape {args.shape} G={g} tokens/expert={t} N={n} K={k} {args.granularity}"
+    print(f"{'MLP ' if args.mlp else ''}shape {args.shape} G={g} tokens/expert={t} N={n} K={k} {args.granularity}"
           f"{' +weight cache' if args.cache else ''}{' +host plans (emulated)' if args.host_plans else ''}, launches stubbed")
     print(f"fwd+bwd turbo_moe Python: min {lo:.1f} us, median {med:.1f} us")
     print(f"empty autograd.Function fwd + autograd.grad (CPU): min {empty[0]:.1f} us, median {empty[1]:.1f} us")
