@@ -132,3 +132,14 @@ def test_the_harness_leaves_no_stand_in_kernel_behind(monkeypatch):
     _one_step_counts("tensorwise", False, monkeypatch)
     assert not any(isinstance(memo.kernel, _StandInKernel)
                    for launcher in _LAUNCHERS for memos in (launcher._memo, launcher._keyed) for memo in memos.values())
+
+
+@pytest.mark.parametrize("granularity", ["blockwise", "tensorwise"])
+def test_host_glue_script_times_an_expert_mlp(granularity, capsys):
+    """``scripts/host_glue_cpu.py --mlp``: an expert MLP's fwd+bwd through the GPU code path on CPU
+    tensors, every launch stubbed (with the fine-grained recipes' regions replayed as plans do)."""
+    import host_glue_cpu
+
+    host_glue_cpu.main(["--mlp", "--granularity", granularity, "--host-plans", "--steps", "3", "--reps", "1"])
+    out = capsys.readouterr().out
+    assert f"MLP shape tiny G=8 tokens/expert=128 N=256 K=256 {granularity}" in out and "fwd+bwd turbo_moe Python" in out
