@@ -67,7 +67,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--fp8", choices=["e4m3", "hybrid"], default="hybrid")
-    p.add_argument("--granularity", choices=["tensorwise", "rowwise"], default="tensorwise")
+    p.add_argument("--granularity", choices=["tensorwise", "rowwise", "blockwise", "mxfp8"], default="tensorwise")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--loss-tol", type=float, default=0.05, help="relative loss gap EP=2 vs EP=1 allowed per step")
     p.add_argument("--etp", action="store_true", help="also train at expert-tensor-parallel 2 (EP=1)")

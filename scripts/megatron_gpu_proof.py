@@ -358,7 +358,7 @@ def parse_args(argv):
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--fp8", choices=["e4m3", "hybrid"], default="hybrid")
-    parser.add_argument("--granularity", choices=["tensorwise", "rowwise"], default="tensorwise")
+    parser.add_argument("--granularity", choices=["tensorwise", "rowwise", "blockwise", "mxfp8"], default="tensorwise")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--skip-float16-module", action="store_true",
                         help="build without Float16Module (the first version's bug: bf16 activations reach "
