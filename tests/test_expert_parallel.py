@@ -48,16 +48,17 @@ def test_ep_train_two_gloo_ranks(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("granularity", ["blockwise", "mxfp8"])
 def test_ep_train_fine_grained_two_gloo_ranks(tmp_path, granularity):
-    """The fine-grained recipes under expert parallelism (EP=2 and expert-tensor-parallel 2, whose
-    FFN halves stay multiples of the scale blocks): the loss against EP=1, and checkpoints
-    resharded EP=1 <-> EP=2 and across SequentialMLP bit-exact."""
+    """The fine-grained recipes under expert parallelism (EP=2; expert-tensor-parallel 2, whose FFN
+    halves stay multiples of the scale blocks; EP=2 with the combined-1F1B overlap and the delayed
+    wgrad): the loss against EP=1, and checkpoints resharded EP=1 <-> EP=2 and across SequentialMLP
+    bit-exact."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     proc = _torchrun("ep_train.py", "--cpu", "--steps", "2", "--granularity", granularity, "--fp8", "e4m3", "--etp",
-                     "--out", str(tmp_path), timeout=280)
+                     "--overlap", "--out", str(tmp_path), timeout=280)
     _check(proc, "EP_TRAIN PASS")
     result = json.loads((tmp_path / "ep_train.json").read_text())
-    assert set(result["checks"]) == {"ckpt_ep1_to_ep2", "loss_ep2", "loss_etp2", "ckpt_ep2_to_ep1_and_back",
-                                     "ckpt_sequential"}
+    assert set(result["checks"]) == {"ckpt_ep1_to_ep2", "loss_ep2", "loss_etp2", "overlap_path_taken",
+                                     "loss_ep2_overlap", "ckpt_ep2_to_ep1_and_back", "ckpt_sequential"}
     assert f"fp8=e4m3/{granularity}" in proc.stdout
     assert result["curves"]["ep1"] != result["curves"]["ep1_bf16"]  # FP8 really ran
 
@@ -84,11 +85,11 @@ def test_ep2_matches_ep1_and_checkpoints_reshard_on_two_gpus(tmp_path):
 
 @pytest.mark.multigpu
 def test_ep2_blockwise_matches_ep1_on_two_gpus(tmp_path):
-    """The blockwise recipe (DeepSeek-V3's, Triton kernels) at EP=2 and ETP=2 against EP=1 on
-    NCCL, with the checkpoint reshards."""
+    """The blockwise recipe (DeepSeek-V3's, Triton kernels) at EP=2, ETP=2 and EP=2 with the
+    overlap and delayed wgrad, against EP=1 on NCCL, with the checkpoint reshards."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
-    proc = _torchrun("ep_train.py", "--steps", "8", "--etp", "--granularity", "blockwise", "--fp8", "e4m3",
-                     "--out", str(tmp_path), timeout=400)
+    proc = _torchrun("ep_train.py", "--steps", "8", "--etp", "--overlap", "--granularity", "blockwise", "--fp8",
+                     "e4m3", "--out", str(tmp_path), timeout=400)
     _check(proc, "EP_TRAIN PASS")
 
 
