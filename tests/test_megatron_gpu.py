@@ -102,17 +102,20 @@ def _routing(tokens_per_expert, seed):
     return x, torch.tensor(tokens_per_expert, dtype=torch.int64), probs
 
 
-@pytest.mark.parametrize("fp8", ["e4m3", "hybrid"])
-def test_experts_cuda_graph_replays_new_routing(world, fp8):
-    """Capture forward+backward of the experts once; replay with other token counts per expert."""
+@pytest.mark.parametrize("fp8,granularity", [("e4m3", "tensorwise"), ("hybrid", "tensorwise"), ("e4m3", "blockwise")])
+def test_experts_cuda_graph_replays_new_routing(world, fp8, granularity):
+    """Capture forward+backward of the experts once; replay with other token counts per expert.
+    Blockwise (FFN 512, a multiple of its 128 blocks): the fused SwiGLU, dh's rows copy handed to
+    fc1, and the routing-independent token layout of the wgrad operands, all inside the graph."""
     num_experts, num_tokens = 6, 384
-    config = _gpu_config(num_moe_experts=num_experts)
+    ffn = dict(moe_ffn_hidden_size=512, ffn_hidden_size=512) if granularity == "blockwise" else {}
+    config = _gpu_config(num_moe_experts=num_experts, **ffn)
     experts = tm.TurboMoEGroupedMLP(num_experts, config, pg_collection=_pg(),
-                                    options=tm.TurboMoEOptions(fp8=fp8, backend="triton"))
+                                    options=tm.TurboMoEOptions(fp8=fp8, granularity=granularity, backend="triton"))
     randomize_(experts, scale=0.05, seed=23)
     # The eager reference: the same weights in a second module, with its own .grad buffers.
     eager = tm.TurboMoEGroupedMLP(num_experts, config, pg_collection=_pg(),
-                                  options=tm.TurboMoEOptions(fp8=fp8, backend="triton"))
+                                  options=tm.TurboMoEOptions(fp8=fp8, granularity=granularity, backend="triton"))
     eager.load_state_dict(experts.state_dict())
 
     routings = [[64, 64, 64, 64, 64, 64], [0, 200, 1, 0, 130, 53], [384, 0, 0, 0, 0, 0]]
