@@ -38,7 +38,7 @@ def test_cached_weight_inputs_each_own_their_memory(granularity):
     inputs = [t for t in cached_weight_inputs(w_fp8) if t is not None]
     sources = host_plan._Sources(inputs, [])
     for t in inputs:  # no address is inside two inputs
-        start, size = host_plan._storage_extent(t)
+        start, size = host_plan.storage_extent(t)
         for address in (start, start + size - 1):
             sources.find(address, granularity)
     for t in (w_fp8.data, w_fp8.scale, w_fp8.data_t, w_fp8.scale_t):

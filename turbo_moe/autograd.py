@@ -589,14 +589,8 @@ def _scale_t_shared(w_fp8: Float8Weight) -> bool:
         return False
     if scale_t._base is scale or scale._base is scale_t:  # a view of the other's whole tensor
         return True
-    (a0, n0), (a1, n1) = _extent(scale), _extent(scale_t)
+    (a0, n0), (a1, n1) = host_plan.storage_extent(scale), host_plan.storage_extent(scale_t)
     return a0 < a1 + max(n1, 1) and a1 < a0 + max(n0, 1)
-
-
-def _extent(t: torch.Tensor) -> tuple:
-    """(first byte address, bytes spanned) of t's elements."""
-    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) if t.numel() else 0
-    return t.data_ptr(), span * t.element_size()
 
 
 def cached_weight_key(w_fp8: Optional[Float8Weight]) -> tuple:

@@ -486,7 +486,7 @@ def _record_locked(ext, inputs, fn, pure, lean_launch, triton_jit):
     return outputs, plan, ""
 
 
-def _storage_extent(t: torch.Tensor) -> Tuple[int, int]:
+def storage_extent(t: torch.Tensor) -> Tuple[int, int]:
     """(start address, bytes) of the memory t's elements span."""
     if t.numel() == 0:
         return t.data_ptr(), 0
@@ -500,7 +500,7 @@ class _Sources:
     def __init__(self, tensors: List[torch.Tensor], allocs: List[torch.Tensor]):
         self.ranges = []
         for slot, t in enumerate(list(tensors) + list(allocs)):
-            start, size = _storage_extent(t)
+            start, size = storage_extent(t)
             self.ranges.append((start, size, slot))
 
     def find(self, address: int, what: str) -> Tuple[int, int]:
