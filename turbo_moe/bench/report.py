@@ -240,12 +240,10 @@ def train_table(records: Sequence[dict]) -> List[str]:
              "GPU idle ms",
              "expert GPU ms", "expert share", "expert / bf16", "launches (experts)", "peak MB", "train loss",
              "held-out loss", "held-out vs bf16", "train vs bf16, last 10%", "held-out vs bf16, last 3"]]
-    if rounds > 1:
-        rows[0].insert(2, "round")
     for r in records:
         if r["status"] != "ok":
-            rows.append([r["config"], r["impl"]] + ([str(r.get("round", 0))] if rounds > 1 else [])
-                        + [r.get("experts") or "", "", {"skipped": "skip"}.get(r["status"], r["status"])] + [""] * 15)
+            rows.append([r["config"], r["impl"], r.get("experts") or "", "", {"skipped": "skip"}.get(r["status"], r["status"])]
+                        + [""] * 15)
             continue
         b = _base_of(base, r)
         val_delta, train_tail_delta, val_tail_delta = (_loss_delta(r, b, key)
@@ -263,8 +261,9 @@ def train_table(records: Sequence[dict]) -> List[str]:
             "" if r.get("train_loss") is None else f"{r['train_loss']:.4f}",
             "" if r.get("val_loss") is None else f"{r['val_loss']:.4f}", val_delta, train_tail_delta, val_tail_delta,
         ])
-        if rounds > 1:
-            rows[-1].insert(2, str(r.get("round", 0)))
+    if rounds > 1:  # a round column after the variant
+        for row, value in zip(rows, ["round"] + [str(r.get("round", 0)) for r in records]):
+            row.insert(2, value)
     return _align(rows)
 
 
@@ -312,9 +311,9 @@ def train_targets(records: Sequence[dict]) -> List[str]:
     rounds = _rounds(records)
     lines = []
     for (cfg, round_), b in base.items():
-        share = b.get("expert_share")
-        if round_:
+        if round_:  # the config's share once, from its first round
             continue
+        share = b.get("expert_share")
         if cfg == "expert-dominated" and share is not None:
             lines.append(f"- {'PASS' if share >= 0.5 else 'MISS'} {cfg}: bf16 experts are {100 * share:.0f}% of the "
                          f"step's GPU time (config wants >= 50%)")
