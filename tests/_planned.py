@@ -56,3 +56,28 @@ def compare_planned(run, names, **kwargs):
         for what, ta, tb in zip(names, a, b):
             assert_bitwise(ta, tb, f"call {i}: {what}")
     return [used for _, used in got]
+
+
+class LaunchlessPlans:
+    """A region whose n-th lookup gets the n-th of its launch-less plans (allocations only, zero
+    filled); records the keys asked for."""
+
+    def __init__(self, ext, *plans):
+        self.plans, self.keys = [], []
+        for positions, allocs, outputs in plans:
+            error, plan_id = ext.add_plan(len(positions) + len(allocs), [])
+            assert error == ""
+            strides = [planned_layer._contiguous_strides(shape) for shape, _ in allocs]
+            specs = [(list(shape), list(stride), torch.empty(0, dtype=dtype), True, [], [])
+                     for (shape, dtype), stride in zip(allocs, strides)]
+            assert ext.set_allocs(plan_id, specs) == ""
+            assert ext.set_outputs(plan_id, [host_plan._cpp_output_spec(o, positions) for o in outputs]) == ""
+            allocs_t = tuple((shape, stride, dtype, True, (), ()) for (shape, dtype), stride in zip(allocs, strides))
+            self.plans.append(host_plan._Plan(plan_id, positions, allocs_t, tuple(outputs), ext))
+
+    def plan_for(self, key):
+        self.keys.append(key)
+        return self.plans[(len(self.keys) - 1) % len(self.plans)]
+
+    def refused(self, key):
+        return False

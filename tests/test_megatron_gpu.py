@@ -251,10 +251,11 @@ def _experts_calls(planned, fp8, granularity, main_grad, calls=5):
 
 
 @pytest.mark.parametrize("main_grad", [False, True], ids=["grad", "main_grad"])
-@pytest.mark.parametrize("fp8,granularity", [("e4m3", "tensorwise"), ("hybrid", "tensorwise"), ("hybrid", "rowwise")])
+@pytest.mark.parametrize("fp8,granularity", [("e4m3", "tensorwise"), ("hybrid", "tensorwise"), ("hybrid", "rowwise"),
+                                           ("e4m3", "blockwise")])
 def test_planned_experts_equal_the_python_path_bitwise(world, fp8, granularity, main_grad):
     """The experts as one planned MLP node (fc1, the fused SwiGLU + fc2, the dh handoff, wgrads into
-    main_grad; tensorwise and rowwise alike) give the Python Functions' output, dx, dprobs and
+    main_grad; tensorwise, rowwise and blockwise alike) give the Python Functions' output, dx, dprobs and
     weight gradients (accumulated into main_grad across calls) bit for bit, with Megatron's
     grad_added_to_main_grad protocol kept."""
     from turbo_moe import host_plan

@@ -9,7 +9,7 @@ from turbo_moe import Float8Config, GroupedSwiGLUMLPFP8, host_plan, planned_mlp 
 from turbo_moe.autograd import _fp8_forward_tensors
 from turbo_moe.swiglu import _swiglu_gemm_forward_tensors
 
-from _planned import needs_compiler
+from _planned import LaunchlessPlans, needs_compiler
 
 pytestmark = needs_compiler
 
@@ -19,30 +19,6 @@ E4M3, F32, BF16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16
 
 def _contiguous(*shape):
     return tuple(pm._contiguous_strides(shape))
-
-
-class _Plans:
-    """A region whose n-th lookup gets the n-th of its launch-less plans (allocations only, zero
-    filled); records the keys asked for."""
-
-    def __init__(self, ext, *plans):
-        self.plans, self.keys = [], []
-        for positions, allocs, outputs in plans:
-            error, plan_id = ext.add_plan(len(positions) + len(allocs), [])
-            assert error == ""
-            specs = [(list(shape), list(_contiguous(*shape)), torch.empty(0, dtype=dtype), True, [], [])
-                     for shape, dtype in allocs]
-            assert ext.set_allocs(plan_id, specs) == ""
-            assert ext.set_outputs(plan_id, [host_plan._cpp_output_spec(o, positions) for o in outputs]) == ""
-            allocs_t = tuple((shape, _contiguous(*shape), dtype, True, (), ()) for shape, dtype in allocs)
-            self.plans.append(host_plan._Plan(plan_id, positions, allocs_t, tuple(outputs), ext))
-
-    def plan_for(self, key):
-        self.keys.append(key)
-        return self.plans[(len(self.keys) - 1) % len(self.plans)]
-
-    def refused(self, key):
-        return False
 
 
 AMAX_SLOTS = 256  # the SwiGLU amax partials of the fake fc1 forward
@@ -56,20 +32,20 @@ def _fake_regions(ext, monkeypatch, main_grad=False):
     wgrad = ([([1, 2, 3, 4, 5, 6], [], [("input", 6)])] * 2 if main_grad else
              [([1, 2, 3, 4, 5], [((G, HIDDEN, F), BF16)], alloc[:1]), ([1, 2, 3, 4, 5], [((G, 2 * F, HIDDEN), BF16)], alloc[:1])])
     regions = {
-        "OFFSETS_REGION": _Plans(ext, ([0], [((G + 1,), torch.int64)], alloc[:1])),
+        "OFFSETS_REGION": LaunchlessPlans(ext, ([0], [((G + 1,), torch.int64)], alloc[:1])),
         # fc1's forward also makes the SwiGLU amax partials (tensorwise current scaling), from the
         # routing weights (its input 7, after the weight cache's four).
-        "_FORWARD_REGION": _Plans(ext, ([0, 1, 2, 7], [((M, 2 * F), BF16), ((G, HIDDEN, 2 * F), E4M3), ((), F32),
+        "_FORWARD_REGION": LaunchlessPlans(ext, ([0, 1, 2, 7], [((M, 2 * F), BF16), ((G, HIDDEN, 2 * F), E4M3), ((), F32),
                                                       ((HIDDEN, M), E4M3), ((AMAX_SLOTS,), F32)],
                                         [*alloc[:4], ("alloc", 2), ("alloc", 4)])),
-        "_DGRAD_REGION": _Plans(ext, ([0, 4, 5, 6], [((M, F), BF16), ((HIDDEN, M), E4M3), ((), F32)], alloc[:3]),
+        "_DGRAD_REGION": LaunchlessPlans(ext, ([0, 4, 5, 6], [((M, F), BF16), ((HIDDEN, M), E4M3), ((), F32)], alloc[:3]),
                                 ([1, 2, 3, 4, 5, 6], [((M, HIDDEN), BF16)], [alloc[0], ("input", 2), ("input", 3)])),
-        "_WGRAD_REGION": _Plans(ext, *wgrad),
+        "_WGRAD_REGION": LaunchlessPlans(ext, *wgrad),
     }
     swiglu_regions = {
-        "_FORWARD_REGION": _Plans(ext, ([0, 1, 2, 3, 8], [((M, HIDDEN), BF16), ((G, F, HIDDEN), E4M3), ((), F32),
+        "_FORWARD_REGION": LaunchlessPlans(ext, ([0, 1, 2, 3, 8], [((M, HIDDEN), BF16), ((G, F, HIDDEN), E4M3), ((), F32),
                                                          ((F, M), E4M3)], [*alloc[:4], ("alloc", 2)])),
-        "_BACKWARD_REGION": _Plans(ext, ([0, 1, 2], [((M, 2 * F), E4M3), ((2 * F, M), E4M3), ((), F32), ((M,), F32)],
+        "_BACKWARD_REGION": LaunchlessPlans(ext, ([0, 1, 2], [((M, 2 * F), E4M3), ((2 * F, M), E4M3), ((), F32), ((M,), F32)],
                                          alloc[:4])),
     }
     for name, region in regions.items():  # the GEMM backward regions are looked up by planned_layer's steps
@@ -176,13 +152,13 @@ def test_plan_mlp_with_weight_caches_and_delayed_scaling(plan_ext, monkeypatch):
 
     config = Float8Config(strategy="delayed", amax_history_len=4)
     alloc = [("alloc", k) for k in range(3)]
-    fc1_forward = _Plans(ext, ([0, 1, 2, 3, 4, 5, 7, 8], [((M, 2 * F), BF16), ((HIDDEN, M), E4M3), ((), F32)],
+    fc1_forward = LaunchlessPlans(ext, ([0, 1, 2, 3, 4, 5, 7, 8], [((M, 2 * F), BF16), ((HIDDEN, M), E4M3), ((), F32)],
                                [alloc[0], ("input", 5), ("input", 4), alloc[1], alloc[2]]))
-    fc2_forward = _Plans(ext, ([0, 1, 2, 3, 4, 5, 6, 8, 9], [((M, HIDDEN), BF16), ((F, M), E4M3), ((), F32)],
+    fc2_forward = LaunchlessPlans(ext, ([0, 1, 2, 3, 4, 5, 6, 8, 9], [((M, HIDDEN), BF16), ((F, M), E4M3), ((), F32)],
                                [alloc[0], ("input", 6), ("input", 5), alloc[1], alloc[2]]))
-    backward = _Plans(ext, ([0, 4, 5, 6, 7, 8, 10, 11], [((M, F), BF16), ((G, HIDDEN, F), BF16)], alloc[:2]),
+    backward = LaunchlessPlans(ext, ([0, 4, 5, 6, 7, 8, 10, 11], [((M, F), BF16), ((G, HIDDEN, F), BF16)], alloc[:2]),
                       ([1, 2, 3, 4, 5, 6, 7, 8, 10, 11], [((M, HIDDEN), BF16), ((G, 2 * F, HIDDEN), BF16)], alloc[:2]))
-    swiglu_backward = _Plans(ext, ([0, 1, 2, 4, 5], [((M, 2 * F), E4M3), ((2 * F, M), E4M3), ((), F32), ((M,), F32)],
+    swiglu_backward = LaunchlessPlans(ext, ([0, 1, 2, 4, 5], [((M, 2 * F), E4M3), ((2 * F, M), E4M3), ((), F32), ((M,), F32)],
                                    [("alloc", k) for k in range(4)]))
     monkeypatch.setattr(pm, "_FORWARD_REGION", fc1_forward)
     monkeypatch.setattr(pm.planned_layer, "_BACKWARD_REGION", backward)

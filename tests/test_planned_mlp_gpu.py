@@ -87,6 +87,30 @@ def test_planned_mlp_cases_equal_the_python_functions(case):
     assert used[-1], used
 
 
+FINE_CONFIGS = {"blockwise": Float8Config(granularity="blockwise"), "mxfp8": Float8Config(granularity="mxfp8")}
+
+
+@pytest.mark.parametrize("ffn", [256, 192], ids=["ffn256", "ffn192"])
+@pytest.mark.parametrize("cache", [True, False], ids=["wcache", "nocache"])
+@pytest.mark.parametrize("name", list(FINE_CONFIGS))
+def test_fine_grained_planned_mlp_equals_the_python_functions_bitwise(name, cache, ffn):
+    """The fine-grained planned MLP (turbo_moe/fine_grained/planned_mlp.py): blockwise hands dh's
+    rows copy to fc1 at FFN 256 and casts it in fc1 at 192 (not a multiple of 128); MXFP8 (1x32
+    blocks) hands it over at both."""
+    used = _compare(config=FINE_CONFIGS[name], cache=cache, ffn=ffn)
+    assert used == [False] * 2 + [True] * 4, used
+
+
+@pytest.mark.parametrize("case", ["offsets", "unweighted", "x-no-grad", "no-grad", "retain-graph", "misaligned-dy",
+                                  "handed-over-dy"])
+def test_fine_grained_planned_mlp_cases_equal_the_python_functions(case):
+    kwargs = {"handed-over-dy": dict(hand_over=True), "offsets": dict(offsets=True), "unweighted": dict(unweighted=True),
+              "x-no-grad": dict(x_grad=False), "no-grad": dict(no_grad=True),
+              "retain-graph": dict(retain=True, cache=False), "misaligned-dy": dict(misaligned_dy=True)}[case]
+    used = _compare(config=FINE_CONFIGS["blockwise"], ffn=256, **kwargs)
+    assert used[-1], used
+
+
 def test_planned_mlp_captures_in_a_cuda_graph_and_follows_new_routing():
     """Planned eagerly, then captured with dy handed over (the node frees it inside the graph; no
     weight cache: capture re-quantizes): replaying the graph with new routing gives the eager

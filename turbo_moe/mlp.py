@@ -63,7 +63,7 @@ class GroupedSwiGLUMLPFP8(planned_layer.KeepsPlannedLayers, nn.Module):
     def forward(self, x: torch.Tensor, group_lens: Optional[torch.Tensor] = None, *,
                 group_offs: Optional[torch.Tensor] = None, probs: Optional[torch.Tensor] = None) -> torch.Tensor:
         fc1, fc2 = self.fc1, self.fc2
-        if type(x) is torch.Tensor and x.is_cuda and planned_layer.enabled() and fuses_swiglu(self.config) \
+        if type(x) is torch.Tensor and x.is_cuda and planned_layer.enabled() and swiglu_gemm_supports(self.config) \
                 and fc1.bias is None and fc2.bias is None and not torch.compiler.is_compiling():
             y = self._forward_planned(x, group_lens, group_offs, self._unit_probs(x) if probs is None else probs)
             if y is not None:

@@ -24,8 +24,9 @@ replay counts of the C++ backward are accounted by ``host_plan.flush_layer_repla
 Served: tensorwise (current or delayed scaling) or rowwise, with or without the FP8 weight cache,
 any ``requires_grad`` combination, and a float32 ``main_grad`` the wgrad accumulates into
 (``WgradTarget``: ``GroupedLinearFP8`` and Megatron's ``TurboGroupedLinear``). The fine-grained
-recipes and a deferred wgrad keep the Python ``Function``; the SwiGLU handoff is the planned MLP's
-(``turbo_moe.planned_mlp``). ``TURBO_MOE_PLANNED_LAYERS=0`` turns this off.
+recipes (as a lone linear) and a deferred wgrad keep the Python ``Function``; the SwiGLU handoff is
+the planned MLP's (``turbo_moe.planned_mlp``, and ``turbo_moe.fine_grained.planned_mlp`` for the
+fine-grained recipes). ``TURBO_MOE_PLANNED_LAYERS=0`` turns this off.
 """
 
 from __future__ import annotations

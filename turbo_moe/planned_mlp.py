@@ -27,7 +27,9 @@ backward after W^T was released, a misaligned gradient, ``create_graph``) runs
 :func:`_mlp_backward`, the Python path's functions on the table's values.
 
 Served: per-tensor scaling (current or delayed) and rowwise where both linears' inputs need
-gradients, with or without the FP8 weight caches and ``main_grad`` (float32) targets, no bias. Callers:
+gradients, with or without the FP8 weight caches and ``main_grad`` (float32) targets, no bias; the
+blockwise and MXFP8 recipes through ``turbo_moe.fine_grained.planned_mlp`` (its own table: their
+Functions, regions and handoff differ), which :func:`plan_mlp` hands them to. Callers:
 ``GroupedSwiGLUMLPFP8`` and the Megatron ``TurboMoEGroupedMLP``.
 """
 
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -82,6 +84,9 @@ class MLPSide(NamedTuple):
 class PlannedMLP(NamedTuple):
     layer_id: int
     regions: Tuple[Tuple[host_plan.Region, object], ...]  # the forward steps' (region, plan)
+    # (x, w1, w2, probs, src, fc1, fc2) -> the layer's arguments in its table's order (the
+    # fine-grained recipes' table is laid out by turbo_moe.fine_grained.planned_mlp)
+    arguments: Callable
 
 
 class _MLPBackward(NamedTuple):
@@ -119,7 +124,13 @@ def plan_mlp(x, w1, w2, probs, src, from_lens: bool, fc1: MLPSide, fc2: MLPSide,
     or ``NOT_PLANNABLE``. ``x [M, hidden]``, ``w1 [G, 2F, hidden]``, ``w2 [G, hidden, F]``,
     ``probs [M]`` (contiguous), ``src``: the checked offsets or (``from_lens``) ``group_lens``;
     ``out_dtype1``/``out_dtype2``: fc1's and fc2's output dtypes as the Python path resolves them;
-    ``forward_only``: grad mode is off."""
+    ``forward_only``: grad mode is off. The fine-grained recipes' MLP is
+    ``turbo_moe.fine_grained.planned_mlp``'s."""
+    if config.fine_grained:
+        from .fine_grained import planned_mlp as fine_grained_mlp
+
+        return fine_grained_mlp.plan_mlp(x, w1, w2, probs, src, from_lens, fc1, fc2, config, out_dtype1, out_dtype2,
+                                         forward_only)
     ext = host_plan._extension()
     if ext is None:
         return NOT_PLANNABLE
@@ -188,7 +199,7 @@ def plan_mlp(x, w1, w2, probs, src, from_lens: bool, fc1: MLPSide, fc2: MLPSide,
         grads[W1] = _weight_grad(need_dw1, fc1, PLACEHOLDER1, DW1)
         grads[W2] = _weight_grad(need_dw2, fc2, PLACEHOLDER2, DW2)
         grads[PROBS] = DPROBS if need_dprobs else -1
-    forward, backward = b.steps[:forward_steps], _with_releases(b.steps[forward_steps:], set(grads))
+    forward, backward = b.steps[:forward_steps], _with_releases(b.steps[forward_steps:], set(grads), NUM_ARGS)
     read = {v for step in backward for v in step[1]} | {v for v in grads if v != -1}
     made = {v for step in backward for v in step[2]} | {DY}
     # What GroupedGemmFP8Function and the SwiGLU Function save (with autograd's version checks):
@@ -212,7 +223,7 @@ def plan_mlp(x, w1, w2, probs, src, from_lens: bool, fc1: MLPSide, fc2: MLPSide,
         _LAYER_IDS[identity] = layer_id
         planned_layer.register_backward(layer_id, functools.partial(_mlp_backward, info))
     planned_layer._ensure_fallback(ext)
-    return PlannedMLP(layer_id, tuple(b.regions[:forward_steps]))
+    return PlannedMLP(layer_id, tuple(b.regions[:forward_steps]), _arguments)
 
 
 def _present(b, v, fc1: MLPSide, fc2: MLPSide) -> bool:
@@ -229,7 +240,7 @@ def _weight_grad(need_dw: bool, side: MLPSide, placeholder: int, dw: int) -> int
     return dw
 
 
-def _with_releases(steps, grads):
+def _with_releases(steps, grads, num_args: int):
     """Each backward step also releases what no later step reads: the node's reference to an
     intermediate goes as soon as it is dead, as autograd frees a Function's saved tensors after
     its backward (the gradients stay: the node returns them). dy too: the node holds the engine's
@@ -237,7 +248,7 @@ def _with_releases(steps, grads):
     result = []
     for k, (plan, inputs, outputs, release) in enumerate(steps):
         later = {v for step in steps[k + 1:] for v in step[1]}
-        dead = {v for v in inputs if v not in later and v >= NUM_ARGS and v not in grads}
+        dead = {v for v in inputs if v not in later and v >= num_args and v not in grads}
         result.append((plan, inputs, outputs, sorted(set(release) | dead)))
     return result
 
@@ -246,10 +257,15 @@ def apply_mlp(layer: PlannedMLP, x, w1, w2, probs, src, fc1: MLPSide, fc2: MLPSi
     """The MLP's forward (one C++ call); the result's ``grad_fn`` runs its backward in C++."""
     global calls
     calls += 1
+    return planned_layer.run_extension_layer(layer.layer_id, layer.regions, x.get_device(),
+                                             layer.arguments(x, w1, w2, probs, src, fc1, fc2))
+
+
+def _arguments(x, w1, w2, probs, src, fc1: MLPSide, fc2: MLPSide) -> list:
+    """The per-tensor layer's arguments (its table's first ``NUM_ARGS`` values) for one call."""
     side1, side2 = _side_args(fc1), _side_args(fc2)
-    return planned_layer.run_extension_layer(layer.layer_id, layer.regions, x.get_device(), [
-        x, w1, w2, probs, src, *side1[:4], *side2[:4], fc1.main_grad, fc2.main_grad, fc1.placeholder,
-        fc2.placeholder, *side1[4:], *side2[4:]])
+    return [x, w1, w2, probs, src, *side1[:4], *side2[:4], fc1.main_grad, fc2.main_grad, fc1.placeholder,
+            fc2.placeholder, *side1[4:], *side2[4:]]
 
 
 def _mlp_backward(info: _MLPBackward, dy, v, create_graph: bool):

@@ -30,7 +30,7 @@ from ..config import Float8Config
 from .gemm import BlockScaledProblem, run_block_scaled
 from .quantize import quantize_rows, quantize_tokens_for_wgrad, quantize_weight_blocks, recipe_of
 
-__all__ = ["FineGrainedFP8Function", "GradRowsHandoff", "grouped_gemm_fine", "grouped_wgrad_fine",
+__all__ = ["FineGrainedFP8Function", "GradRowsHandoff", "fine_gemm_backward", "grouped_gemm_fine", "grouped_wgrad_fine",
            "quantize_weight_fine"]
 
 
@@ -176,40 +176,47 @@ class FineGrainedFP8Function(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        w_nk, x_t, x_t_scale, group_offs, wgrad_offs = ctx.saved_tensors
-        config, num_cu, backend = ctx.config, ctx.num_cu, ctx.backend
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        w_kn, ctx.w_kn = ctx.w_kn, None
-        if w_kn is None and need_dx:  # a second backward (retain_graph): re-derive W^T
-            requantized = quantize_weight_fine(w_nk, config, transposed=True)
-            w_kn = (requantized.data_t, requantized.scale_t)
-        dy = dy.contiguous()
-        dx = dw = None
-        if need_dx:
-            handed = ctx.grad_rows.take(dy) if ctx.grad_rows is not None else None
-            dy_rows = handed or (None, None)
-            (dx,) = _through_plan(_DGRAD_REGION, (config, num_cu, backend, ctx.x_dtype, handed is not None),
-                                  (None if handed else dy, *dy_rows, *w_kn, group_offs),
-                                  functools.partial(_dgrad_tensors, dy, *dy_rows, *w_kn, group_offs, config, num_cu,
-                                                    backend, ctx.x_dtype))
-            del w_kn, handed, dy_rows  # dgrad's alone: freed before wgrad allocates
-        if need_dw:
-            target = ctx.wgrad_target
-            if target is not None and target.defer is not None:  # for the caller to run later
-                dy_t, dy_t_scale, _ = _dy_tokens(dy, group_offs, wgrad_offs, config)
-                recipe = recipe_of(config)
-                dw = per_tensor.finish_wgrad(target, per_tensor.DeferredWgrad(functools.partial(
-                    _gemm, GemmKind.K_GROUPED, dy_t, x_t, dy_t_scale, x_t_scale, wgrad_offs, recipe=recipe,
-                    num_cu=num_cu, backend=backend, role="wgrad")))
-            else:  # returned, or into the target's buffer now (float32: in the kernel's epilogue)
-                buffer, out, dw_dtype = per_tensor._wgrad_destination(ctx, target)
-                (dw,) = _through_plan(
-                    _WGRAD_REGION, (config, num_cu, backend, dw_dtype), (dy, x_t, x_t_scale, group_offs, wgrad_offs, out),
-                    functools.partial(_wgrad_tensors, dy, x_t, x_t_scale, group_offs, wgrad_offs, config, num_cu,
-                                      backend, dw_dtype, out),
-                    writes_inputs=out is not None)
-                dw = per_tensor._wgrad_result(target, buffer, out, dw)
-        return dx, dw, None, None, None, None, None, None, None, None, None
+        return (*fine_gemm_backward(ctx, dy), None, None, None, None, None, None, None, None, None)
+
+
+def fine_gemm_backward(ctx, dy):
+    """``(dx, dW)`` of :class:`FineGrainedFP8Function` (None where not needed) from what its forward
+    left on ``ctx`` (its ``saved_tensors``, ``needs_input_grad`` and attributes; the planned MLP's
+    Python backward passes a namespace holding the same); run without grad."""
+    w_nk, x_t, x_t_scale, group_offs, wgrad_offs = ctx.saved_tensors
+    config, num_cu, backend = ctx.config, ctx.num_cu, ctx.backend
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    w_kn, ctx.w_kn = ctx.w_kn, None
+    if w_kn is None and need_dx:  # a second backward (retain_graph): re-derive W^T
+        requantized = quantize_weight_fine(w_nk, config, transposed=True)
+        w_kn = (requantized.data_t, requantized.scale_t)
+    dy = dy.contiguous()
+    dx = dw = None
+    if need_dx:
+        handed = ctx.grad_rows.take(dy) if ctx.grad_rows is not None else None
+        dy_rows = handed or (None, None)
+        (dx,) = _through_plan(_DGRAD_REGION, (config, num_cu, backend, ctx.x_dtype, handed is not None),
+                              (None if handed else dy, *dy_rows, *w_kn, group_offs),
+                              functools.partial(_dgrad_tensors, dy, *dy_rows, *w_kn, group_offs, config, num_cu,
+                                                backend, ctx.x_dtype))
+        del w_kn, handed, dy_rows  # dgrad's alone: freed before wgrad allocates
+    if need_dw:
+        target = ctx.wgrad_target
+        if target is not None and target.defer is not None:  # for the caller to run later
+            dy_t, dy_t_scale, _ = _dy_tokens(dy, group_offs, wgrad_offs, config)
+            recipe = recipe_of(config)
+            dw = per_tensor.finish_wgrad(target, per_tensor.DeferredWgrad(functools.partial(
+                _gemm, GemmKind.K_GROUPED, dy_t, x_t, dy_t_scale, x_t_scale, wgrad_offs, recipe=recipe,
+                num_cu=num_cu, backend=backend, role="wgrad")))
+        else:  # returned, or into the target's buffer now (float32: in the kernel's epilogue)
+            buffer, out, dw_dtype = per_tensor._wgrad_destination(ctx, target)
+            (dw,) = _through_plan(
+                _WGRAD_REGION, (config, num_cu, backend, dw_dtype), (dy, x_t, x_t_scale, group_offs, wgrad_offs, out),
+                functools.partial(_wgrad_tensors, dy, x_t, x_t_scale, group_offs, wgrad_offs, config, num_cu,
+                                  backend, dw_dtype, out),
+                writes_inputs=out is not None)
+            dw = per_tensor._wgrad_result(target, buffer, out, dw)
+    return dx, dw
 
 
 def grouped_gemm_fine(x, w_nk, offs, *, config: Float8Config, num_cu=None, backend="auto", out_dtype=None,

@@ -38,7 +38,7 @@ from ..config import Float8Config
 from .autograd import GradRowsHandoff, grouped_gemm_fine
 from .quantize import quantize_swiglu_backward_rows, quantize_swiglu_rows, recipe_of
 
-__all__ = ["FineGrainedSwiGLUFunction", "grouped_gemm_fine_swiglu"]
+__all__ = ["FineGrainedSwiGLUFunction", "fine_swiglu_backward", "grouped_gemm_fine_swiglu"]
 
 # Host-plan regions (turbo_moe.host_plan), one launch each: the forward's activation and rows cast,
 # the backward's dh and dprobs (and dh's rows copy, for fc1). Off a GPU each runs its function directly.
@@ -67,25 +67,32 @@ class FineGrainedSwiGLUFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, da, _rows_grad, _scales_grad):
-        from ..swiglu import weighted_swiglu_backward
+        return (*fine_swiglu_backward(ctx, da), None, None)
 
-        h, probs = ctx.saved_tensors
-        if da is None:  # a's gradient never came (set_materialize_grads(False)): nothing flows back
-            ctx.grad_rows = None
-            return None, None, None, None
-        da = da.contiguous()
-        handoff, ctx.grad_rows = ctx.grad_rows, None
-        expected = handoff.expecting if handoff is not None and ctx.needs_input_grad[0] else None
-        if expected is not None and (h.shape[1] // 2) % expected[0].block == 0:
-            # fc1 casts dh into these 1xB blocks for its dgrad: made here from the same pass
-            dh, dprobs, rows, scales = per_tensor.through_plan(
-                _BACKWARD_ROWS_REGION, expected, (h, probs, da),
-                functools.partial(quantize_swiglu_backward_rows, h, probs, da, *expected))
-            handoff.put(dh, rows, scales)
-            return dh, dprobs, None, None
-        dh, dprobs = per_tensor.through_plan(_BACKWARD_REGION, (), (h, probs, da),
-                                             functools.partial(weighted_swiglu_backward, h, probs, da))
-        return dh, dprobs, None, None
+
+def fine_swiglu_backward(ctx, da):
+    """``(dh, dprobs)`` of :class:`FineGrainedSwiGLUFunction` (both None where ``da`` never came),
+    leaving ``dh``'s rows copy in the ``GradRowsHandoff`` where fc1 expects it, from what its forward
+    left on ``ctx`` (the planned MLP's Python backward passes a namespace holding the same); run
+    without grad."""
+    from ..swiglu import weighted_swiglu_backward
+
+    h, probs = ctx.saved_tensors
+    if da is None:  # a's gradient never came (set_materialize_grads(False)): nothing flows back
+        ctx.grad_rows = None
+        return None, None
+    da = da.contiguous()
+    handoff, ctx.grad_rows = ctx.grad_rows, None
+    expected = handoff.expecting if handoff is not None and ctx.needs_input_grad[0] else None
+    if expected is not None and (h.shape[1] // 2) % expected[0].block == 0:
+        # fc1 casts dh into these 1xB blocks for its dgrad: made here from the same pass
+        dh, dprobs, rows, scales = per_tensor.through_plan(
+            _BACKWARD_ROWS_REGION, expected, (h, probs, da),
+            functools.partial(quantize_swiglu_backward_rows, h, probs, da, *expected))
+        handoff.put(dh, rows, scales)
+        return dh, dprobs
+    return per_tensor.through_plan(_BACKWARD_REGION, (), (h, probs, da),
+                                   functools.partial(weighted_swiglu_backward, h, probs, da))
 
 
 def grouped_gemm_fine_swiglu(h, probs, w_nk, offs, *, config: Float8Config, num_cu=None, backend="auto",

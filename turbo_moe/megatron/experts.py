@@ -138,7 +138,7 @@ class TurboMoEGroupedMLP(planned_layer.KeepsPlannedLayers, TEGroupedMLP):
         if not (isinstance(fc1, TurboGroupedLinear) and isinstance(fc2, TurboGroupedLinear)) \
                 or cfg.moe_apply_probs_on_input or fc1.bias is not None or fc2.bias is not None \
                 or fc1.delay_wgrad_compute or fc2.delay_wgrad_compute or fc1.fp8_config != fc2.fp8_config \
-                or not self._fuses_activation() or not self._hands_off_dh():
+                or not self._fuses_activation() or not (self._hands_off_dh() or fc1.takes_grad_rows()):
             return None
         if probs.dim() != 1 or not probs.is_contiguous() or probs.shape[0] != x.shape[0] or x.dim() != 2:
             return None
