@@ -82,7 +82,10 @@ def fine_swiglu_backward(ctx, da):
         ctx.grad_rows = None
         return None, None
     da = da.contiguous()
-    handoff, ctx.grad_rows = ctx.grad_rows, None
+    # The handoff stays: a second backward (retain_graph) makes the rows copy again, so that every
+    # backward is the same computation (dprobs from the rows kernel differs from the plain kernel's
+    # in its last bit) whether it runs here, in the planned MLP's node or in its Python fallback.
+    handoff = ctx.grad_rows
     expected = handoff.expecting if handoff is not None and ctx.needs_input_grad[0] else None
     if expected is not None and (h.shape[1] // 2) % expected[0].block == 0:
         # fc1 casts dh into these 1xB blocks for its dgrad: made here from the same pass
