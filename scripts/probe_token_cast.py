@@ -16,14 +16,16 @@ same data:
 * with ``--tiles`` / ``--splits``: other column tiles, warps and split counts;
 * with ``--col-tiles`` / ``--trans-regs``: the flat grid (one slot a program) casting n column
   tiles a program (``_TOKEN_COL_TILES``), and the transposed tile from registers instead of a
-  second read (``_TOKEN_TRANS_REGS``), alone and together.
+  second read (``_TOKEN_TRANS_REGS``), alone and together; ``--trans-tiles``: the transposed tile
+  from registers under other column tiles and warps (``_TOKEN_TILE``).
 
 Every variant's FP8 values, scales and offsets are checked equal to the first's (the bits must
 not depend on the variant). Times: ``triton.testing.do_bench`` medians; GB/s counts the bf16 read
 once and the FP8 write.
 
 Usage: ``python scripts/probe_token_cast.py [--routings balanced,zipf] [--shapes all|N,...] [--tiles 32x4,128x4]
-[--splits 1,2,4|default] [--flat 1,2,4] [--flat-tiles 64x4] [--col-tiles 2,4] [--trans-regs]``
+[--splits 1,2,4|default] [--flat 1,2,4] [--flat-tiles 64x4] [--col-tiles 2,4] [--trans-regs]
+[--trans-tiles 64x4,128x8]``
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ def main() -> int:
     parser.add_argument("--col-tiles", default="", help="one slot a program, n column tiles a program: each a variant")
     parser.add_argument("--trans-regs", action="store_true",
                         help="one slot a program, the transposed tile from registers (with each --col-tiles too)")
+    parser.add_argument("--trans-tiles", default="",
+                        help="one slot a program, the transposed tile from registers, under these BLOCK_CxWARPS")
     args = parser.parse_args()
     shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
     e4m3 = torch.float8_e4m3fn
@@ -81,6 +85,9 @@ def main() -> int:
             if col_tiles > 1 or trans:
                 variants.append((f"1 slot, {col_tiles} column tiles a program{', transposed in registers' if trans else ''}",
                                  default_splits, default_tile, 1, col_tiles, trans))
+    for tile in (tuple(int(v) for v in t.split("x")) for t in args.trans_tiles.split(",") if t):
+        variants.append((f"1 slot, BLOCK_C {tile[0]}, {tile[1]} warps, transposed in registers", default_splits, tile, 1,
+                         1, True))
     print(f"device: {torch.cuda.get_device_name()}")
     print("| experts x tokens, C | routing | variant | S | ms | GB/s | bits vs first | rows cast ms |")
     print("|---|---|---|---|---|---|---|---|")
