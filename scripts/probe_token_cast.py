@@ -57,13 +57,14 @@ def main() -> int:
     parser.add_argument("--col-tiles", default="", help="one slot a program, n column tiles a program: each a variant")
     parser.add_argument("--trans-regs", action="store_true",
                         help="one slot a program, the transposed tile from registers (with each --col-tiles too)")
+    parser.add_argument("--recipe", default="blockwise", choices=["blockwise", "mxfp8"])
     parser.add_argument("--trans-tiles", default="",
                         help="one slot a program, the transposed tile from registers, under these BLOCK_CxWARPS")
     args = parser.parse_args()
     shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
     e4m3 = torch.float8_e4m3fn
     fmax = torch.finfo(e4m3).max
-    recipe = Q.BLOCKWISE
+    recipe = Q.BLOCKWISE if args.recipe == "blockwise" else Q.MXFP8
     default_splits = BC._token_splits
     default_tile, default_flat = BC._TOKEN_TILE, BC._TOKEN_FLAT
     default_col_tiles, default_trans = BC._TOKEN_COL_TILES, BC._TOKEN_TRANS_REGS

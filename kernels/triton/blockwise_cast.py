@@ -371,7 +371,7 @@ def block_cast_tokens_aligned(x, group_offs, recipe, fp8_dtype, fp8_max: float, 
 # block_cast_tokens_kernel's (BLOCK_C, num_warps): scripts/probe_token_cast.py on an H100 (64 x 1536
 # tokens, C 1024 / 4096; 32 x 512, C 7168; balanced) 0.175 / 0.66 / 0.22 ms at (32, 4) and about
 # the same at (128, 4), against 0.27 / 1.03 / 0.32 at (64, 4) and 0.37 / 1.45 / 0.45 at (64, 8).
-_TOKEN_TILE = (32, 4)
+_TOKEN_TILE = (64, 4)
 # 0: the split grid; n > 0 (a power of two): a grid of n scale slots a program (the kernel's FLAT).
 # scripts/probe_token_cast.py, H100, 64 x 1536 tokens, C 1024, ms balanced / Zipf / one hot expert:
 # the split grid 0.175 / 0.342 / 0.444 (as it was, int64 addresses; 0.240 / 0.358 / 0.449 through
@@ -383,7 +383,7 @@ _TOKEN_FLAT = 1
 # flat-grid program casts (the group search once for all of them), and the transposed tile taken
 # from registers (tl.trans) instead of a second, transposed read of the block.
 _TOKEN_COL_TILES = 1
-_TOKEN_TRANS_REGS = False
+_TOKEN_TRANS_REGS = True
 
 
 def _token_splits(tokens: int, groups: int, block: int) -> int:
