@@ -25,7 +25,7 @@ once and the FP8 write.
 
 Usage: ``python scripts/probe_token_cast.py [--routings balanced,zipf] [--shapes all|N,...] [--tiles 32x4,128x4]
 [--splits 1,2,4|default] [--flat 1,2,4] [--flat-tiles 64x4] [--col-tiles 2,4] [--trans-regs]
-[--trans-tiles 64x4,128x8]``
+[--trans-tiles 64x4,64x2x2] [--recipe blockwise|mxfp8]``
 """
 
 from __future__ import annotations
@@ -59,15 +59,16 @@ def main() -> int:
                         help="one slot a program, the transposed tile from registers (with each --col-tiles too)")
     parser.add_argument("--recipe", default="blockwise", choices=["blockwise", "mxfp8"])
     parser.add_argument("--trans-tiles", default="",
-                        help="one slot a program, the transposed tile from registers, under these BLOCK_CxWARPS")
+                        help="one slot a program, the transposed tile from registers, under these BLOCK_CxWARPS[xCOL_TILES]")
     args = parser.parse_args()
     shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
     e4m3 = torch.float8_e4m3fn
     fmax = torch.finfo(e4m3).max
     recipe = Q.BLOCKWISE if args.recipe == "blockwise" else Q.MXFP8
     default_splits = BC._token_splits
-    default_tile, default_flat = BC._TOKEN_TILE, BC._TOKEN_FLAT
-    default_col_tiles, default_trans = BC._TOKEN_COL_TILES, BC._TOKEN_TRANS_REGS
+    default_tiles, default_flat = BC._TOKEN_TILE, BC._TOKEN_FLAT
+    default_col_tile_map, default_trans = BC._TOKEN_COL_TILES, BC._TOKEN_TRANS_REGS
+    default_tile, default_col_tiles = default_tiles[recipe.block], default_col_tile_map[recipe.block]
     # (name, splits rule, (BLOCK_C, num_warps), FLAT, column tiles a program, transposed in registers)
     variants = [("1 program a group, BLOCK_C 64", lambda tokens, groups, block: 1, (64, 4), 0, 1, False),
                 ("the library's default", default_splits, default_tile, BC._TOKEN_FLAT, default_col_tiles,
@@ -86,9 +87,10 @@ def main() -> int:
             if col_tiles > 1 or trans:
                 variants.append((f"1 slot, {col_tiles} column tiles a program{', transposed in registers' if trans else ''}",
                                  default_splits, default_tile, 1, col_tiles, trans))
-    for tile in (tuple(int(v) for v in t.split("x")) for t in args.trans_tiles.split(",") if t):
-        variants.append((f"1 slot, BLOCK_C {tile[0]}, {tile[1]} warps, transposed in registers", default_splits, tile, 1,
-                         1, True))
+    for spec in (tuple(int(v) for v in t.split("x")) for t in args.trans_tiles.split(",") if t):
+        tile, col_tiles = spec[:2], spec[2] if len(spec) > 2 else 1
+        variants.append((f"1 slot, {col_tiles} x BLOCK_C {tile[0]}, {tile[1]} warps, transposed in registers",
+                         default_splits, tile, 1, col_tiles, True))
     print(f"device: {torch.cuda.get_device_name()}")
     print("| experts x tokens, C | routing | variant | S | ms | GB/s | bits vs first | rows cast ms |")
     print("|---|---|---|---|---|---|---|---|")
@@ -102,8 +104,8 @@ def main() -> int:
             rows_ms = triton.testing.do_bench(lambda: BC.block_cast_rows(x, recipe, e4m3, fmax, 8), warmup=10, rep=100)
             first = None
             for name, splits_fn, tile, flat, col_tiles, trans in variants:
-                BC._token_splits, BC._TOKEN_TILE, BC._TOKEN_FLAT = splits_fn, tile, flat
-                BC._TOKEN_COL_TILES, BC._TOKEN_TRANS_REGS = col_tiles, trans
+                BC._token_splits, BC._TOKEN_TILE, BC._TOKEN_FLAT = splits_fn, {recipe.block: tile}, flat
+                BC._TOKEN_COL_TILES, BC._TOKEN_TRANS_REGS = {recipe.block: col_tiles}, trans
                 try:
                     def run():
                         return BC.block_cast_tokens_aligned(x, offs, recipe, e4m3, fmax, 8, 0, 16, cols)
@@ -114,8 +116,8 @@ def main() -> int:
                     got = (q[:, :end].view(torch.uint8).clone(), s.clone(), aligned.clone())
                     ms = triton.testing.do_bench(run, warmup=10, rep=100)
                 finally:
-                    BC._token_splits, BC._TOKEN_TILE, BC._TOKEN_FLAT = default_splits, default_tile, default_flat
-                    BC._TOKEN_COL_TILES, BC._TOKEN_TRANS_REGS = default_col_tiles, default_trans
+                    BC._token_splits, BC._TOKEN_TILE, BC._TOKEN_FLAT = default_splits, default_tiles, default_flat
+                    BC._TOKEN_COL_TILES, BC._TOKEN_TRANS_REGS = default_col_tile_map, default_trans
                 if first is None:
                     first, same = got, "-"
                 else:

@@ -138,8 +138,9 @@ def case_casts_aligned():
         q0, s0, aligned0 = Q.quantize_tokens_aligned(xt, offs, recipe, E4M3)
         end = int(aligned0[-1])
         used = Q.token_slot_mask(aligned0, end, recipe.block)
-        default_splits, default_tile = BC._token_splits, BC._TOKEN_TILE
+        default_splits, default_tiles = BC._token_splits, BC._TOKEN_TILE
         default_col_tiles, default_trans = BC._TOKEN_COL_TILES, BC._TOKEN_TRANS_REGS
+        default_tile = default_tiles[recipe.block]
         try:
             # (splits, tile, flat, column tiles a program, transposed in registers); 16-column tiles
             # over C = 24: a program's second tile half past the columns
@@ -147,9 +148,10 @@ def case_casts_aligned():
                     (None, default_tile, 0, 1, False), (1, (64, 4), 0, 1, False), (3, (32, 4), 0, 1, False),
                     (64, (128, 4), 0, 1, False), (None, default_tile, 1, 1, False), (None, (64, 4), 1, 1, False),
                     (None, default_tile, 4, 1, False), (None, (128, 4), 8, 1, False), (None, (16, 4), 1, 2, False),
-                    (None, (16, 4), 2, 4, True), (None, default_tile, 1, 1, True), (2, default_tile, 0, 1, True)):
-                BC._TOKEN_TILE, BC._TOKEN_FLAT = tile, flat
-                BC._TOKEN_COL_TILES, BC._TOKEN_TRANS_REGS = col_tiles, trans
+                    (None, (16, 4), 2, 4, True), (None, default_tile, 1, 1, True), (2, default_tile, 0, 1, True),
+                    (None, default_tile, 1, 2, True), (None, (64, 2), 1, 1, True)):
+                BC._TOKEN_TILE, BC._TOKEN_FLAT = {recipe.block: tile}, flat
+                BC._TOKEN_COL_TILES, BC._TOKEN_TRANS_REGS = {recipe.block: col_tiles}, trans
                 if splits is not None:
                     BC._token_splits = lambda tokens, groups, block, n=splits: n
                 q, s, aligned = BC.block_cast_tokens_aligned(xt, offs, recipe, E4M3, fmax, 8, 0, 16, cols)
@@ -157,7 +159,7 @@ def case_casts_aligned():
                 assert torch.equal(q[:, :end].view(torch.uint8), q0[:, :end].view(torch.uint8)), splits
                 assert torch.equal(s[:, :used.numel()][:, used], s0[:, :used.numel()][:, used]), splits
         finally:
-            BC._token_splits, BC._TOKEN_TILE, BC._TOKEN_FLAT = default_splits, default_tile, default_flat
+            BC._token_splits, BC._TOKEN_TILE, BC._TOKEN_FLAT = default_splits, default_tiles, default_flat
             BC._TOKEN_COL_TILES, BC._TOKEN_TRANS_REGS = default_col_tiles, default_trans
         if not recipe.e8m0:
             # 300 groups, a third of them empty: the flat grid's group search runs over the offsets

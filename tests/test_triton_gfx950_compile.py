@@ -399,8 +399,9 @@ def test_wgrad_aligned_token_cast_compiles_for_gfx950(monkeypatch):
 
 
 def test_wgrad_token_cast_probe_variants_compile_for_gfx950(monkeypatch):
-    """The token cast's probe variants (scripts/probe_token_cast.py: two column tiles a program, the
-    transposed tile from registers): they compile for gfx950 too, no scratch, the FP8 conversion."""
+    """The token cast's variants (scripts/probe_token_cast.py: two column tiles a program, the
+    transposed tile from registers; the default has both): they compile for gfx950 too, no scratch,
+    the FP8 conversion."""
     from turbo_moe.fine_grained import quantize as Q
     from turbo_moe.kernels.triton import blockwise_cast as BC
 
@@ -413,7 +414,7 @@ def test_wgrad_token_cast_probe_variants_compile_for_gfx950(monkeypatch):
     monkeypatch.setattr(BC, "_TOKEN_FLAT", 1)
     with _first_launches(key_of) as recorded:
         for col_tiles, trans in ((2, False), (1, True)):
-            monkeypatch.setattr(BC, "_TOKEN_COL_TILES", col_tiles)
+            monkeypatch.setattr(BC, "_TOKEN_COL_TILES", {128: col_tiles})
             monkeypatch.setattr(BC, "_TOKEN_TRANS_REGS", trans)
             BC.block_cast_tokens_aligned(x, offs, Q.BLOCKWISE, torch.float8_e4m3fn, 448.0, 8, 0, 16, cols)
     assert sorted(recorded) == [("block_cast_tokens_kernel", 1, True), ("block_cast_tokens_kernel", 2, False)]

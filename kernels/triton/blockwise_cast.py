@@ -368,10 +368,20 @@ def block_cast_tokens_aligned(x, group_offs, recipe, fp8_dtype, fp8_max: float, 
     return _cast_tokens(x, group_offs, recipe, fp8_dtype, fp8_max, emax, margin, token_align, columns, aligned_offs)
 
 
-# block_cast_tokens_kernel's (BLOCK_C, num_warps): scripts/probe_token_cast.py on an H100 (64 x 1536
-# tokens, C 1024 / 4096; 32 x 512, C 7168; balanced) 0.175 / 0.66 / 0.22 ms at (32, 4) and about
-# the same at (128, 4), against 0.27 / 1.03 / 0.32 at (64, 4) and 0.37 / 1.45 / 0.45 at (64, 8).
-_TOKEN_TILE = (64, 4)
+# block_cast_tokens_kernel's tile per token block (128: blockwise, 32: MXFP8): (BLOCK_C, num_warps),
+# the column tiles a flat-grid program casts (its group search done once for all of them), and
+# whether the transposed tile comes from registers (tl.trans, through shared memory) instead of a
+# second, transposed read of the block. scripts/probe_token_cast.py, H100, 2026-11-27, ms at
+# 64 x 1536 tokens C 1024 / C 4096 / 32 x 512 tokens C 7168, balanced (Zipf alike, same bits):
+# - blockwise: (32, 4), 1 tile, read twice (the default until then) 0.199 / 0.767 / ~0.22;
+#   (64, 4) from registers 0.178 / 0.683 / 0.213; two such tiles a program 0.159 / 0.605 / 0.189;
+#   (64, 2) 0.167 / 0.615 / 0.204; (128, 4) 0.193; 8 warps 1.3-2x slower;
+# - MXFP8: (32 or 64, 4) 0.34-0.36 / 1.23-1.41 / 0.37-0.42 every way; (64, 2) from registers
+#   0.186 / 0.722 / 0.219 (32-token blocks: 4 warps on a 32 x 64 tile idle half their lanes).
+# The rows cast of the same tensors: 0.113 / 0.441 ms.
+_TOKEN_TILE = {128: (64, 4), 32: (64, 2)}
+_TOKEN_COL_TILES = {128: 2, 32: 1}
+_TOKEN_TRANS_REGS = True
 # 0: the split grid; n > 0 (a power of two): a grid of n scale slots a program (the kernel's FLAT).
 # scripts/probe_token_cast.py, H100, 64 x 1536 tokens, C 1024, ms balanced / Zipf / one hot expert:
 # the split grid 0.175 / 0.342 / 0.444 (as it was, int64 addresses; 0.240 / 0.358 / 0.449 through
@@ -379,11 +389,6 @@ _TOKEN_TILE = (64, 4)
 # with the vector stores (2, 4 and 8 slots slower, 64 columns slower); the same at C 2048-7168:
 # routing no longer moves its time.
 _TOKEN_FLAT = 1
-# Variants for scripts/probe_token_cast.py, not yet measured on a GPU (2026-11-27): column tiles a
-# flat-grid program casts (the group search once for all of them), and the transposed tile taken
-# from registers (tl.trans) instead of a second, transposed read of the block.
-_TOKEN_COL_TILES = 1
-_TOKEN_TRANS_REGS = True
 
 
 def _token_splits(tokens: int, groups: int, block: int) -> int:
@@ -412,13 +417,13 @@ def _cast_tokens(x, group_offs, recipe, fp8_dtype, fp8_max, emax, margin, token_
             raise ValueError("x has no columns to cast: pass aligned_offs (the kernel writes them as it casts)")
         aligned_offs = torch.empty_like(group_offs) if launch else torch.zeros_like(group_offs)  # no tokens: 0s
     if launch:
-        block_c, warps = _TOKEN_TILE
+        block_c, warps = _TOKEN_TILE[recipe.block]
         splits = _token_splits(m, groups, recipe.block)
         strides = x.stride()
         # int32 offsets within a block (the kernel's WIDE off) where its largest fits
         wide = max((recipe.block - 1) * strides[0] + (block_c - 1) * strides[1], (block_c - 1) * cols_t + recipe.block,
                    (block_c - 1) * storage.stride(1)) >= 2**31
-        col_tiles = int(_TOKEN_COL_TILES) if _TOKEN_FLAT else 1
+        col_tiles = int(_TOKEN_COL_TILES[recipe.block]) if _TOKEN_FLAT else 1
         key = (x.dtype, m, c, strides, group_offs.dtype, groups, fp8_dtype, recipe, margin, token_align, write_offs, block_c, warps, int(_TOKEN_FLAT), wide,
                col_tiles, bool(_TOKEN_TRANS_REGS),
                x.data_ptr() % 16 == 0, group_offs.data_ptr() % 16 == 0, out_t.data_ptr() % 16 == 0,
