@@ -376,11 +376,13 @@ def block_cast_tokens_aligned(x, group_offs, recipe, fp8_dtype, fp8_max: float, 
 # - blockwise: (32, 4), 1 tile, read twice (the default until then) 0.199 / 0.767 / ~0.22;
 #   (64, 4) from registers 0.178 / 0.683 / 0.213; two such tiles a program 0.159 / 0.605 / 0.189;
 #   (64, 2) 0.167 / 0.615 / 0.204; (128, 4) 0.193; 8 warps 1.3-2x slower;
+#   four tiles of (64, 4) 0.197, of (64, 2) 0.536;
 # - MXFP8: (32 or 64, 4) 0.34-0.36 / 1.23-1.41 / 0.37-0.42 every way; (64, 2) from registers
-#   0.186 / 0.722 / 0.219 (32-token blocks: 4 warps on a 32 x 64 tile idle half their lanes).
+#   0.187 / 0.721 / 0.219 (32-token blocks: 4 warps on a 32 x 64 tile idle half their lanes), two
+#   such tiles a program 0.159 / 0.607 / 0.185, four 0.161, (128, 2) 0.171.
 # The rows cast of the same tensors: 0.113 / 0.441 ms.
 _TOKEN_TILE = {128: (64, 4), 32: (64, 2)}
-_TOKEN_COL_TILES = {128: 2, 32: 1}
+_TOKEN_COL_TILES = {128: 2, 32: 2}
 _TOKEN_TRANS_REGS = True
 # 0: the split grid; n > 0 (a power of two): a grid of n scale slots a program (the kernel's FLAT).
 # scripts/probe_token_cast.py, H100, 64 x 1536 tokens, C 1024, ms balanced / Zipf / one hot expert:
