@@ -103,6 +103,33 @@ def test_planned_layer_cases_equal_the_python_function(case):
     assert used[2:] == [True] * 3, used
 
 
+FINE_CONFIGS = {"blockwise": Float8Config(granularity="blockwise"), "mxfp8": Float8Config(granularity="mxfp8")}
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["wcache", "nocache"])
+@pytest.mark.parametrize("name", list(FINE_CONFIGS))
+def test_fine_grained_planned_layer_equals_the_python_function_bitwise(name, cache):
+    """The fine-grained planned layer (turbo_moe/fine_grained/planned_layer.py): K and N not
+    multiples of 128, ragged groups with an empty one."""
+    used = _compare(config=FINE_CONFIGS[name], cache=cache, calls=6)
+    assert used == [False] * 2 + [True] * 4, used
+
+
+@pytest.mark.parametrize("case", ["bias", "offsets", "x-no-grad", "w-frozen", "no-grad", "retain-graph",
+                                  "misaligned-dy", "handed-over-dy"])
+def test_fine_grained_planned_layer_cases_equal_the_python_function(case):
+    kwargs = dict(config=FINE_CONFIGS["blockwise"], cache=case != "retain-graph")
+    kwargs.update({
+        "handed-over-dy": dict(hand_over=True), "bias": dict(bias=True), "offsets": dict(offsets=True),
+        "x-no-grad": dict(x_grad=False), "w-frozen": dict(w_grad=False), "no-grad": dict(no_grad=True),
+        "retain-graph": dict(retain=True),
+        "misaligned-dy": dict(dy_of=lambda i, dy: torch.cat([dy.new_zeros(1), dy.reshape(-1)])[1:].view(dy.shape)
+                              if i >= 3 else dy),
+    }[case])
+    used = _compare(**kwargs)
+    assert used[2:] == [True] * 3, used
+
+
 def _warmed_layer():
     """A layer, its routing and input after three fwd+bwd: the next call is planned if enabled
     (plans cleared first: earlier tests of this process may have used up their static key's
@@ -151,13 +178,16 @@ def test_planned_layer_backward_stays_once_differentiable(planned):
         planned_layer.set_enabled(previous)
 
 
-def test_planned_layer_captures_in_a_cuda_graph_and_follows_new_routing():
+@pytest.mark.parametrize("name", ["tensorwise", "blockwise"])
+def test_planned_layer_captures_in_a_cuda_graph_and_follows_new_routing(name):
     """Planned eagerly, then captured (no weight cache: capture re-quantizes): replaying the graph
-    with new routing gives the eager Python Function's results."""
+    with new routing gives the eager Python Function's results (blockwise: the token layout that
+    follows the routing inside the graph)."""
     G, M, K, N = 4, 256, 256, 128
     host_plan.clear_all()  # as _warmed_layer
     torch.manual_seed(1)
-    layer = GroupedLinearFP8(G, K, N, device="cuda", dtype=torch.bfloat16, cache_fp8_weight=False)
+    config = {**CONFIGS, **FINE_CONFIGS}[name]
+    layer = GroupedLinearFP8(G, K, N, config=config, device="cuda", dtype=torch.bfloat16, cache_fp8_weight=False)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     lens = torch.tensor([100, 0, 56, 100], device="cuda")
     dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)

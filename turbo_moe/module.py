@@ -104,8 +104,7 @@ class GroupedLinearFP8(nn.Module):
         *,
         group_offs: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        if type(x) is torch.Tensor and x.is_cuda and planned_layer.enabled() and not self.config.fine_grained \
-                and not torch.compiler.is_compiling():
+        if type(x) is torch.Tensor and x.is_cuda and planned_layer.enabled() and not torch.compiler.is_compiling():
             y, offs = self._forward_planned(x, group_lens, group_offs)
             if y is not None:
                 return y

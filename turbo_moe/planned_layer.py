@@ -23,10 +23,10 @@ replay counts of the C++ backward are accounted by ``host_plan.flush_layer_repla
 
 Served: tensorwise (current or delayed scaling) or rowwise, with or without the FP8 weight cache,
 any ``requires_grad`` combination, and a float32 ``main_grad`` the wgrad accumulates into
-(``WgradTarget``: ``GroupedLinearFP8`` and Megatron's ``TurboGroupedLinear``). The fine-grained
-recipes (as a lone linear) and a deferred wgrad keep the Python ``Function``; the SwiGLU handoff is
-the planned MLP's (``turbo_moe.planned_mlp``, and ``turbo_moe.fine_grained.planned_mlp`` for the
-fine-grained recipes). ``TURBO_MOE_PLANNED_LAYERS=0`` turns this off.
+(``WgradTarget``: ``GroupedLinearFP8`` and Megatron's ``TurboGroupedLinear``); the blockwise and
+MXFP8 recipes through ``turbo_moe.fine_grained.planned_layer`` (their own table). A deferred wgrad
+keeps the Python ``Function``; the SwiGLU handoff is the planned MLP's (``turbo_moe.planned_mlp``).
+``TURBO_MOE_PLANNED_LAYERS=0`` turns this off.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import os
 import types
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -78,6 +78,9 @@ _CACHED_W_KN_POSITION = 5
 class PlannedLayer(NamedTuple):
     layer_id: int
     regions: Tuple[Tuple[host_plan.Region, object], ...]  # the forward steps' (region, plan): counted per call
+    # (x, w_nk, src, w_fp8, delayed, main_grad, placeholder) -> the layer's arguments in its table's
+    # order (the fine-grained recipes' table is laid out by turbo_moe.fine_grained.planned_layer)
+    arguments: Callable
 
 
 class _Backward(NamedTuple):
@@ -162,7 +165,13 @@ def plan_layer(x, w_nk, src, from_lens: bool, w_fp8, config, num_cu, backend, ou
     recorded). ``delayed``: the ``DelayedScalingState`` under delayed scaling, its histories
     seeded on x's device (a history is a region input through ``autograd.through_plan``).
     ``main_grad``: a float32 buffer the wgrad accumulates into (``autograd.WgradTarget``: Megatron's
-    ``gradient_accumulation_fusion``); the weight's gradient is then ``placeholder`` (None: none)."""
+    ``gradient_accumulation_fusion``); the weight's gradient is then ``placeholder`` (None: none).
+    The fine-grained recipes' layer is ``turbo_moe.fine_grained.planned_layer``'s."""
+    if config.fine_grained:
+        from .fine_grained import planned_layer as fine_grained_layer
+
+        return fine_grained_layer.plan_layer(x, w_nk, src, from_lens, w_fp8, config, num_cu, backend, out_dtype,
+                                             need_dx, need_dw, forward_only, delayed, main_grad, placeholder)
     ext = host_plan._extension()
     if ext is None:
         return NOT_PLANNABLE
@@ -230,7 +239,7 @@ def plan_layer(x, w_nk, src, from_lens: bool, w_fp8, config, num_cu, backend, ou
         _LAYER_IDS[identity] = layer_id
         register_backward(layer_id, functools.partial(_linear_backward, backward))
     _ensure_fallback(ext)
-    return PlannedLayer(layer_id, tuple(b.regions[:forward_steps]))
+    return PlannedLayer(layer_id, tuple(b.regions[:forward_steps]), _arguments)
 
 
 def gemm_backward_steps(b: _Builder, config, num_cu, backend, live: int, x_dtype, w_dtype, need_dx: bool,
@@ -293,8 +302,12 @@ def apply_layer(layer: PlannedLayer, x, w_nk, src, w_fp8, delayed=None, main_gra
     global calls
     calls += 1
     return run_extension_layer(layer.layer_id, layer.regions, x.get_device(),
-                               [x, w_nk, src, *cached_weight_inputs(w_fp8), *_history_tensors(delayed), main_grad,
-                                placeholder])
+                               layer.arguments(x, w_nk, src, w_fp8, delayed, main_grad, placeholder))
+
+
+def _arguments(x, w_nk, src, w_fp8, delayed, main_grad, placeholder) -> list:
+    """The per-tensor layer's arguments (its table's first ``NUM_ARGS`` values) for one call."""
+    return [x, w_nk, src, *cached_weight_inputs(w_fp8), *_history_tensors(delayed), main_grad, placeholder]
 
 
 def run_extension_layer(layer_id: int, forward_regions, device: int, args) -> torch.Tensor:

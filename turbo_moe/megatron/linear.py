@@ -410,11 +410,10 @@ class TurboGroupedLinear(planned_layer.KeepsPlannedLayers, GroupedLinearCheckpoi
         """The GEMM as one C++ call with a C++ backward node (``turbo_moe.planned_layer``), its
         wgrad into ``main_grad`` under ``gradient_accumulation_fusion``; None: the Python path (a
         signature whose plans are not all recorded yet, or one the planned layer does not serve:
-        high precision, the fine-grained recipes, delayed wgrad, a lazily allocated or non-float32
-        ``main_grad``). ``grad_added_to_main_grad`` is set here, at forward, as Megatron's own
+        high precision, delayed wgrad, a lazily allocated or non-float32 ``main_grad``). ``grad_added_to_main_grad`` is set here, at forward, as Megatron's own
         CUDA-graphed layers set it: no Python runs in this backward."""
         config = self.fp8_config
-        if config is None or config.fine_grained or self.delay_wgrad_compute or type(x) is not torch.Tensor \
+        if config is None or self.delay_wgrad_compute or type(x) is not torch.Tensor \
                 or not x.is_cuda or not planned_layer.enabled() or torch.compiler.is_compiling():
             return None
         w = self.weight

@@ -1,13 +1,14 @@
-"""The fine-grained planned MLP (turbo_moe/fine_grained/planned_mlp.py) on the CPU: its wiring
-through the C++ node with plans that allocate and launch nothing, and its Python backward against
-the Python Functions. GPU equality with the Python path: tests/test_planned_mlp_gpu.py and
-test_megatron_gpu.py."""
+"""The fine-grained planned MLP and linear (turbo_moe/fine_grained/planned_mlp.py, planned_layer.py)
+on the CPU: their wiring through the C++ node with plans that allocate and launch nothing, and
+their Python backwards against the Python Functions. GPU equality with the Python path:
+tests/test_planned_mlp_gpu.py, test_planned_layer_gpu.py and test_megatron_gpu.py."""
 
 import pytest
 import torch
 
-from turbo_moe import Float8Config, GroupedSwiGLUMLPFP8, host_plan, planned_mlp
+from turbo_moe import Float8Config, GroupedLinearFP8, GroupedSwiGLUMLPFP8, host_plan, planned_layer, planned_mlp
 from turbo_moe.fine_grained import autograd as fine
+from turbo_moe.fine_grained import planned_layer as fpl
 from turbo_moe.fine_grained import planned_mlp as fpm
 from turbo_moe.fine_grained import swiglu as fine_swiglu
 from turbo_moe.fine_grained.autograd import quantize_weight_fine
@@ -255,3 +256,145 @@ def test_fine_mlp_python_backward_equals_the_python_functions(granularity, F, he
     for v, want in expected.items():
         assert torch.equal(grads[v].view(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), v
     assert all(g is None for k, g in enumerate(grads) if k not in (fpm.X, fpm.W1, fpm.W2, fpm.PROBS))
+
+
+# -- one grouped linear (turbo_moe/fine_grained/planned_layer.py) ---------------------------------
+
+K, N = 64, 48
+
+
+def _fake_linear_regions(ext, monkeypatch, cached=False, main_grad=False):
+    """Blockwise: offsets; the forward GEMM (W^T and its scales' transposed view unless cached);
+    x's token copy; dgrad; wgrad (``main_grad``: into its out=)."""
+    alloc = [("alloc", k) for k in range(3)]
+    nb, kb = -(-N // 128), -(-K // 128)
+    cache = [5, 6, 7] if cached else []
+    forward = (([0, 3, 4, *cache], [((M, N), BF16)], [alloc[0], None, None]) if cached else
+               ([0, 3, 4], [((M, N), BF16), ((G, K, N), E4M3), ((G, nb, kb), F32)],
+                [alloc[0], alloc[1], ("view", 2, (G, kb, nb), (nb * kb, 1, kb), 0)]))
+    regions = {
+        (fpl, "OFFSETS_REGION"): LaunchlessPlans(ext, ([0], [((G + 1,), torch.int64)], alloc[:1])),
+        (fine, "_FORWARD_REGION"): LaunchlessPlans(ext, forward),
+        (fine, "_TOKENS_REGION"): LaunchlessPlans(ext, ([0, 1], [((K, M + 16 * G), E4M3), ((K, 2 * G), F32),
+                                                                  ((G + 1,), torch.int64)], alloc[:3])),
+        (fine, "_DGRAD_REGION"): LaunchlessPlans(ext, ([0, 3, 4, 5], [((M, K), BF16)], alloc[:1])),
+        (fine, "_WGRAD_REGION"): LaunchlessPlans(ext, ([0, 1, 2, 3, 4, 5], [], [("input", 5)]) if main_grad else
+                                                 ([0, 1, 2, 3, 4], [((G, N, K), BF16)], alloc[:1])),
+    }
+    for (module, name), region in regions.items():
+        monkeypatch.setattr(module, name, region)
+    return {name: region for (_, name), region in regions.items()}
+
+
+def _linear_identity(layer):
+    return next(k for k, v in fpl._LAYER_IDS.items() if v == layer.layer_id)
+
+
+@needs_compiler
+def test_fine_linear_plan_chains_the_regions_keys_and_runs_as_one_node(plan_ext, monkeypatch):
+    """The Function's keys, with facts from the earlier steps' outputs (dgrad reads the forward's
+    W^T and its scales' view, the wgrad the token copy and its aligned offsets); the node returns
+    x's and W's gradients; W^T is held for the first backward and released by dgrad; dy is released
+    by its last reader, the wgrad."""
+    ext = plan_ext
+    regions = _fake_linear_regions(ext, monkeypatch)
+    x = torch.randn(M, K, dtype=BF16, requires_grad=True)
+    w = torch.randn(G, N, K, dtype=BF16, requires_grad=True)
+    lens = torch.tensor([7, 0, M - 7])
+    layer = planned_layer.plan_layer(x, w, lens, True, None, BLOCKWISE, None, "auto", BF16, True, True)
+    assert isinstance(layer, planned_layer.PlannedLayer) and layer.arguments is fpl.layer_arguments
+    fact = host_plan.fact
+    offs = _alloc_fact(G + 1, dtype=torch.int64)
+    assert regions["_FORWARD_REGION"].keys == [(((BLOCKWISE, None, "auto", BF16, True, False, True, False), 0),
+                                                fact(x), None, None, fact(w), offs, None, None, None, None)]
+    assert regions["_TOKENS_REGION"].keys == [(((BLOCKWISE, "forward"), 0), fact(x), offs)]
+    dy = _alloc_fact(M, N, dtype=BF16)
+    assert regions["_DGRAD_REGION"].keys == [(((BLOCKWISE, None, "auto", BF16, False), 0), dy, None, None,
+                                              _alloc_fact(G, K, N, dtype=E4M3),
+                                              (torch.Size([G, 1, 1]), (1, 1, 1), F32, -1, 0), offs)]
+    assert regions["_WGRAD_REGION"].keys == [(((BLOCKWISE, None, "auto", BF16), 0), dy,
+                                              _alloc_fact(K, M + 16 * G, dtype=E4M3), _alloc_fact(K, 2 * G, dtype=F32),
+                                              offs, _alloc_fact(G + 1, dtype=torch.int64), None)]
+    steps, forward_steps, saved, held, kept = _linear_identity(layer)[:5]
+    assert forward_steps == 3
+    assert saved == (fpl.W, fpl.X_T, fpl.X_T_SCALE, fpl.OFFS_MADE, fpl.X_WGRAD_OFFS)
+    assert held == (fpl.W_KN, fpl.W_KN_SCALE) and kept == ()
+    assert {fpl.W_KN, fpl.W_KN_SCALE} <= set(steps[3][3]) and fpl.DY in steps[4][3] and fpl.DY not in steps[3][3]
+    assert planned_layer.plan_layer(x, w, lens, True, None, BLOCKWISE, None, "auto", BF16, True, True).layer_id \
+        == layer.layer_id
+    y = ext.apply_layer(layer.layer_id, 0, layer.arguments(x, w, lens, None))
+    assert y.shape == (M, N) and "PlannedLayer" in y.grad_fn.name()
+    ext.take_replayed()
+    grads = torch.autograd.grad(y, (x, w), torch.randn(M, N, dtype=BF16))
+    assert [g.shape for g in grads] == [x.shape, w.shape]
+    assert len(ext.take_replayed()) == 2  # dgrad, wgrad
+
+
+@needs_compiler
+def test_fine_linear_plan_with_weight_cache_main_grad_and_forward_only(plan_ext, monkeypatch):
+    """The cache's W, scales and W^T are the forward's inputs and dgrad reads the cache's W^T (kept,
+    not held); the wgrad writes into main_grad and W's gradient is the placeholder. Under no grad
+    the layer is the forward steps alone, without the token copy (nothing would read it)."""
+    ext = plan_ext
+    regions = _fake_linear_regions(ext, monkeypatch, cached=True, main_grad=True)
+    x = torch.randn(M, K, dtype=BF16, requires_grad=True)
+    w = torch.randn(G, N, K, dtype=BF16, requires_grad=True)
+    offs = torch.tensor([0, 7, 7, M])
+    cache = quantize_weight_fine(w.detach(), BLOCKWISE)
+    main = torch.zeros(w.shape)
+    placeholder = torch.full(w.shape, 3.0, dtype=BF16)
+    layer = planned_layer.plan_layer(x, w, offs, False, cache, BLOCKWISE, None, "auto", BF16, True, True,
+                                     main_grad=main, placeholder=placeholder)
+    fact = host_plan.fact
+    assert regions["_DGRAD_REGION"].keys[0][4:6] == (fact(cache.data_t), fact(cache.scale_t))
+    assert regions["_WGRAD_REGION"].keys[0][0] == ((BLOCKWISE, None, "auto", F32), 0)
+    assert regions["_WGRAD_REGION"].keys[0][-1] == fact(main)
+    _, _, saved, held, kept = _linear_identity(layer)[:5]
+    assert saved == (fpl.W, fpl.X_T, fpl.X_T_SCALE, fpl.SRC, fpl.X_WGRAD_OFFS) and held == ()
+    assert set(kept) == {fpl.CACHE[2], fpl.CACHE[3], fpl.MAIN_GRAD, fpl.PLACEHOLDER}
+    y = ext.apply_layer(layer.layer_id, 0, layer.arguments(x, w, offs, cache, None, main, placeholder))
+    y.backward(torch.randn(M, N, dtype=BF16))
+    assert torch.equal(w.grad, placeholder) and x.grad.shape == x.shape
+    tokens_before = len(regions["_TOKENS_REGION"].keys)
+    inference = planned_layer.plan_layer(x, w, offs, False, cache, BLOCKWISE, None, "auto", BF16, True, True,
+                                         forward_only=True)
+    assert len(regions["_TOKENS_REGION"].keys) == tokens_before
+    steps, forward_steps, saved, held, kept = _linear_identity(inference)[:5]
+    assert len(steps) == forward_steps == 1 and saved == held == kept == ()
+
+
+@pytest.mark.parametrize("granularity", ["blockwise", "mxfp8"])
+@pytest.mark.parametrize("held", [True, False], ids=["first-backward", "W^T-released"])
+@pytest.mark.parametrize("main_grad", [False, True], ids=["grad", "main_grad"])
+def test_fine_linear_python_backward_equals_the_python_function(granularity, held, main_grad):
+    """The node's Python backward (fine_grained.planned_layer._linear_backward) on a table made by
+    the forward tensors equals GroupedLinearFP8's Python Function bit for bit (torch backend, CPU)."""
+    torch.manual_seed(1)
+    config = Float8Config(granularity=granularity)
+    recipe = recipe_of(config)
+    layer = GroupedLinearFP8(G, K, N, config=config, backend="torch", dtype=BF16, cache_fp8_weight=False)
+    x = torch.randn(M, K, dtype=BF16)
+    offs = torch.tensor([0, 7, 7, M])
+    dy = torch.randn(M, N, dtype=BF16)
+    w = layer.weight.detach()
+    _, w_kn, w_kn_scale = fine._forward_tensors(x, None, None, w, None, offs, config, None, "torch", BF16, True)
+    x_t, x_t_scale, x_offs = quantize_tokens_for_wgrad(x, offs, recipe, config.forward_dtype, config.margin)
+    table = [None] * fpl.NUM_VALUES
+    for v, t in ((fpl.W, w), (fpl.SRC, offs), (fpl.X_T, x_t), (fpl.X_T_SCALE, x_t_scale), (fpl.X_WGRAD_OFFS, x_offs)):
+        table[v] = t
+    if held:
+        table[fpl.W_KN], table[fpl.W_KN_SCALE] = w_kn, w_kn_scale
+    main = torch.randn(w.shape) if main_grad else None
+    if main_grad:
+        table[fpl.MAIN_GRAD] = main.clone()
+    info = fpl._Backward(config, None, "torch", fpl.SRC, False, True, True, BF16, BF16)
+    grads = fpl._linear_backward(info, dy, table, False)
+    x_ref = x.clone().requires_grad_()
+    layer(x_ref, group_offs=offs).backward(dy)
+    assert torch.equal(grads[fpl.X].view(torch.uint8), x_ref.grad.view(torch.uint8))
+    if main_grad:
+        assert grads[fpl.W] is None
+        assert torch.allclose(table[fpl.MAIN_GRAD], main + layer.weight.grad.float(), rtol=1e-2, atol=1e-2)
+    else:
+        assert torch.equal(grads[fpl.W].view(torch.uint8), layer.weight.grad.view(torch.uint8))
+    assert all(g is None for k, g in enumerate(grads) if k not in (fpl.X, fpl.W))
