@@ -103,7 +103,7 @@ NOT_PLANNABLE = object()  # a signature some of whose regions keep their Python 
 calls = 0  # forwards run as planned layers (tests, benchmarks)
 fallbacks = 0  # backwards of planned layers (and MLPs) that ran the Python path (_python_backward)
 _BACKWARDS: Dict[int, object] = {}  # layer id -> its Python backward (register_backward)
-_LAYER_IDS: Dict[tuple, int] = {}  # (steps, forward step count, _Backward) -> extension layer id
+_LAYER_IDS: Dict[tuple, int] = {}  # add_extension_layer's identity of a layer -> its extension id
 _FALLBACK_SET = False
 
 
@@ -217,8 +217,6 @@ def plan_layer(x, w_nk, src, from_lens: bool, w_fp8, config, num_cu, backend, ou
         v for v in ((W,) if need_dx else ()) + (W_KN_SCALE, X_KM, X_KM_SCALE, offs) + ((W_KN,) if kept else ())
         + dy_history if b.facts.get(v) is not None)
     held = W_KN if need_dx and not kept else -1
-    # One extension layer per distinct set of steps, shared by every module and signature that
-    # maps to it (a module's own cache of layers is bounded and may be rebuilt).
     backward = _Backward(saved, offs, kept, need_dx, need_dw, config, num_cu, backend, x_dtype, w_dtype,
                          delayed is not None, main_grad is not None)
     # main_grad and the placeholder stay with the node without version checks: DDP's gradient
@@ -228,18 +226,33 @@ def plan_layer(x, w_nk, src, from_lens: bool, w_fp8, config, num_cu, backend, ou
     grads = [-1] * NUM_ARGS
     grads[X] = DX if need_dx else -1
     grads[W] = -1 if not need_dw else DW if main_grad is None else PLACEHOLDER if placeholder is not None else -1
-    identity = (tuple((plan, tuple(ins), tuple(outs), tuple(rel)) for plan, ins, outs, rel in b.steps), forward_steps,
-                backward, tuple(kept_args), tuple(grads))
-    layer_id = _LAYER_IDS.get(identity)
+    layer_id = add_extension_layer(ext, _LAYER_IDS, NUM_VALUES, NUM_ARGS, b.steps[:forward_steps],
+                                   b.steps[forward_steps:], saved, [] if held == -1 else [held], kept_args, Y, DY,
+                                   grads, _linear_backward, backward)
     if layer_id is None:
-        error, layer_id = ext.add_layer(NUM_VALUES, NUM_ARGS, b.steps[:forward_steps], b.steps[forward_steps:],
-                                        list(saved), [] if held == -1 else [held], kept_args, Y, DY, grads)
-        if error:
-            return NOT_PLANNABLE
-        _LAYER_IDS[identity] = layer_id
-        register_backward(layer_id, functools.partial(_linear_backward, backward))
-    _ensure_fallback(ext)
+        return NOT_PLANNABLE
     return PlannedLayer(layer_id, tuple(b.regions[:forward_steps]), _arguments)
+
+
+def add_extension_layer(ext, layer_ids: dict, num_values: int, num_args: int, forward, backward, saved, held, kept, y,
+                        dy, grads, python_backward, info) -> Optional[int]:
+    """The extension layer (``add_layer`` in ``csrc/launch_plan.cpp``) of these steps and value
+    lists, registered once per distinct set in ``layer_ids`` (its module's) and shared by every
+    module and signature that maps to it (a module's own cache of layers is bounded and may be
+    rebuilt), with ``python_backward(info, dy, table, create_graph)`` as its Python backward; None
+    where the extension refuses it."""
+    identity = (tuple((plan, tuple(ins), tuple(outs), tuple(rel)) for plan, ins, outs, rel in (*forward, *backward)),
+                len(forward), tuple(saved), tuple(held), tuple(kept), tuple(grads), info)
+    layer_id = layer_ids.get(identity)
+    if layer_id is None:
+        error, layer_id = ext.add_layer(num_values, num_args, list(forward), list(backward), list(saved), list(held),
+                                        list(kept), y, dy, list(grads))
+        if error:
+            return None
+        layer_ids[identity] = layer_id
+        register_backward(layer_id, functools.partial(python_backward, info))
+    _ensure_fallback(ext)
+    return layer_id
 
 
 def gemm_backward_steps(b: _Builder, config, num_cu, backend, live: int, x_dtype, w_dtype, need_dx: bool,

@@ -35,7 +35,6 @@ Functions, regions and handoff differ), which :func:`plan_mlp` hands them to. Ca
 
 from __future__ import annotations
 
-import functools
 import types
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
@@ -213,16 +212,10 @@ def plan_mlp(x, w1, w2, probs, src, from_lens: bool, fc1: MLPSide, fc2: MLPSide,
     info = _MLPBackward(config, fc1.num_cu, fc1.backend, fc2.num_cu, fc2.backend, offs, kept1, kept2, need_dx1,
                         need_dw1, need_dw2, need_dprobs, x.dtype, h_dtype, w1.dtype, w2.dtype,
                         fc1.main_grad is not None, fc2.main_grad is not None)
-    identity = (tuple((p, tuple(i), tuple(o), tuple(r)) for p, i, o, r in forward + backward), len(forward),
-                tuple(saved), tuple(held), tuple(kept), tuple(grads), info)
-    layer_id = _LAYER_IDS.get(identity)
+    layer_id = planned_layer.add_extension_layer(ext, _LAYER_IDS, NUM_VALUES, NUM_ARGS, forward, backward, saved, held,
+                                                 kept, Y, DY, grads, _mlp_backward, info)
     if layer_id is None:
-        error, layer_id = ext.add_layer(NUM_VALUES, NUM_ARGS, forward, backward, saved, held, kept, Y, DY, grads)
-        if error:
-            return NOT_PLANNABLE
-        _LAYER_IDS[identity] = layer_id
-        planned_layer.register_backward(layer_id, functools.partial(_mlp_backward, info))
-    planned_layer._ensure_fallback(ext)
+        return NOT_PLANNABLE
     return PlannedMLP(layer_id, tuple(b.regions[:forward_steps]), _arguments)
 
 

@@ -18,7 +18,6 @@ table's values. Callers: ``GroupedLinearFP8`` and Megatron's ``TurboGroupedLinea
 
 from __future__ import annotations
 
-import functools
 import types
 from typing import Dict, NamedTuple, Optional
 
@@ -122,16 +121,10 @@ def plan_layer(x, w_nk, src, from_lens: bool, w_fp8, config, num_cu, backend, ou
         if (placeholder is not None if v == PLACEHOLDER else b.facts.get(v) is not None))
     info = _Backward(config, num_cu, backend, offs, kept, need_dx, need_dw, x.dtype, w_nk.dtype)
     forward = b.steps[:forward_steps]
-    identity = (tuple((p, tuple(i), tuple(o), tuple(r)) for p, i, o, r in forward + backward), len(forward),
-                tuple(saved), tuple(held), tuple(kept_values), tuple(grads), info)
-    layer_id = _LAYER_IDS.get(identity)
+    layer_id = planned_layer.add_extension_layer(ext, _LAYER_IDS, NUM_VALUES, NUM_ARGS, forward, backward, saved, held,
+                                                 kept_values, Y, DY, grads, _linear_backward, info)
     if layer_id is None:
-        error, layer_id = ext.add_layer(NUM_VALUES, NUM_ARGS, forward, backward, saved, held, kept_values, Y, DY, grads)
-        if error:
-            return NOT_PLANNABLE
-        _LAYER_IDS[identity] = layer_id
-        planned_layer.register_backward(layer_id, functools.partial(_linear_backward, info))
-    planned_layer._ensure_fallback(ext)
+        return NOT_PLANNABLE
     return PlannedLayer(layer_id, tuple(b.regions[:forward_steps]), layer_arguments)
 
 

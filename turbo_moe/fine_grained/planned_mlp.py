@@ -28,7 +28,6 @@ delayed scaling (refused by these recipes) keep the Python path.
 
 from __future__ import annotations
 
-import functools
 import types
 from typing import Dict, NamedTuple, Optional
 
@@ -197,16 +196,10 @@ def plan_mlp(x, w1, w2, probs, src, from_lens: bool, fc1, fc2, config, out_dtype
     kept = [] if forward_only else sorted(v for v in read - made - set(saved) - set(held) if _present(b, v, fc1, fc2))
     info = _MLPBackward(config, fc1.num_cu, fc1.backend, fc2.num_cu, fc2.backend, offs, kept1, kept2, need_dx1,
                         need_dw1, need_dw2, need_dprobs, x.dtype, a_dtype, w1.dtype, w2.dtype)
-    identity = (tuple((p, tuple(i), tuple(o), tuple(r)) for p, i, o, r in forward + backward), len(forward),
-                tuple(saved), tuple(held), tuple(kept), tuple(grads), info)
-    layer_id = _LAYER_IDS.get(identity)
+    layer_id = planned_layer.add_extension_layer(ext, _LAYER_IDS, NUM_VALUES, NUM_ARGS, forward, backward, saved, held,
+                                                 kept, Y, DY, grads, _mlp_backward, info)
     if layer_id is None:
-        error, layer_id = ext.add_layer(NUM_VALUES, NUM_ARGS, forward, backward, saved, held, kept, Y, DY, grads)
-        if error:
-            return NOT_PLANNABLE
-        _LAYER_IDS[identity] = layer_id
-        planned_layer.register_backward(layer_id, functools.partial(_mlp_backward, info))
-    planned_layer._ensure_fallback(ext)
+        return NOT_PLANNABLE
     return PlannedMLP(layer_id, tuple(b.regions[:forward_steps]), mlp_arguments)
 
 
