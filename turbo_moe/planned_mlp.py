@@ -192,15 +192,9 @@ def plan_mlp(x, w1, w2, probs, src, from_lens: bool, fc1: MLPSide, fc2: MLPSide,
                             (DX, DH_T_PASSED, DH_SCALE_PASSED), DW1)
     if b.missing or b.refused:
         return NOT_PLANNABLE if b.refused else None
-    grads = [-1] * NUM_ARGS
-    if not forward_only:
-        grads[X] = DX if need_dx1 else -1
-        grads[W1] = _weight_grad(need_dw1, fc1, PLACEHOLDER1, DW1)
-        grads[W2] = _weight_grad(need_dw2, fc2, PLACEHOLDER2, DW2)
-        grads[PROBS] = DPROBS if need_dprobs else -1
-    forward, backward = b.steps[:forward_steps], _with_releases(b.steps[forward_steps:], set(grads), NUM_ARGS)
-    read = {v for step in backward for v in step[1]} | {v for v in grads if v != -1}
-    made = {v for step in backward for v in step[2]} | {DY}
+    grads = mlp_grads(NUM_ARGS, forward_only, fc1, fc2, (need_dx1, need_dw1, need_dw2, need_dprobs),
+                      (DX, DW1, DW2, DPROBS), (PLACEHOLDER1, PLACEHOLDER2))
+    forward, backward, read, made = split_steps(b, forward_steps, grads, NUM_ARGS, DY)
     # What GroupedGemmFP8Function and the SwiGLU Function save (with autograd's version checks):
     # the weights (to re-derive W^T on a second backward), the routing weights, given offsets.
     saved = [] if forward_only else [
@@ -217,6 +211,29 @@ def plan_mlp(x, w1, w2, probs, src, from_lens: bool, fc1: MLPSide, fc2: MLPSide,
     if layer_id is None:
         return NOT_PLANNABLE
     return PlannedMLP(layer_id, tuple(b.regions[:forward_steps]), _arguments)
+
+
+def mlp_grads(num_args: int, forward_only: bool, fc1: MLPSide, fc2: MLPSide, needs, values, placeholders) -> list:
+    """Per argument of an MLP table (x, w1, w2, probs first, in both layouts) the value holding its
+    gradient (-1: none). ``needs``: (dx, dW1, dW2, dprobs) wanted; ``values``: where the steps make
+    them; ``placeholders``: each weight's placeholder (its gradient where dW went into main_grad)."""
+    grads = [-1] * num_args
+    if not forward_only:
+        need_dx1, need_dw1, need_dw2, need_dprobs = needs
+        grads[X] = values[0] if need_dx1 else -1
+        grads[W1] = _weight_grad(need_dw1, fc1, placeholders[0], values[1])
+        grads[W2] = _weight_grad(need_dw2, fc2, placeholders[1], values[2])
+        grads[PROBS] = values[3] if need_dprobs else -1
+    return grads
+
+
+def split_steps(b, forward_steps: int, grads, num_args: int, dy: int):
+    """``(forward steps, backward steps with their releases, values the backward reads, values it
+    makes)`` of a built MLP (dy counts as made: the node's incoming gradient)."""
+    forward, backward = b.steps[:forward_steps], _with_releases(b.steps[forward_steps:], set(grads), num_args)
+    read = {v for step in backward for v in step[1]} | {v for v in grads if v != -1}
+    made = {v for step in backward for v in step[2]} | {dy}
+    return forward, backward, read, made
 
 
 def _present(b, v, fc1: MLPSide, fc2: MLPSide) -> bool:

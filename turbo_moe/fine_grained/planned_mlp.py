@@ -37,7 +37,7 @@ from .. import host_plan, planned_layer
 from ..autograd import cached_weight_parts
 from ..checks import OFFSETS_REGION, offsets_region_key
 from ..planned_layer import NOT_PLANNABLE, _Builder, _contiguous_strides
-from ..planned_mlp import PlannedMLP, _weight_grad, _with_releases
+from ..planned_mlp import PlannedMLP, mlp_grads, split_steps
 from . import autograd as fine
 from . import swiglu as fine_swiglu
 from .autograd import GradRowsHandoff, fine_gemm_backward
@@ -47,7 +47,7 @@ from .swiglu import fine_swiglu_backward
 __all__ = ["plan_mlp", "mlp_arguments"]
 
 # The value table: the arguments (mlp_arguments' order), then what the steps make.
-X, W1, W2, PROBS, SRC = 0, 1, 2, 3, 4  # SRC: the offsets, or group_lens when the offsets are a step
+X, W1, W2, PROBS, SRC = 0, 1, 2, 3, 4  # as planned_mlp's (its mlp_grads relies on it); SRC: the offsets or group_lens
 # Each weight's cached FP8 copies: W, its scales, W^T, W^T's scales (blockwise: a transposed view
 # of W's, which the forward region does not take as an input of its own, but dgrad reads).
 CACHE1, CACHE2 = (5, 6, 7, 8), (9, 10, 11, 12)
@@ -176,15 +176,9 @@ def plan_mlp(x, w1, w2, probs, src, from_lens: bool, fc1, fc2, config, out_dtype
             _wgrad_step(b, config, fc1, w1.dtype, (DH, X_T, X_T_SCALE, offs, X_WGRAD_OFFS), MAIN_GRAD1, DW1)
     if b.missing or b.refused:
         return NOT_PLANNABLE if b.refused else None
-    grads = [-1] * NUM_ARGS
-    if not forward_only:
-        grads[X] = DX if need_dx1 else -1
-        grads[W1] = _weight_grad(need_dw1, fc1, PLACEHOLDER1, DW1)
-        grads[W2] = _weight_grad(need_dw2, fc2, PLACEHOLDER2, DW2)
-        grads[PROBS] = DPROBS if need_dprobs else -1
-    forward, backward = b.steps[:forward_steps], _with_releases(b.steps[forward_steps:], set(grads), NUM_ARGS)
-    read = {v for step in backward for v in step[1]} | {v for v in grads if v != -1}
-    made = {v for step in backward for v in step[2]} | {DY}
+    grads = mlp_grads(NUM_ARGS, forward_only, fc1, fc2, (need_dx1, need_dw1, need_dw2, need_dprobs),
+                      (DX, DW1, DW2, DPROBS), (PLACEHOLDER1, PLACEHOLDER2))
+    forward, backward, read, made = split_steps(b, forward_steps, grads, NUM_ARGS, DY)
     # What the Functions save with autograd's version checks: the weights (to re-derive W^T on a
     # second backward), the routing weights (the SwiGLU's), given offsets.
     saved = [] if forward_only else [
