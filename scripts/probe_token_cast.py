@@ -58,6 +58,8 @@ def main() -> int:
     parser.add_argument("--trans-regs", action="store_true",
                         help="one slot a program, the transposed tile from registers (with each --col-tiles too)")
     parser.add_argument("--recipe", default="blockwise", choices=["blockwise", "mxfp8"])
+    parser.add_argument("--given-offsets", action="store_true",
+                        help="time the cast given the aligned offsets (as the wgrad casts dy over x's), not writing them")
     parser.add_argument("--trans-tiles", default="",
                         help="one slot a program, the transposed tile from registers, under these BLOCK_CxWARPS[xCOL_TILES]")
     args = parser.parse_args()
@@ -107,8 +109,10 @@ def main() -> int:
                 BC._token_splits, BC._TOKEN_TILE, BC._TOKEN_FLAT = splits_fn, {recipe.block: tile}, flat
                 BC._TOKEN_COL_TILES, BC._TOKEN_TRANS_REGS = {recipe.block: col_tiles}, trans
                 try:
+                    given = Q.aligned_token_offsets(offs, 16, cols) if args.given_offsets else None
+
                     def run():
-                        return BC.block_cast_tokens_aligned(x, offs, recipe, e4m3, fmax, 8, 0, 16, cols)
+                        return BC.block_cast_tokens_aligned(x, offs, recipe, e4m3, fmax, 8, 0, 16, cols, given)
 
                     q, s, aligned = run()
                     torch.cuda.synchronize()
