@@ -58,6 +58,7 @@ def main() -> int:
     parser.add_argument("--trans-regs", action="store_true",
                         help="one slot a program, the transposed tile from registers (with each --col-tiles too)")
     parser.add_argument("--recipe", default="blockwise", choices=["blockwise", "mxfp8"])
+    parser.add_argument("--maxnreg", default="", help="the library's default tile under these register caps too")
     parser.add_argument("--given-offsets", action="store_true",
                         help="time the cast given the aligned offsets (as the wgrad casts dy over x's), not writing them")
     parser.add_argument("--trans-tiles", default="",
@@ -93,6 +94,12 @@ def main() -> int:
         tile, col_tiles = spec[:2], spec[2] if len(spec) > 2 else 1
         variants.append((f"1 slot, {col_tiles} x BLOCK_C {tile[0]}, {tile[1]} warps, transposed in registers",
                          default_splits, tile, 1, col_tiles, True))
+    caps = {}  # variant name -> ptxas register cap (_TOKEN_MAXNREG)
+    for cap in (int(v) for v in args.maxnreg.split(",") if v):
+        name = f"the library's default, at most {cap} registers"
+        caps[name] = cap
+        variants.append((name, default_splits, default_tile, BC._TOKEN_FLAT, default_col_tiles, default_trans))
+    default_caps = BC._TOKEN_MAXNREG
     print(f"device: {torch.cuda.get_device_name()}")
     print("| experts x tokens, C | routing | variant | S | ms | GB/s | bits vs first | rows cast ms |")
     print("|---|---|---|---|---|---|---|---|")
@@ -108,6 +115,7 @@ def main() -> int:
             for name, splits_fn, tile, flat, col_tiles, trans in variants:
                 BC._token_splits, BC._TOKEN_TILE, BC._TOKEN_FLAT = splits_fn, {recipe.block: tile}, flat
                 BC._TOKEN_COL_TILES, BC._TOKEN_TRANS_REGS = {recipe.block: col_tiles}, trans
+                BC._TOKEN_MAXNREG = {recipe.block: caps.get(name)}
                 try:
                     given = Q.aligned_token_offsets(offs, 16, cols) if args.given_offsets else None
 
@@ -122,6 +130,7 @@ def main() -> int:
                 finally:
                     BC._token_splits, BC._TOKEN_TILE, BC._TOKEN_FLAT = default_splits, default_tiles, default_flat
                     BC._TOKEN_COL_TILES, BC._TOKEN_TRANS_REGS = default_col_tile_map, default_trans
+                    BC._TOKEN_MAXNREG = default_caps
                 if first is None:
                     first, same = got, "-"
                 else:

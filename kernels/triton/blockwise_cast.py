@@ -384,6 +384,8 @@ def block_cast_tokens_aligned(x, group_offs, recipe, fp8_dtype, fp8_max: float, 
 _TOKEN_TILE = {128: (64, 4), 32: (64, 2)}
 _TOKEN_COL_TILES = {128: 2, 32: 2}
 _TOKEN_TRANS_REGS = True
+# ptxas's register cap for that tile on NVIDIA (None: its own choice). Under probe, 2026-11-27.
+_TOKEN_MAXNREG = {128: None, 32: None}
 # 0: the split grid; n > 0 (a power of two): a grid of n scale slots a program (the kernel's FLAT).
 # scripts/probe_token_cast.py, H100, 64 x 1536 tokens, C 1024, ms balanced / Zipf / one hot expert:
 # the split grid 0.175 / 0.342 / 0.444 (as it was, int64 addresses; 0.240 / 0.358 / 0.449 through
@@ -426,8 +428,10 @@ def _cast_tokens(x, group_offs, recipe, fp8_dtype, fp8_max, emax, margin, token_
         wide = max((recipe.block - 1) * strides[0] + (block_c - 1) * strides[1], (block_c - 1) * cols_t + recipe.block,
                    (block_c - 1) * storage.stride(1)) >= 2**31
         col_tiles = int(_TOKEN_COL_TILES[recipe.block]) if _TOKEN_FLAT else 1
+        maxnreg = _TOKEN_MAXNREG.get(recipe.block) if torch.version.hip is None else None
+        options = {} if maxnreg is None else {"maxnreg": int(maxnreg)}
         key = (x.dtype, m, c, strides, group_offs.dtype, groups, fp8_dtype, recipe, margin, token_align, write_offs, block_c, warps, int(_TOKEN_FLAT), wide,
-               col_tiles, bool(_TOKEN_TRANS_REGS),
+               col_tiles, bool(_TOKEN_TRANS_REGS), maxnreg,
                x.data_ptr() % 16 == 0, group_offs.data_ptr() % 16 == 0, out_t.data_ptr() % 16 == 0,
                storage.data_ptr() % 16 == 0, aligned_offs is not None and aligned_offs.data_ptr() % 16 == 0)
         grid = (_cdiv(slots, int(_TOKEN_FLAT)), _cdiv(c, block_c * col_tiles), 1) if _TOKEN_FLAT else \
@@ -438,6 +442,7 @@ def _cast_tokens(x, group_offs, recipe, fp8_dtype, fp8_max, emax, margin, token_
             storage.stride(0), storage.stride(1), cols_t, slots,
             FP8_MAX=fp8_max, EMAX=emax, MARGIN=margin, MARGIN_FACTOR=2.0 ** -margin, E8M0=recipe.e8m0, POW2=recipe.pow2,
             BLOCK=recipe.block, BLOCK_C=block_c, TOKEN_ALIGN=token_align, WRITE_OFFS=write_offs, FLAT=int(_TOKEN_FLAT), WIDE=wide, COL_TILES=col_tiles, TRANS_REGS=bool(_TOKEN_TRANS_REGS), num_warps=warps,
+            **options,
         )
     return out_t, storage.T, aligned_offs
 
