@@ -384,8 +384,13 @@ def block_cast_tokens_aligned(x, group_offs, recipe, fp8_dtype, fp8_max: float, 
 _TOKEN_TILE = {128: (64, 4), 32: (64, 2)}
 _TOKEN_COL_TILES = {128: 2, 32: 2}
 _TOKEN_TRANS_REGS = True
-# ptxas's register cap for that tile on NVIDIA (None: its own choice). Under probe, 2026-11-27.
-_TOKEN_MAXNREG = {128: None, 32: None}
+# ptxas's register cap for that tile on NVIDIA (None: its own choice). The blockwise tile's
+# specialization without WRITE_OFFS (the wgrad's casts of dy, given x's aligned offsets) took 206
+# registers where the one writing them took 167 (sm_90 ptxas), and lost the new tile's gain:
+# probe --given-offsets, ms at C 1024 / 4096: 0.198 / 0.761 uncapped (the old tile: 0.198 / 0.763),
+# 0.168 / 0.640 at 168 (0.159 / 0.603 writing the offsets either way); 128 and 96 slower.
+# MXFP8's (64, 2) tile is fastest uncapped (or at 96): 0.157-0.161 / 0.602-0.615 both ways.
+_TOKEN_MAXNREG = {128: 168, 32: None}
 # 0: the split grid; n > 0 (a power of two): a grid of n scale slots a program (the kernel's FLAT).
 # scripts/probe_token_cast.py, H100, 64 x 1536 tokens, C 1024, ms balanced / Zipf / one hot expert:
 # the split grid 0.175 / 0.342 / 0.444 (as it was, int64 addresses; 0.240 / 0.358 / 0.449 through
