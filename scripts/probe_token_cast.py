@@ -115,7 +115,9 @@ def main() -> int:
             for name, splits_fn, tile, flat, col_tiles, trans in variants:
                 BC._token_splits, BC._TOKEN_TILE, BC._TOKEN_FLAT = splits_fn, {recipe.block: tile}, flat
                 BC._TOKEN_COL_TILES, BC._TOKEN_TRANS_REGS = {recipe.block: col_tiles}, trans
-                BC._TOKEN_MAXNREG = {recipe.block: caps.get(name)}
+                # the library's cap for its default tile alone; the other variants uncapped unless asked
+                library_cap = default_caps.get(recipe.block) if name == "the library's default" else None
+                BC._TOKEN_MAXNREG = {recipe.block: caps.get(name, library_cap)}
                 try:
                     given = Q.aligned_token_offsets(offs, 16, cols) if args.given_offsets else None
 
