@@ -377,7 +377,8 @@ def block_cast_tokens_aligned(x, group_offs, recipe, fp8_dtype, fp8_max: float, 
 #   (64, 4) from registers 0.178 / 0.683 / 0.213; two such tiles a program 0.159 / 0.605 / 0.189;
 #   (64, 2) 0.167 / 0.615 / 0.204; (128, 4) 0.193; 8 warps 1.3-2x slower;
 #   four tiles of (64, 4) 0.197, of (64, 2) 0.536;
-# - MXFP8: (32 or 64, 4) 0.34-0.36 / 1.23-1.41 / 0.37-0.42 every way; (64, 2) from registers
+# - MXFP8: (32, 4) read twice (the default until then) 0.488 / 1.946 / -; (64, 4) 0.34-0.36 /
+#   1.23-1.41 / 0.37-0.42 every way; (64, 2) from registers
 #   0.187 / 0.721 / 0.219 (32-token blocks: 4 warps on a 32 x 64 tile idle half their lanes), two
 #   such tiles a program 0.159 / 0.607 / 0.185, four 0.161, (128, 2) 0.171.
 # The rows cast of the same tensors: 0.113 / 0.441 ms.
