@@ -41,6 +41,9 @@ GFX950 = GPUTarget("hip", "gfx950", 64)
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.uint8: "u8",
                  torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "debug")
+# NVIDIA-only launch options: recorded here (a CPU torch is not a ROCm one) but never passed on ROCm
+# (e.g. the blockwise token cast's register cap, blockwise_cast._TOKEN_MAXNREG).
+_NVIDIA_OPTIONS = ("maxnreg",)
 
 
 @contextlib.contextmanager
@@ -153,7 +156,7 @@ def _signature(fn, args, kwargs):
             raise AssertionError(f"{fn.__name__}: argument {param.name} of type {type(arg).__name__}")
         if divisible:
             attrs[(i,)] = [["tt.divisibility", 16]]
-    constexprs = {k: v for k, v in kwargs.items() if k not in _LAUNCH_OPTIONS}
+    constexprs = {k: v for k, v in kwargs.items() if k not in _LAUNCH_OPTIONS + _NVIDIA_OPTIONS}
     for name in constexprs:
         signature[name] = "constexpr"
     options = {k: v for k, v in kwargs.items() if k in _LAUNCH_OPTIONS}
