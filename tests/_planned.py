@@ -81,3 +81,25 @@ class LaunchlessPlans:
 
     def refused(self, key):
         return False
+
+
+def assert_mlp_grads_equal_the_module(table_module, grads, table, main, mlp, x, probs, offs, dy):
+    """A planned MLP's Python backward (``grads`` per argument, ``table`` after it; ``main``: the
+    ``main_grad`` buffers' values before, or None) against ``mlp``'s Python Functions on the same
+    inputs: x's and the routing weights' gradients and dW bit for bit, or dW added into main_grad.
+    ``table_module``: the planner whose value indices the table uses (``X``, ``W1``, ...)."""
+    m = table_module
+    x_ref, p_ref = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    mlp(x_ref, group_offs=offs, probs=p_ref).backward(dy)
+    expected = {m.X: x_ref.grad, m.PROBS: p_ref.grad}
+    if main is not None:
+        assert grads[m.W1] is None and grads[m.W2] is None
+        expected_main = (main[0] + mlp.fc1.weight.grad.float(), main[1] + mlp.fc2.weight.grad.float())
+        # Accumulated in float32 from the same GEMM (the reference's dW rounded to bf16 first).
+        for got, want in zip((table[m.MAIN_GRAD1], table[m.MAIN_GRAD2]), expected_main):
+            assert torch.allclose(got, want, rtol=1e-2, atol=1e-2)
+    else:
+        expected.update({m.W1: mlp.fc1.weight.grad, m.W2: mlp.fc2.weight.grad})
+    for v, want in expected.items():
+        assert_bitwise(grads[v].reshape(-1), want.reshape(-1), v)
+    assert all(g is None for k, g in enumerate(grads) if k not in (m.X, m.W1, m.W2, m.PROBS))

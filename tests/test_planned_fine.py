@@ -14,7 +14,7 @@ from turbo_moe.fine_grained import swiglu as fine_swiglu
 from turbo_moe.fine_grained.autograd import quantize_weight_fine
 from turbo_moe.fine_grained.quantize import quantize_swiglu_rows, quantize_tokens_for_wgrad, recipe_of
 
-from _planned import LaunchlessPlans, needs_compiler
+from _planned import LaunchlessPlans, assert_mlp_grads_equal_the_module, needs_compiler
 
 G, M, HIDDEN = 3, 20, 64
 E4M3, F32, BF16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16
@@ -241,21 +241,7 @@ def test_fine_mlp_python_backward_equals_the_python_functions(granularity, F, he
     info = fpm._MLPBackward(config, None, "torch", None, "torch", fpm.SRC, False, False, True, True, True, True, BF16,
                             BF16, BF16, BF16)
     grads = fpm._mlp_backward(info, dy, table, False)
-
-    x_ref, p_ref = x.clone().requires_grad_(), probs.clone().requires_grad_()
-    mlp(x_ref, group_offs=offs, probs=p_ref).backward(dy)
-    expected = {fpm.X: x_ref.grad, fpm.PROBS: p_ref.grad}
-    if main_grad:
-        assert grads[fpm.W1] is None and grads[fpm.W2] is None
-        expected_main = (main[0] + mlp.fc1.weight.grad.float(), main[1] + mlp.fc2.weight.grad.float())
-        # Accumulated in float32 from the same GEMM (the reference's dW rounded to bf16 first).
-        for got, want in zip((table[fpm.MAIN_GRAD1], table[fpm.MAIN_GRAD2]), expected_main):
-            assert torch.allclose(got, want, rtol=1e-2, atol=1e-2)
-    else:
-        expected.update({fpm.W1: mlp.fc1.weight.grad, fpm.W2: mlp.fc2.weight.grad})
-    for v, want in expected.items():
-        assert torch.equal(grads[v].view(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), v
-    assert all(g is None for k, g in enumerate(grads) if k not in (fpm.X, fpm.W1, fpm.W2, fpm.PROBS))
+    assert_mlp_grads_equal_the_module(fpm, grads, table, main, mlp, x, probs, offs, dy)
 
 
 # -- one grouped linear (turbo_moe/fine_grained/planned_layer.py) ---------------------------------

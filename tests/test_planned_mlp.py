@@ -9,7 +9,7 @@ from turbo_moe import Float8Config, GroupedSwiGLUMLPFP8, host_plan, planned_mlp 
 from turbo_moe.autograd import _fp8_forward_tensors
 from turbo_moe.swiglu import _swiglu_gemm_forward_tensors
 
-from _planned import LaunchlessPlans, needs_compiler
+from _planned import LaunchlessPlans, assert_mlp_grads_equal_the_module, needs_compiler
 
 pytestmark = needs_compiler
 
@@ -240,21 +240,7 @@ def test_mlp_python_backward_equals_the_python_functions(held, main_grad):
     info = pm._MLPBackward(config, None, "torch", None, "torch", pm.SRC, False, False, True, True, True, True, BF16,
                            BF16, BF16, BF16, main_grad, main_grad)
     grads = pm._mlp_backward(info, dy, table, False)
-
-    x_ref, p_ref = x.clone().requires_grad_(), probs.clone().requires_grad_()
-    mlp(x_ref, group_offs=offs, probs=p_ref).backward(dy)
-    expected = {pm.X: x_ref.grad, pm.PROBS: p_ref.grad}
-    if main_grad:
-        assert grads[pm.W1] is None and grads[pm.W2] is None
-        expected_main = (main[0] + mlp.fc1.weight.grad.float(), main[1] + mlp.fc2.weight.grad.float())
-        # Accumulated in float32 from the same kernel result (the torch backend's wgrad in float32).
-        for got, want in zip((table[pm.MAIN_GRAD1], table[pm.MAIN_GRAD2]), expected_main):
-            assert torch.allclose(got, want, rtol=1e-2, atol=1e-2)
-    else:
-        expected.update({pm.W1: mlp.fc1.weight.grad, pm.W2: mlp.fc2.weight.grad})
-    for v, want in expected.items():
-        assert torch.equal(grads[v].view(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), v
-    assert all(g is None for k, g in enumerate(grads) if k not in (pm.X, pm.W1, pm.W2, pm.PROBS))
+    assert_mlp_grads_equal_the_module(pm, grads, table, main, mlp, x, probs, offs, dy)
 
 
 def test_planned_caches_are_left_out_of_copies():
