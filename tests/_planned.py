@@ -83,6 +83,21 @@ class LaunchlessPlans:
         return False
 
 
+def mlp_python_backward_case(G, M, hidden, F, config):
+    """What the MLP Python-backward tests start from (CPU, torch backend, seeded): ``(mlp, x, probs,
+    offs with group 1 empty, dy, W1, W2)``."""
+    from turbo_moe.mlp import GroupedSwiGLUMLPFP8
+
+    torch.manual_seed(0)
+    mlp = GroupedSwiGLUMLPFP8(G, hidden, F, config=config, backend="torch", dtype=torch.bfloat16,
+                              cache_fp8_weight=False)
+    x = torch.randn(M, hidden, dtype=torch.bfloat16)
+    probs = torch.rand(M)
+    offs = torch.tensor([0, 7, 7, M])
+    dy = torch.randn(M, hidden, dtype=torch.bfloat16)
+    return mlp, x, probs, offs, dy, mlp.fc1.weight.detach(), mlp.fc2.weight.detach()
+
+
 def assert_mlp_grads_equal_the_module(table_module, grads, table, main, mlp, x, probs, offs, dy):
     """A planned MLP's Python backward (``grads`` per argument, ``table`` after it; ``main``: the
     ``main_grad`` buffers' values before, or None) against ``mlp``'s Python Functions on the same

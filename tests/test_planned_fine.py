@@ -6,7 +6,7 @@ tests/test_planned_mlp_gpu.py, test_planned_layer_gpu.py and test_megatron_gpu.p
 import pytest
 import torch
 
-from turbo_moe import Float8Config, GroupedLinearFP8, GroupedSwiGLUMLPFP8, host_plan, planned_layer, planned_mlp
+from turbo_moe import Float8Config, GroupedLinearFP8, host_plan, planned_layer, planned_mlp
 from turbo_moe.fine_grained import autograd as fine
 from turbo_moe.fine_grained import planned_layer as fpl
 from turbo_moe.fine_grained import planned_mlp as fpm
@@ -14,7 +14,7 @@ from turbo_moe.fine_grained import swiglu as fine_swiglu
 from turbo_moe.fine_grained.autograd import quantize_weight_fine
 from turbo_moe.fine_grained.quantize import quantize_swiglu_rows, quantize_tokens_for_wgrad, recipe_of
 
-from _planned import LaunchlessPlans, assert_mlp_grads_equal_the_module, needs_compiler
+from _planned import LaunchlessPlans, assert_mlp_grads_equal_the_module, mlp_python_backward_case, needs_compiler
 
 G, M, HIDDEN = 3, 20, 64
 E4M3, F32, BF16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16
@@ -211,15 +211,9 @@ def test_fine_mlp_python_backward_equals_the_python_functions(granularity, F, he
     forward tensors equals GroupedSwiGLUMLPFP8's Python Functions bit for bit (torch backend, CPU):
     every gradient, into main_grad or returned, with W^T held or re-derived, dh's rows copy handed
     to fc1 or cast there."""
-    torch.manual_seed(0)
     config = Float8Config(granularity=granularity)
     recipe = recipe_of(config)
-    mlp = GroupedSwiGLUMLPFP8(G, HIDDEN, F, config=config, backend="torch", dtype=BF16, cache_fp8_weight=False)
-    x = torch.randn(M, HIDDEN, dtype=BF16)
-    probs = torch.rand(M)
-    offs = torch.tensor([0, 7, 7, M])
-    dy = torch.randn(M, HIDDEN, dtype=BF16)
-    w1, w2 = mlp.fc1.weight.detach(), mlp.fc2.weight.detach()
+    mlp, x, probs, offs, dy, w1, w2 = mlp_python_backward_case(G, M, HIDDEN, F, config)
     fwd, margin = config.forward_dtype, config.margin
     h, w1_kn, w1_kn_scale = fine._forward_tensors(x, None, None, w1, None, offs, config, None, "torch", BF16, True)
     x_t, x_t_scale, x_offs = quantize_tokens_for_wgrad(x, offs, recipe, fwd, margin)

@@ -9,7 +9,7 @@ from turbo_moe import Float8Config, GroupedSwiGLUMLPFP8, host_plan, planned_mlp 
 from turbo_moe.autograd import _fp8_forward_tensors
 from turbo_moe.swiglu import _swiglu_gemm_forward_tensors
 
-from _planned import LaunchlessPlans, assert_mlp_grads_equal_the_module, needs_compiler
+from _planned import LaunchlessPlans, assert_mlp_grads_equal_the_module, mlp_python_backward_case, needs_compiler
 
 pytestmark = needs_compiler
 
@@ -213,14 +213,8 @@ def test_mlp_python_backward_equals_the_python_functions(held, main_grad):
     """The node's Python backward (planned_mlp._mlp_backward) on a table made by the forward
     tensors equals GroupedSwiGLUMLPFP8's Python Functions bit for bit (torch backend, CPU): every
     gradient, into main_grad or returned, with W^T held or re-derived."""
-    torch.manual_seed(0)
     config = Float8Config(format="hybrid")
-    mlp = GroupedSwiGLUMLPFP8(G, HIDDEN, F, config=config, backend="torch", dtype=BF16, cache_fp8_weight=False)
-    x = torch.randn(M, HIDDEN, dtype=BF16)
-    probs = torch.rand(M)
-    offs = torch.tensor([0, 7, 7, M])
-    dy = torch.randn(M, HIDDEN, dtype=BF16)
-    w1, w2 = mlp.fc1.weight.detach(), mlp.fc2.weight.detach()
+    mlp, x, probs, offs, dy, w1, w2 = mlp_python_backward_case(G, M, HIDDEN, F, config)
     h, w1_kn, w1_kn_scale, x_km, x_km_scale = _fp8_forward_tensors(x, w1, None, offs, config, None, "torch", BF16,
                                                                    True, True, None)
     _, w2_kn, w2_kn_scale, a_km, a_scale = _swiglu_gemm_forward_tensors(h, probs, w2, None, offs, config, None,
