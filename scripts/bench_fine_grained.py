@@ -55,7 +55,11 @@ def _sweep_configs():
             # (its 128 x 128 default spills 60 bytes: the wgrad's column-scale vector)
             C(128, 64, 128, num_warps=8, num_stages=4),
             # the Gluon kernels (sm_90: the library's default there; the cooperative wgrad for bf16 dW)
-            C(128, 128, 128, num_warps=8, num_stages=4, gluon=True)]
+            C(128, 128, 128, num_warps=8, num_stages=4, gluon=True),
+            # the Gluon kernels' ring depth: the best one moved with the ptxas in the dense probe
+            # (4 stages under 12.8, 5 under 12.9)
+            C(128, 128, 128, num_warps=8, num_stages=3, gluon=True),
+            C(128, 128, 128, num_warps=8, num_stages=5, gluon=True)]
 
 
 def sweep_shape(G, T, K, N, rows=None):
@@ -66,19 +70,23 @@ def sweep_shape(G, T, K, N, rows=None):
 
     problems, flops, tensorwise_ms, _, _ = _problems(G, T, K, N, Float8Config(granularity="blockwise"))
     lines = [f"blockwise config sweep, G={G} tokens/expert={T} K={K} N={N}",
-             "| config | fwd TFLOPS | dgrad TFLOPS | wgrad TFLOPS |", "|---|---|---|---|",
+             "| config | fwd TFLOPS | dgrad TFLOPS | wgrad TFLOPS | kernels (fwd, dgrad, wgrad) |", "|---|---|---|---|---|",
              "| tensorwise (tuned) | " + " | ".join(f"{_tflops(*flops[op], tensorwise_ms[op]):.0f}"
-                                                  for op in ("fwd", "dgrad", "wgrad")) + " |"]
+                                                  for op in ("fwd", "dgrad", "wgrad")) + " | |"]
     for i, cfg in enumerate(_sweep_configs()):
         if rows is not None and i not in rows:
             continue
-        cells = []
+        cells, ran = [], []
         for op in ("fwd", "dgrad", "wgrad"):
             try:
                 ms = _bench(lambda p=problems[op]: triton_gemm.run(p, cfg))
                 cells.append(f"{_tflops(*flops[op], ms):.0f} ({tensorwise_ms[op] / ms:.2f}x)")
+                # which kernel ran: a config a kernel declines falls back to another one
+                ran.append(triton_gemm.plan(problems[op], cfg).kernel_name)
             except Exception as exc:  # e.g. out of shared memory for this tile shape
                 cells.append(f"fails: {type(exc).__name__}")
+                ran.append("-")
+        cells.append(", ".join(ran))
         name = (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}" + ("" if cfg.tma else " ptr") + ("" if cfg.tma_store else " ptr-store")
                 + (" gluon" if cfg.gluon else ""))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
