@@ -273,7 +273,8 @@ def test_fp8_switch_mapping():
     assert cfg == Float8Config(format="hybrid", granularity="tensorwise", margin=1)
     assert cfg.grad_dtype == torch.float8_e5m2
     # Recipes turbo_moe cannot run as Megatron defines them are refused (tests/test_megatron_options.py).
-    assert resolve(opts(), _ns(fp8="e4m3", fp8_recipe="blockwise")) == Float8Config(granularity="blockwise")
+    assert resolve(opts(), _ns(fp8="e4m3", fp8_recipe="blockwise")) == Float8Config(granularity="blockwise",
+                                                                                   power_of_two_scales=True)
     assert resolve(opts(), _ns(fp8="hybrid", fp8_recipe="mxfp8")) == Float8Config(format="hybrid", granularity="mxfp8")
     assert resolve(opts(), _ns(fp8="e4m3", fp8_recipe="delayed")) == Float8Config(
         strategy="delayed", amax_history_len=1, amax_compute_algo="most_recent")
@@ -342,3 +343,33 @@ def test_bad_inputs_name_the_argument(world):
     unsupported.use_te_activation_func = True
     with pytest.raises(NotImplementedError, match="use_te_activation_func"):
         tm.TurboMoEGroupedMLP(3, unsupported, pg_collection=default_pg())
+
+
+def test_megatron_blockwise_recipe_runs_te_power_of_two_scales(world, monkeypatch):
+    """fp8_recipe="blockwise" (TE's Float8BlockScaling in Megatron, power-of-two block scales by
+    default) resolves to blockwise with power-of-two scales, and the experts run that config through
+    their fused SwiGLU and fine-grained autograd: within FP8 tolerance of float64, and not the bits
+    that float32 block scales give. (Megatron's layers refuse config.fp8 without Transformer Engine,
+    so the experts take the resolved config explicitly here.)"""
+    from _megatron_harness import build_turbo_moe, copy_sequential_into_turbo
+
+    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
+    resolved = tm.resolve_fp8_config(tm.TurboMoEOptions(), _ns(fp8="e4m3", fp8_recipe="blockwise"))
+    assert resolved == Float8Config(format="e4m3", granularity="blockwise", power_of_two_scales=True)
+    config = make_config(num_moe_experts=5)
+    seq_layer, _ = experts_pair(config)
+    layers = {}
+    for name, fp8 in (("pow2", resolved), ("float32", Float8Config(format="e4m3", granularity="blockwise"))):
+        layers[name] = build_turbo_moe(config, fp8=fp8)
+        copy_sequential_into_turbo(seq_layer, layers[name])
+        assert layers[name].experts.linear_fc1.fp8_config == fp8
+    tokens_per_expert = [9, 0, 17, 1, 6]
+    x, tpe, probs = ragged_inputs(tokens_per_expert, config.hidden_size, seed=4)
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(6))
+    got = _experts_fwd_bwd(layers["pow2"].experts, x, tpe, probs, grad)
+    other = _experts_fwd_bwd(layers["float32"].experts, x, tpe, probs, grad)
+    assert not torch.equal(got[0], other[0]), "power-of-two and float32 block scales gave the same output"
+    w1 = stacked(seq_layer.experts, "linear_fc1").double()
+    w2 = stacked(seq_layer.experts, "linear_fc2").double()
+    ref = expert_mlp_reference(x.double(), tokens_per_expert, probs.double(), w1, w2)
+    assert 1e-4 < rel_err(got[0], ref) < FP8_FWD_TOL

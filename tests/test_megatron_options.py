@@ -68,6 +68,21 @@ def test_fine_grained_recipes_map_to_their_granularity(recipe, granularity):
     assert cfg.granularity is ScalingGranularity[granularity] and cfg.margin == 1
 
 
+def test_blockwise_recipe_takes_te_power_of_two_scales(monkeypatch):
+    """Megatron runs fp8_recipe="blockwise" as TE's Float8BlockScaling(fp8_format=...), whose block
+    scales are powers of two unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1."""
+    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
+    cfg = tm.resolve_fp8_config(tm.TurboMoEOptions(), _ns(fp8="e4m3", fp8_recipe="blockwise"))
+    assert cfg == Float8Config(format="e4m3", granularity="blockwise", power_of_two_scales=True)
+    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
+    cfg = tm.resolve_fp8_config(tm.TurboMoEOptions(), _ns(fp8="e4m3", fp8_recipe="blockwise"))
+    assert cfg == Float8Config(format="e4m3", granularity="blockwise", power_of_two_scales=False)
+    # MXFP8's e8m0 scales are powers of two by construction; an explicit granularity is the user's own
+    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES")
+    assert not tm.resolve_fp8_config(tm.TurboMoEOptions(), _ns(fp8_recipe="mxfp8")).power_of_two_scales
+    assert not tm.resolve_fp8_config(tm.TurboMoEOptions(granularity="blockwise"), _ns()).power_of_two_scales
+
+
 def test_megatron_enum_recipe_and_explicit_switches():
     from megatron.core.enums import Fp8Recipe
 

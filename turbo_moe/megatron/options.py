@@ -6,6 +6,7 @@ No megatron-core import here: this module reads Megatron's config by attribute o
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from typing import Optional, Union
 
@@ -90,6 +91,8 @@ class RecipeMapping:
     granularity: Optional[ScalingGranularity] = None  # the Float8Config granularity it runs as
     refusal: str = ""  # non-empty: why turbo_moe refuses this recipe
     strategy: ScalingStrategy = ScalingStrategy.CURRENT  # where its scales come from
+    # Power-of-two block scales unless TE's own switch says float32 (te_block_scales_pow2).
+    te_pow2_scales: bool = False
 
     def __post_init__(self) -> None:
         if (self.granularity is None) == (not self.refusal):
@@ -108,11 +111,20 @@ FP8_RECIPES = {
     # DeepSeek-style 1x128 / 128x128 float32 block scales (TE Float8BlockScaling) and OCP MXFP8
     # (1x32 blocks, e8m0 scales; TE MXFP8BlockScaling): turbo_moe.fine_grained.
     "mxfp8": RecipeMapping(ScalingGranularity.MXFP8),
-    "blockwise": RecipeMapping(ScalingGranularity.BLOCKWISE),
+    # Megatron builds TE's Float8BlockScaling(fp8_format=...) for it, whose block scales are powers of
+    # two unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1: the same here (te_block_scales_pow2).
+    "blockwise": RecipeMapping(ScalingGranularity.BLOCKWISE, te_pow2_scales=True),
     "custom": RecipeMapping(refusal="a custom quantizer factory has no turbo_moe equivalent"),
 }
 
 _warned: set = set()
+
+
+def te_block_scales_pow2() -> bool:
+    """Whether TE's ``Float8BlockScaling`` recipe, built now, would round its block scales to powers
+    of two: its default, which the environment variable ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1`` turns
+    off (TE reads it when its recipe module is imported; here, at each call)."""
+    return os.getenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") != "1"
 
 
 def warn_once(key: str, message: str) -> None:
@@ -161,7 +173,7 @@ def resolve_fp8_config(options: TurboMoEOptions, config) -> Optional[Float8Confi
         return None
     margin = 0
     granularity = options.granularity
-    delayed = {}
+    recipe_kwargs = {}
     if fp8 == "megatron":
         fp8 = _enum_value(getattr(config, "fp8", None))
         _check_megatron_quantization(config, bool(fp8))
@@ -178,10 +190,12 @@ def resolve_fp8_config(options: TurboMoEOptions, config) -> Optional[Float8Confi
                 raise ValueError(f"config.fp8_recipe={recipe!r} is not supported by turbo_moe's experts: "
                                  f"{mapping.refusal}. Instead, {_INSTEAD}")
             granularity = mapping.granularity
+            if mapping.te_pow2_scales and te_block_scales_pow2():
+                recipe_kwargs["power_of_two_scales"] = True
             if mapping.strategy is ScalingStrategy.DELAYED:
-                delayed = dict(strategy=ScalingStrategy.DELAYED,
-                               amax_history_len=int(getattr(config, "fp8_amax_history_len", 1) or 1),
-                               amax_compute_algo=str(getattr(config, "fp8_amax_compute_algo", "most_recent")))
+                recipe_kwargs.update(strategy=ScalingStrategy.DELAYED,
+                                     amax_history_len=int(getattr(config, "fp8_amax_history_len", 1) or 1),
+                                     amax_compute_algo=str(getattr(config, "fp8_amax_compute_algo", "most_recent")))
     return Float8Config.from_megatron(
-        fp8, granularity=granularity or ScalingGranularity.TENSORWISE, margin=margin, **delayed
+        fp8, granularity=granularity or ScalingGranularity.TENSORWISE, margin=margin, **recipe_kwargs
     )
