@@ -108,7 +108,7 @@ FP8_RECIPES = {
     # (config.fp8_amax_history_len / fp8_amax_compute_algo); turbo_moe.delayed_scaling says where
     # it differs (weights current-scaled, histories per rank, not in the checkpoint).
     "delayed": RecipeMapping(ScalingGranularity.TENSORWISE, strategy=ScalingStrategy.DELAYED),
-    # DeepSeek-style 1x128 / 128x128 float32 block scales (TE Float8BlockScaling) and OCP MXFP8
+    # DeepSeek-style 1x128 / 128x128 block scales (TE Float8BlockScaling) and OCP MXFP8
     # (1x32 blocks, e8m0 scales; TE MXFP8BlockScaling): turbo_moe.fine_grained.
     "mxfp8": RecipeMapping(ScalingGranularity.MXFP8),
     # Megatron builds TE's Float8BlockScaling(fp8_format=...) for it, whose block scales are powers of
