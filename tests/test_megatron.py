@@ -351,23 +351,20 @@ def test_megatron_blockwise_recipe_runs_te_power_of_two_scales(world, monkeypatc
     their fused SwiGLU and fine-grained autograd: within FP8 tolerance of float64, and not the bits
     that float32 block scales give. (Megatron's layers refuse config.fp8 without Transformer Engine,
     so the experts take the resolved config explicitly here.)"""
-    from _megatron_harness import build_turbo_moe, copy_sequential_into_turbo
-
     monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
     resolved = tm.resolve_fp8_config(tm.TurboMoEOptions(), _ns(fp8="e4m3", fp8_recipe="blockwise"))
     assert resolved == Float8Config(format="e4m3", granularity="blockwise", power_of_two_scales=True)
     config = make_config(num_moe_experts=5)
-    seq_layer, _ = experts_pair(config)
-    layers = {}
-    for name, fp8 in (("pow2", resolved), ("float32", Float8Config(format="e4m3", granularity="blockwise"))):
-        layers[name] = build_turbo_moe(config, fp8=fp8)
-        copy_sequential_into_turbo(seq_layer, layers[name])
-        assert layers[name].experts.linear_fc1.fp8_config == fp8
+    float32 = Float8Config(format="e4m3", granularity="blockwise")
+    seq_layer, pow2_layer = experts_pair(config, fp8=resolved)
+    _, float32_layer = experts_pair(config, fp8=float32)  # the same seed: the same weights
+    assert pow2_layer.experts.linear_fc1.fp8_config == resolved
+    assert float32_layer.experts.linear_fc1.fp8_config == float32
     tokens_per_expert = [9, 0, 17, 1, 6]
     x, tpe, probs = ragged_inputs(tokens_per_expert, config.hidden_size, seed=4)
     grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(6))
-    got = _experts_fwd_bwd(layers["pow2"].experts, x, tpe, probs, grad)
-    other = _experts_fwd_bwd(layers["float32"].experts, x, tpe, probs, grad)
+    got = _experts_fwd_bwd(pow2_layer.experts, x, tpe, probs, grad)
+    other = _experts_fwd_bwd(float32_layer.experts, x, tpe, probs, grad)
     assert not torch.equal(got[0], other[0]), "power-of-two and float32 block scales gave the same output"
     w1 = stacked(seq_layer.experts, "linear_fc1").double()
     w2 = stacked(seq_layer.experts, "linear_fc2").double()
